@@ -1,0 +1,225 @@
+"""The Python API: `load` a model once, `generate` (or `stream`) with any drafter.
+
+Resolves names, tokenizes, picks the drafter once from the `DRAFTERS` table, and runs the engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+
+from verispec.drafters import ModelDrafter, NgramDrafter, NoDrafter
+from verispec.drafters.base import Drafter
+from verispec.engine import SpeculativeEngine, TokenEvent
+from verispec.errors import VerispecError
+from verispec.models.base import CausalLM
+from verispec.models.hf import HFCausalLM, pick_device
+from verispec.sampling import SamplingParams
+from verispec.stats import SpecStats
+from verispec.text import IncrementalText, StopSequences, encode_prompt, final_text, normalize_stop
+
+_LOADED: dict[tuple, HFCausalLM] = {}
+
+
+def load(name_or_path: Any, dtype: torch.dtype | str | None = None, device: str | torch.device | None = None, tokenizer=None) -> CausalLM:
+    """A model ready for `generate`: a zoo name (`smollm2-135m`), a local directory, a `.gguf` file,
+    a hub id, or a `transformers` model object. Loaded once per process and reused."""
+    if isinstance(name_or_path, HFCausalLM) or hasattr(name_or_path, "new_cache"):
+        return name_or_path
+    if hasattr(name_or_path, "config") and hasattr(name_or_path, "forward"):  # a transformers model object
+        return HFCausalLM(name_or_path, tokenizer)
+    if not isinstance(name_or_path, str) or not name_or_path:
+        raise VerispecError(f"a model must be a zoo name, a path, a hub id or a loaded model, got {name_or_path!r}")
+    dtype = _parse_dtype(dtype)
+    key = (name_or_path, dtype, str(device))
+    if key not in _LOADED:
+        _LOADED[key] = _load_uncached(name_or_path, dtype, pick_device(device))
+    return _LOADED[key]
+
+
+def _parse_dtype(dtype) -> torch.dtype:
+    if dtype is None:
+        return torch.float32
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    names = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+    if dtype not in names:
+        raise VerispecError(f"unknown dtype {dtype!r}: use one of {sorted(names)}")
+    return names[dtype]
+
+
+def _load_uncached(name: str, dtype: torch.dtype, device: torch.device) -> HFCausalLM:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from verispec import zoo
+
+    path, gguf_file = zoo.resolve(name)
+    kwargs = {"gguf_file": gguf_file} if gguf_file else {}
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs).to(device)
+    except OSError as exc:
+        raise VerispecError(
+            f"could not load model {name!r} ({exc.__class__.__name__}: {str(exc).splitlines()[0]}); "
+            f"use a zoo name ({', '.join(zoo.ZOO)}), a local directory with config.json, or a .gguf file"
+        ) from exc
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
+    except (OSError, ValueError):
+        tokenizer = None
+    return HFCausalLM(model, tokenizer, name=name)
+
+
+# How each drafter is built, chosen once per call: (target, draft model or None, options) -> Drafter.
+DRAFTERS: dict[str, Callable[[CausalLM, CausalLM | None], Drafter]] = {
+    "model": lambda target, draft: ModelDrafter(draft, target.vocab_size),
+    "ngram": lambda target, draft: NgramDrafter(),
+    "none": lambda target, draft: NoDrafter(),
+}
+
+
+def check_compatible(target: CausalLM, draft: CausalLM) -> None:
+    """Draft and target must number tokens the same way, or draft tokens mean nothing to the target."""
+    if target.tokenizer is not None and draft.tokenizer is not None:
+        if target.tokenizer.get_vocab() != draft.tokenizer.get_vocab():
+            raise VerispecError(
+                f"draft {draft.name!r} and target {target.name!r} have different tokenizers: "
+                "choose a draft model from the target's family (same tokenizer), or use drafter='ngram'"
+            )
+    elif draft.vocab_size != target.vocab_size:
+        raise VerispecError(
+            f"draft {draft.name!r} has {draft.vocab_size} tokens but target {target.name!r} has {target.vocab_size}: "
+            "they must share one vocabulary; choose a matching draft or drafter='ngram'"
+        )
+
+
+def make_drafter(target: CausalLM, draft: CausalLM | None, drafter: str) -> Drafter:
+    if drafter == "auto":
+        drafter = "model" if draft is not None else "ngram"
+    if drafter not in DRAFTERS:
+        raise VerispecError(f"unknown drafter {drafter!r}: use one of auto, {', '.join(DRAFTERS)}")
+    if drafter == "model":
+        if draft is None:
+            raise VerispecError("drafter='model' needs a draft model: pass draft=NAME_OR_PATH")
+        check_compatible(target, draft)
+    return DRAFTERS[drafter](target, draft)
+
+
+@dataclass
+class GenerationResult:
+    text: str | None  # None when the prompt was token ids and the model has no tokenizer
+    token_ids: list[int]  # generated tokens only (EOS included when it ended the sequence)
+    finish_reason: str  # "stop" or "length"
+    prompt_tokens: int
+    stats: SpecStats = field(repr=False, default_factory=SpecStats)  # shared by every row of one call
+
+
+def _normalize_prompts(prompt) -> tuple[list, bool]:
+    """-> (list of str-or-token-list, was_batch)."""
+    def is_ids(x):
+        return isinstance(x, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+    if isinstance(prompt, str):
+        return [prompt], False
+    if isinstance(prompt, torch.Tensor):
+        prompt = prompt.tolist()
+    if is_ids(prompt) and len(prompt) > 0:
+        return [list(prompt)], False
+    if isinstance(prompt, (list, tuple)) and prompt:
+        for i, p in enumerate(prompt):
+            if not (isinstance(p, str) or (is_ids(p))):
+                raise VerispecError(f"prompt {i} of the batch is {type(p).__name__}: each element must be text or a list of token ids")
+        return [list(p) if not isinstance(p, str) else p for p in prompt], True
+    raise VerispecError(f"prompt must be text, token ids, or a non-empty list of either; got {prompt!r:.80}")
+
+
+def _tokenize(target: CausalLM, prompts: list, chat: bool) -> list[list[int]]:
+    ids = []
+    for i, p in enumerate(prompts):
+        if isinstance(p, str):
+            if not p:
+                raise VerispecError(f"prompt {i} is empty text: give the model something to continue")
+            p = encode_prompt(target.tokenizer, p, chat=chat)
+        if not p:
+            raise VerispecError(f"prompt {i} has no tokens: give at least one token")
+        bad = [t for t in p if not 0 <= t < target.vocab_size]
+        if bad:
+            raise VerispecError(f"prompt {i} has token ids outside the vocabulary [0, {target.vocab_size}): {bad[:5]}")
+        ids.append(p)
+    return ids
+
+
+class Session:
+    """Everything one call needs, resolved and checked once."""
+
+    def __init__(self, target, prompt, *, draft=None, drafter="auto", draft_len=4, temperature=0.0, top_k=0, top_p=1.0,
+                 seed=None, max_new_tokens=128, chat=False, stop=None):
+        self.target = load(target)
+        draft_model = load(draft) if draft is not None else None
+        self.sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+        prompts, self.batched = _normalize_prompts(prompt)
+        self.prompt_ids = _tokenize(self.target, prompts, chat)
+        self.stop = normalize_stop(stop)
+        if self.stop and self.target.tokenizer is None:
+            raise VerispecError("stop sequences need a tokenizer: load the model with one, or drop stop=")
+        self.engine = SpeculativeEngine(self.target, make_drafter(self.target, draft_model, drafter), draft_len)
+        self.max_new_tokens = max_new_tokens
+        self.stats = SpecStats()
+
+    def events(self) -> Iterator[TokenEvent]:
+        checker = StopSequences(self.target.tokenizer, self.stop) if self.stop else None
+        return self.engine.stream(self.prompt_ids, sampling=self.sampling, max_new_tokens=self.max_new_tokens,
+                                  stop_checker=checker, stats=self.stats)
+
+
+def generate(target, prompt, *, draft=None, drafter: str = "auto", draft_len: int = 4, temperature: float = 0.0,
+             top_k: int = 0, top_p: float = 1.0, seed: int | None = None, max_new_tokens: int = 128, chat: bool = False,
+             stop: str | Sequence[str] | None = None) -> GenerationResult | list[GenerationResult]:
+    """Generate from `prompt` with speculative decoding; the output is what the target alone would give.
+
+    target / draft: zoo name, path, hub id or loaded model. prompt: text, token ids, or a list of
+    either (a batch: returns a list). drafter: "auto" (the draft model if given, else n-gram),
+    "model", "ngram", or "none" (plain decoding). temperature 0 is greedy.
+    """
+    session = Session(target, prompt, draft=draft, drafter=drafter, draft_len=draft_len, temperature=temperature,
+                      top_k=top_k, top_p=top_p, seed=seed, max_new_tokens=max_new_tokens, chat=chat, stop=stop)
+    generated = [[] for _ in session.prompt_ids]
+    finish = ["length"] * len(generated)
+    for event in session.events():
+        generated[event.row].extend(event.tokens)
+        if event.finish_reason:
+            finish[event.row] = event.finish_reason
+    tokenizer = session.target.tokenizer
+    results = [
+        GenerationResult(
+            text=final_text(tokenizer, ids, session.stop) if tokenizer is not None else None,
+            token_ids=ids,
+            finish_reason=reason,
+            prompt_tokens=len(prompt_ids),
+            stats=session.stats,
+        )
+        for ids, reason, prompt_ids in zip(generated, finish, session.prompt_ids)
+    ]
+    return results if session.batched else results[0]
+
+
+@dataclass
+class StreamChunk:
+    text: str  # new visible text ("" when the model has no tokenizer)
+    token_ids: list[int]
+    from_draft: list[bool]
+    finish_reason: str | None
+    stats: SpecStats
+
+
+def stream(target, prompt, **options) -> Iterator[StreamChunk]:
+    """Like `generate` for one prompt, yielding the tokens of each step as they are accepted."""
+    session = Session(target, prompt, **options)
+    if session.batched:
+        raise VerispecError("stream() takes one prompt; use generate() for a batch")
+    tokenizer = session.target.tokenizer
+    text = IncrementalText(tokenizer, session.stop) if tokenizer is not None else None
+    for event in session.events():
+        delta = text.push(event.tokens, event.finish_reason is not None) if text else ""
+        yield StreamChunk(delta, event.tokens, event.from_draft, event.finish_reason, session.stats)

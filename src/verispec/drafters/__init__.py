@@ -1,0 +1,8 @@
+"""Ways of proposing tokens, one per file, registered in one table and chosen once."""
+
+from verispec.drafters.base import Draft, Drafter, Verdict
+from verispec.drafters.model import ModelDrafter
+from verispec.drafters.ngram import NgramDrafter
+from verispec.drafters.none import NoDrafter
+
+__all__ = ["Draft", "Drafter", "Verdict", "ModelDrafter", "NgramDrafter", "NoDrafter"]

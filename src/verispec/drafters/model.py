@@ -1,0 +1,76 @@
+"""An independent small model as the drafter (Leviathan et al. 2023; Chen et al. 2023).
+
+The draft model keeps its own cache. Each round it first catches up on the tokens it has not seen
+(the last accepted tokens and the target's own token), then drafts k tokens one at a time,
+sampling from the same warped distribution q it reports to the verifier. On commit it forgets the
+draft tokens that were rejected.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from verispec.drafters.base import Draft, Verdict
+from verispec.models.base import CausalLM
+from verispec.sampling import SamplingParams, sample, warp
+
+
+def left_pad(rows: list[list[int]], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """rows of different lengths -> (tokens [batch, width] long, visible [batch, width] bool), right-aligned."""
+    width = max((len(r) for r in rows), default=0)
+    tokens = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    visible = torch.zeros(len(rows), width, dtype=torch.bool)
+    for b, r in enumerate(rows):
+        if r:
+            tokens[b, width - len(r) :] = torch.tensor(r, dtype=torch.long)
+            visible[b, width - len(r) :] = True
+    return tokens, visible
+
+
+class ModelDrafter:
+    def __init__(self, model: CausalLM, target_vocab_size: int):
+        self.model = model
+        self.vocab_size = target_vocab_size  # q lives on the target's vocabulary
+        self.cache = None
+        self._round = None  # (slot length before the round, tail width, draft_len)
+
+    def start(self, prompts: list[list[int]]) -> None:
+        self.cache = self.model.new_cache(len(prompts))
+
+    def _logits_to_target_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        # The draft may pad its embedding differently; tokens the target lacks can never be proposed.
+        if logits.shape[-1] >= self.vocab_size:
+            return logits[..., : self.vocab_size]
+        pad = logits.new_full((*logits.shape[:-1], self.vocab_size - logits.shape[-1]), float("-inf"))
+        return torch.cat([logits, pad], -1)
+
+    @torch.inference_mode()
+    def propose(self, sequences: list[list[int]], draft_len: int, sampling: SamplingParams, generators: list[torch.Generator]) -> Draft:
+        batch = len(sequences)
+        seen = self.cache.slots.num_tokens().tolist()
+        tail_tokens, tail_visible = left_pad([seq[n:] for seq, n in zip(sequences, seen)])
+        self._round = (self.cache.slots.length, tail_tokens.shape[1], draft_len)
+
+        tokens = torch.zeros(batch, draft_len, dtype=torch.long)
+        probs = None if sampling.greedy else torch.zeros(batch, draft_len, self.vocab_size)
+        logits = self.model.forward(tail_tokens, self.cache, tail_visible, last_only=True)[:, -1]
+        for i in range(draft_len):
+            logits = self._logits_to_target_vocab(logits).cpu()
+            if sampling.greedy:
+                tokens[:, i] = logits.argmax(-1)
+            else:
+                q = warp(logits, sampling)
+                probs[:, i] = q
+                tokens[:, i] = torch.tensor([sample(q[b], generators[b]) for b in range(batch)])
+            if i + 1 < draft_len:  # the last draft token's successor is never needed
+                logits = self.model.forward(tokens[:, i : i + 1], self.cache)[:, -1]
+        return Draft(tokens=tokens, num_drafted=torch.full((batch,), draft_len, dtype=torch.long), probs=probs)
+
+    def commit(self, verdict: Verdict) -> None:
+        start, tail_width, draft_len = self._round
+        # Keep the tail and the accepted draft tokens that were fed (the last drafted token never is).
+        fed_accepted = verdict.num_accepted.clamp(max=max(draft_len - 1, 0))
+        self.cache.slots.truncate(start + tail_width + fed_accepted)
+
+    def select(self, rows: list[int]) -> None:
+        self.cache.select(rows)

@@ -1,0 +1,22 @@
+"""No drafter: plain autoregressive decoding through the same engine, the baseline every speedup is measured against."""
+
+from __future__ import annotations
+
+import torch
+
+from verispec.drafters.base import Draft, Verdict, empty_draft
+from verispec.sampling import SamplingParams
+
+
+class NoDrafter:
+    def start(self, prompts: list[list[int]]) -> None:
+        pass
+
+    def propose(self, sequences: list[list[int]], draft_len: int, sampling: SamplingParams, generators: list[torch.Generator]) -> Draft:
+        return empty_draft(len(sequences))
+
+    def commit(self, verdict: Verdict) -> None:
+        pass
+
+    def select(self, rows: list[int]) -> None:
+        pass

@@ -1,0 +1,82 @@
+"""Any causal LM that `transformers` loads, behind the verispec model contract.
+
+Holes and left padding are expressed to the model as a 2-D attention mask plus explicit position
+ids, which every `transformers` causal LM accepts; rollback crops the DynamicCache.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from transformers import DynamicCache
+
+from verispec.cache import SlotCache
+from verispec.models.base import ModelCache
+
+
+def pick_device(device: str | torch.device | None = None) -> torch.device:
+    """The given device, else CUDA when present, else CPU."""
+    if device is not None:
+        return torch.device(device)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _eos_ids(model, tokenizer) -> frozenset[int]:
+    ids: set[int] = set()
+    generation_config = getattr(model, "generation_config", None)
+    for source in (getattr(generation_config, "eos_token_id", None), getattr(model.config, "eos_token_id", None)):
+        if isinstance(source, int):
+            ids.add(source)
+        elif source:
+            ids.update(int(i) for i in source)
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return frozenset(ids)
+
+
+class HFCausalLM:
+    """Wraps a `transformers` PreTrainedModel (and optionally its tokenizer)."""
+
+    def __init__(self, model, tokenizer=None, name: str | None = None):
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.config = model.config
+        self.name = name or getattr(model.config, "_name_or_path", None) or type(model).__name__
+        self.device = next(model.parameters()).device
+        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        self.max_context = int(
+            getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None) or 2048
+        )
+        self.eos_token_ids = _eos_ids(model, tokenizer)
+        self._takes_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+
+    def __repr__(self) -> str:
+        return f"HFCausalLM({self.name!r}, vocab={self.vocab_size}, device={self.device})"
+
+    def new_cache(self, batch_size: int) -> ModelCache:
+        store = DynamicCache(config=self.config)
+        def trim(length: int) -> None:
+            # transformers 5 crops by a negative count of slots to drop
+            store.crop(length - store.get_seq_length())
+
+        slots = SlotCache(batch_size, self.device, backend_trim=trim, backend_select=store.batch_select_indices)
+        return ModelCache(slots=slots, store=store)
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, cache: ModelCache, visible: torch.Tensor | None = None, last_only: bool = False) -> torch.Tensor:
+        tokens = tokens.to(self.device)
+        if visible is None:
+            visible = torch.ones_like(tokens, dtype=torch.bool)
+        attention_mask, position_ids = cache.slots.extend(visible.to(self.device))
+        out = self.model(
+            input_ids=tokens,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=cache.store,
+            use_cache=True,
+            **({"logits_to_keep": 1} if last_only and self._takes_logits_to_keep else {}),
+        )
+        if last_only:
+            return out.logits[:, -1:].float()
+        return out.logits.float()

@@ -1,0 +1,134 @@
+"""What a run measured, in the field's words, and what the speedup formula predicts from it.
+
+Kept apart from where it is shown (CLI table, JSON, Prometheus). Expected tokens per target pass
+with per-position acceptance a_i (the probability that draft position i is accepted, given the ones
+before it were) is E = 1 + sum_i prod_{j<=i} a_j; with one acceptance rate alpha this is
+(1 - alpha^(k+1)) / (1 - alpha). The predicted speedup over plain decoding is E / (k c + 1), where c is
+the cost of one draft step relative to one target pass (Leviathan et al. 2023, Thm 3.8).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+def expected_tokens_per_step(alpha: float, draft_len: int) -> float:
+    """E[tokens per target pass] for i.i.d. acceptance rate alpha: (1 - alpha^(k+1)) / (1 - alpha)."""
+    if alpha >= 1.0:
+        return draft_len + 1.0
+    return (1.0 - alpha ** (draft_len + 1)) / (1.0 - alpha)
+
+
+def predicted_speedup(tokens_per_step: float, draft_len: int, cost_ratio: float) -> float:
+    """E / (k c + 1)."""
+    return tokens_per_step / (draft_len * cost_ratio + 1.0)
+
+
+def acceptance_rate_from_distributions(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """alpha = sum_x min(p(x), q(x)) = 1 - TV(p, q), over the last dimension."""
+    return torch.minimum(p, q).sum(-1)
+
+
+@dataclass
+class SpecStats:
+    """Counters for one generate call (all rows together)."""
+
+    target_passes: int = 0  # target forward passes after the prompt (one per step)
+    sequence_steps: int = 0  # (row, step) pairs: each yields accepted + 1 tokens
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    emitted_tokens: int = 0  # tokens returned to the caller (after max_new_tokens / stop cuts)
+    draft_seconds: float = 0.0
+    target_seconds: float = 0.0
+    prefill_seconds: float = 0.0
+    total_seconds: float = 0.0
+    draft_len_sum: int = 0  # sum over steps of the draft length k asked for
+    max_draft_len: int = 0
+    drafted_at: list[int] = field(default_factory=list)  # per draft position: times proposed
+    accepted_at: list[int] = field(default_factory=list)  # per draft position: times accepted
+
+    def observe(self, num_drafted: torch.Tensor, num_accepted: torch.Tensor, draft_len: int) -> None:
+        """Record one verification step. num_drafted, num_accepted: [batch] long."""
+        self.target_passes += 1
+        self.sequence_steps += int(num_drafted.numel())
+        self.drafted_tokens += int(num_drafted.sum())
+        self.accepted_tokens += int(num_accepted.sum())
+        self.draft_len_sum += draft_len
+        self.max_draft_len = max(self.max_draft_len, draft_len)
+        while len(self.drafted_at) < draft_len:
+            self.drafted_at.append(0)
+            self.accepted_at.append(0)
+        for i in range(draft_len):
+            self.drafted_at[i] += int((num_drafted > i).sum())
+            self.accepted_at[i] += int((num_accepted > i).sum())
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+
+    @property
+    def acceptance_by_position(self) -> list[float]:
+        """P(position i accepted | position i proposed), i = 1..k (unconditional on earlier positions)."""
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_at, self.drafted_at)]
+
+    @property
+    def mean_accepted_tokens(self) -> float:
+        """Tokens per target pass per sequence, the bonus/recovered token included (plain decoding: 1.00)."""
+        return (self.accepted_tokens + self.sequence_steps) / self.sequence_steps if self.sequence_steps else 0.0
+
+    @property
+    def mean_draft_len(self) -> float:
+        return self.drafted_tokens / self.sequence_steps if self.sequence_steps else 0.0
+
+    @property
+    def mean_step_draft_len(self) -> float:
+        """k: mean draft length asked for per step."""
+        return self.draft_len_sum / self.target_passes if self.target_passes else 0.0
+
+    @property
+    def cost_ratio(self) -> float:
+        """c: seconds per drafted position / seconds per target pass (measured)."""
+        if not self.draft_len_sum or not self.target_seconds:
+            return 0.0
+        return (self.draft_seconds / self.draft_len_sum) / (self.target_seconds / self.target_passes)
+
+    @property
+    def predicted_speedup(self) -> float:
+        """E / (k c + 1) with E, k and c as measured."""
+        if not self.sequence_steps:
+            return 0.0
+        return self.mean_accepted_tokens / (self.mean_step_draft_len * self.cost_ratio + 1.0)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.emitted_tokens / self.total_seconds if self.total_seconds else 0.0
+
+    def to_dict(self) -> dict:
+        return {
+            "target_passes": self.target_passes,
+            "drafted_tokens": self.drafted_tokens,
+            "accepted_tokens": self.accepted_tokens,
+            "emitted_tokens": self.emitted_tokens,
+            "acceptance_rate": round(self.acceptance_rate, 4),
+            "acceptance_by_position": [round(a, 4) for a in self.acceptance_by_position],
+            "mean_accepted_tokens": round(self.mean_accepted_tokens, 4),
+            "mean_draft_len": round(self.mean_draft_len, 4),
+            "tokens_per_second": round(self.tokens_per_second, 3),
+            "draft_seconds": round(self.draft_seconds, 4),
+            "target_seconds": round(self.target_seconds, 4),
+            "prefill_seconds": round(self.prefill_seconds, 4),
+            "total_seconds": round(self.total_seconds, 4),
+            "cost_ratio": round(self.cost_ratio, 4),
+            "predicted_speedup": round(self.predicted_speedup, 4),
+        }
+
+    def summary(self) -> str:
+        d = self.to_dict()
+        return (
+            f"{d['emitted_tokens']} tokens in {d['total_seconds']:.2f}s ({d['tokens_per_second']:.2f} tok/s), "
+            f"{d['target_passes']} target passes, {d['mean_accepted_tokens']:.2f} tokens/pass, "
+            f"acceptance {d['acceptance_rate']:.2%} ({d['accepted_tokens']}/{d['drafted_tokens']}), "
+            f"cost ratio c={d['cost_ratio']:.3f}, predicted speedup {d['predicted_speedup']:.2f}x"
+        )

@@ -1,0 +1,30 @@
+"""The contract of an acceptance rule: (draft, target logits) -> verdict."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from verispec.drafters.base import Draft, Verdict
+from verispec.sampling import SamplingParams
+
+
+class Verifier(Protocol):
+    lossless: bool  # True: output follows the target's own distribution exactly
+
+    def verify(self, draft: Draft, target_logits: torch.Tensor, sampling: SamplingParams, generators: list[torch.Generator]) -> Verdict:
+        """target_logits: [batch, k + 1, vocab]; position i scores the token after draft position i - 1
+        (position 0 follows the last accepted token), so position k gives the bonus token."""
+        ...
+
+
+def drafted_mask(draft: Draft) -> torch.Tensor:
+    """[batch, k] bool: which draft positions hold a real proposal."""
+    positions = torch.arange(draft.draft_len, device=draft.tokens.device)
+    return positions[None, :] < draft.num_drafted[:, None]
+
+
+def accepted_prefix(accept: torch.Tensor) -> torch.Tensor:
+    """[batch, k] bool per-position acceptance -> [batch] long length of the all-accepted prefix."""
+    return accept.long().cumprod(1).sum(1)

@@ -1,0 +1,24 @@
+"""Greedy verification: accept draft tokens while they equal the target's argmax.
+
+The result is token-for-token the target's own greedy decoding, whatever the drafter proposed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from verispec.drafters.base import Draft, Verdict
+from verispec.sampling import SamplingParams
+from verispec.verifiers.base import accepted_prefix, drafted_mask
+
+
+class GreedyVerifier:
+    lossless = True
+
+    def verify(self, draft: Draft, target_logits: torch.Tensor, sampling: SamplingParams, generators: list[torch.Generator]) -> Verdict:
+        target_tokens = target_logits.argmax(-1).cpu()  # [batch, k + 1]
+        k = draft.draft_len
+        accept = (draft.tokens == target_tokens[:, :k]) & drafted_mask(draft)
+        num_accepted = accepted_prefix(accept)
+        next_tokens = target_tokens.gather(1, num_accepted[:, None]).squeeze(1)
+        return Verdict(num_accepted=num_accepted, next_tokens=next_tokens)

@@ -1,0 +1,45 @@
+"""Speculative sampling (Leviathan et al. 2023, Alg. 1; Chen et al. 2023): lossless for any draft.
+
+Draft token x_i drawn from q_i is accepted with probability min(1, p_i(x_i) / q_i(x_i)). At the
+first rejection the target's token is drawn from the residual norm(max(0, p_i - q_i)); when every
+drafted token is accepted, a bonus token is drawn from p_{k+1}. Each emitted token is then
+distributed exactly as p given its prefix. p is the *warped* target distribution (temperature,
+top-k, top-p), the same one plain sampling draws from. A draft without probabilities (n-gram) is a
+one-hot q: accept with probability p_i(x_i), else resample from p_i with x_i removed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from verispec.drafters.base import Draft, Verdict
+from verispec.sampling import SamplingParams, sample, warp
+from verispec.verifiers.base import accepted_prefix, drafted_mask
+
+
+class SpeculativeSamplingVerifier:
+    lossless = True
+
+    def verify(self, draft: Draft, target_logits: torch.Tensor, sampling: SamplingParams, generators: list[torch.Generator]) -> Verdict:
+        p = warp(target_logits.cpu(), sampling)  # [batch, k + 1, vocab]
+        batch, k = draft.tokens.shape
+        q = draft.probs if draft.probs is not None else torch.nn.functional.one_hot(draft.tokens, p.shape[-1]).float()
+        p_draft = p[:, :k].gather(2, draft.tokens[..., None]).squeeze(2)  # [batch, k]
+        q_draft = q.gather(2, draft.tokens[..., None]).squeeze(2)
+        uniforms = torch.stack([torch.rand(k, generator=g) for g in generators]) if k else torch.zeros(batch, 0)
+        # u < p/q, written as u * q < p so that q = 0 never divides (such a token is never drafted).
+        accept = (uniforms * q_draft < p_draft) & drafted_mask(draft)
+        num_accepted = accepted_prefix(accept)
+
+        next_tokens = torch.empty(batch, dtype=torch.long)
+        for b in range(batch):
+            j = int(num_accepted[b])
+            if j < int(draft.num_drafted[b]):  # rejected at j: recover from the residual
+                residual = (p[b, j] - q[b, j]).clamp(min=0)
+                total = residual.sum()
+                # A zero residual means p == q, where rejection has probability 0; guard rounding anyway.
+                dist = residual / total if total > 0 else p[b, j]
+            else:  # every drafted token accepted: bonus token from the target
+                dist = p[b, j]
+            next_tokens[b] = sample(dist, generators[b])
+        return Verdict(num_accepted=num_accepted, next_tokens=next_tokens)

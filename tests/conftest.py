@@ -1,0 +1,57 @@
+"""Tiny random-weight models built from configs: several architectures, one shared vocabulary."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from verispec.models.hf import HFCausalLM
+
+VOCAB = 96
+EOS = 3
+
+
+def tiny_llama(seed: int = 0, layers: int = 2) -> HFCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         initializer_range=0.2, eos_token_id=EOS, bos_token_id=1, pad_token_id=0)
+    return HFCausalLM(LlamaForCausalLM(config), name=f"tiny-llama-{seed}")
+
+
+def tiny_qwen2(seed: int = 0, layers: int = 2) -> HFCausalLM:
+    torch.manual_seed(seed)
+    config = Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         initializer_range=0.2, eos_token_id=EOS, tie_word_embeddings=True)
+    return HFCausalLM(Qwen2ForCausalLM(config), name=f"tiny-qwen2-{seed}")
+
+
+def tiny_gpt2(seed: int = 0, layers: int = 2) -> HFCausalLM:
+    torch.manual_seed(seed)
+    config = GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=layers, n_head=4, n_positions=512,
+                        initializer_range=0.2, eos_token_id=EOS, bos_token_id=1)
+    return HFCausalLM(GPT2LMHeadModel(config), name=f"tiny-gpt2-{seed}")
+
+
+def perturbed_copy(model: HFCausalLM, scale: float, seed: int = 123) -> HFCausalLM:
+    """A draft that agrees with the target often but not always: the target's weights plus noise."""
+    torch.manual_seed(seed)
+    clone = copy.deepcopy(model.model)
+    with torch.no_grad():
+        for p in clone.parameters():
+            p.add_(torch.randn_like(p) * scale * p.std().clamp(min=1e-3))
+    return HFCausalLM(clone, name=model.name + "-draft")
+
+
+ARCHITECTURES = {"llama": tiny_llama, "qwen2": tiny_qwen2, "gpt2": tiny_gpt2}
+
+
+@pytest.fixture(scope="session", params=sorted(ARCHITECTURES))
+def tiny_pair(request):
+    """(target, draft) of one architecture sharing a vocabulary."""
+    target = ARCHITECTURES[request.param](seed=0)
+    return target, perturbed_copy(target, scale=0.05)
