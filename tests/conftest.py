@@ -10,6 +10,9 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 
 from verispec.models.hf import HFCausalLM
 
+# Tiny models are dominated by per-op overhead, which extra threads only add to.
+torch.set_num_threads(1)
+
 VOCAB = 96
 EOS = 3
 

@@ -1,0 +1,107 @@
+"""Greedy speculative decoding must give exactly the target's own greedy tokens, for every drafter."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import verispec
+from conftest import EOS
+
+PROMPTS = [[1, 5, 6, 7, 8, 9, 5, 6, 7], [1, 20, 21], [4], [1, 30, 31, 32, 30, 31, 32, 30, 31, 40, 41, 42]]
+
+
+_PLAIN: dict = {}
+
+
+def plain(target, prompt, max_new_tokens):
+    """Plain greedy decoding through the same engine (memoized: the tiny models never change)."""
+    key = (id(target), target.eos_token_ids, tuple(prompt), max_new_tokens)
+    if key not in _PLAIN:
+        _PLAIN[key] = verispec.generate(target, prompt, drafter="none", max_new_tokens=max_new_tokens).token_ids
+    return _PLAIN[key]
+
+
+def hf_greedy(target, prompt, max_new_tokens):
+    """An independent reference: transformers' own greedy generate()."""
+    out = target.model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
+                                eos_token_id=sorted(target.eos_token_ids), pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def test_plain_engine_matches_transformers_generate(tiny_pair):
+    target, _ = tiny_pair
+    for prompt in PROMPTS:
+        assert plain(target, prompt, 48) == hf_greedy(target, prompt, 48)
+
+
+@pytest.mark.parametrize("drafter", ["model", "ngram"])
+@pytest.mark.parametrize("draft_len", range(1, 9))
+def test_speculative_equals_plain_batch1(tiny_pair, drafter, draft_len):
+    target, draft = tiny_pair
+    for prompt in PROMPTS:
+        expected = plain(target, prompt, 40)
+        got = verispec.generate(target, prompt, draft=draft, drafter=drafter, draft_len=draft_len, max_new_tokens=40)
+        assert got.token_ids == expected, f"prompt {prompt}"
+
+
+@pytest.mark.parametrize("drafter", ["model", "ngram"])
+@pytest.mark.parametrize("draft_len", [1, 3, 5, 8])
+def test_speculative_batch_equals_each_alone(tiny_pair, drafter, draft_len):
+    """Rows of different lengths accept different counts per step; each must decode as if alone."""
+    target, draft = tiny_pair
+    batch = verispec.generate(target, PROMPTS, draft=draft, drafter=drafter, draft_len=draft_len, max_new_tokens=40)
+    assert [r.token_ids for r in batch] == [plain(target, p, 40) for p in PROMPTS]
+
+
+def test_speculation_actually_accepts(tiny_pair):
+    """Guard against a vacuous pass: the draft model must get tokens accepted, several at a time."""
+    target, draft = tiny_pair
+    saved, target.eos_token_ids = target.eos_token_ids, frozenset()  # run the full length
+    try:
+        result = verispec.generate(target, PROMPTS[0], draft=draft, draft_len=4, max_new_tokens=40)
+    finally:
+        target.eos_token_ids = saved
+    assert result.stats.accepted_tokens > 10
+    assert result.stats.mean_accepted_tokens > 1.5
+    assert result.stats.target_passes < 40
+
+
+@pytest.mark.parametrize("max_new_tokens", [1, 2, 3, 7])
+@pytest.mark.parametrize("draft_len", [1, 4, 8])
+def test_max_new_tokens_is_exact(tiny_pair, max_new_tokens, draft_len):
+    target, draft = tiny_pair
+    eos_free = [p for p in PROMPTS if EOS not in plain(target, p, max_new_tokens)]
+    results = verispec.generate(target, eos_free, draft=draft, draft_len=draft_len, max_new_tokens=max_new_tokens)
+    for prompt, result in zip(eos_free, results):
+        assert len(result.token_ids) == max_new_tokens
+        assert result.token_ids == plain(target, prompt, max_new_tokens)
+        assert result.finish_reason == "length"
+
+
+@pytest.mark.parametrize("drafter", ["model", "ngram"])
+def test_stops_at_eos_inside_an_accepted_draft(tiny_pair, drafter):
+    """Make a token that plain decoding emits mid-sequence the EOS: both must stop right after it."""
+    target, draft = tiny_pair
+    reference = plain(target, PROMPTS[0], 40)
+    eos = reference[6]
+    saved = target.eos_token_ids
+    target.eos_token_ids = frozenset({eos})
+    try:
+        expected = plain(target, PROMPTS[0], 40)
+        assert expected[-1] == eos and len(expected) == reference.index(eos) + 1
+        for draft_len in (1, 4, 8):
+            got = verispec.generate(target, PROMPTS[0], draft=draft, drafter=drafter, draft_len=draft_len, max_new_tokens=40)
+            assert got.token_ids == expected
+            assert got.finish_reason == "stop"
+    finally:
+        target.eos_token_ids = saved
+
+
+def test_streaming_yields_the_same_tokens(tiny_pair):
+    target, draft = tiny_pair
+    chunks = list(verispec.stream(target, PROMPTS[0], draft=draft, draft_len=4, max_new_tokens=30))
+    tokens = [t for c in chunks for t in c.token_ids]
+    assert tokens == plain(target, PROMPTS[0], 30)
+    assert chunks[-1].finish_reason in ("length", "stop")
+    assert any(any(c.from_draft) for c in chunks)
