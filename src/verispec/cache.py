@@ -1,17 +1,15 @@
-"""Which cache slots each sequence of a batch can see, and rollback of rejected slots.
+"""Which cache slots each sequence of a batch can see: the bookkeeping behind rollback.
 
 A batch shares one slot axis: every forward pass appends T slots to every row. A row that
 accepted fewer draft tokens than its batch mates leaves *holes*: slots that stay in memory but are
 masked out of attention for ever. A token's position id is the number of visible slots before it,
 so holes never shift positions and a row decodes exactly as it would alone.
 
-`SlotCache` keeps only this bookkeeping; the tensors live in the model backend's own store
-(`backend_trim` is called with the new shared length). It knows nothing about models or drafts.
+`SlotCache` keeps only this bookkeeping; the key/value tensors live in the model backend's store.
+It knows nothing about models or drafts.
 """
 
 from __future__ import annotations
-
-from typing import Callable
 
 import torch
 
@@ -19,21 +17,17 @@ import torch
 class SlotCache:
     """Visibility mask [batch, capacity] over a shared slot axis of length `length`."""
 
-    def __init__(
-        self,
-        batch_size: int,
-        device: torch.device | str = "cpu",
-        backend_trim: Callable[[int], None] | None = None,
-        backend_select: Callable[[torch.Tensor], None] | None = None,
-    ):
+    def __init__(self, batch_size: int, device: torch.device | str = "cpu"):
         self.length = 0
         self._visible = torch.zeros(batch_size, 64, dtype=torch.bool, device=device)
-        self._backend_trim = backend_trim
-        self._backend_select = backend_select
 
     @property
     def batch_size(self) -> int:
         return self._visible.shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        return self._visible.device
 
     @property
     def visible(self) -> torch.Tensor:
@@ -44,18 +38,21 @@ class SlotCache:
         """[batch] long: tokens each row holds; also the position id of its next token."""
         return self.visible.sum(1)
 
+    def _reserve(self, needed: int) -> None:
+        if needed > self._visible.shape[1]:
+            grown = torch.zeros(self.batch_size, max(needed, 2 * self._visible.shape[1]), dtype=torch.bool, device=self.device)
+            grown[:, : self.length] = self.visible
+            self._visible = grown
+
     def extend(self, visible_new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Append T slots. visible_new: [batch, T] bool (False for left padding).
 
         Returns (attention_mask [batch, length + T] long, position_ids [batch, T] long) for the forward pass.
         """
-        batch, width = visible_new.shape
+        width = visible_new.shape[1]
         start = self.num_tokens()
         needed = self.length + width
-        if needed > self._visible.shape[1]:
-            grown = torch.zeros(batch, max(needed, 2 * self._visible.shape[1]), dtype=torch.bool, device=self._visible.device)
-            grown[:, : self.length] = self.visible
-            self._visible = grown
+        self._reserve(needed)
         self._visible[:, self.length : needed] = visible_new
         self.length = needed
         position_ids = start[:, None] + visible_new.long().cumsum(1) - 1
@@ -66,19 +63,24 @@ class SlotCache:
 
         The shared axis shrinks to max(ends); shorter rows keep holes up to there.
         """
-        ends = ends.to(self._visible.device)
-        slot = torch.arange(self.length, device=self._visible.device)
+        ends = ends.to(self.device)
+        slot = torch.arange(self.length, device=self.device)
         self._visible[:, : self.length] &= slot[None, :] < ends[:, None]
         new_length = int(ends.max()) if ends.numel() else 0
         if new_length < self.length:
             self._visible[:, new_length : self.length] = False
             self.length = new_length
-            if self._backend_trim is not None:
-                self._backend_trim(new_length)
 
-    def select(self, rows: list[int]) -> None:
-        """Keep only these rows, in this order (the others left the batch)."""
-        index = torch.tensor(rows, dtype=torch.long, device=self._visible.device)
-        self._visible = self._visible[index]
-        if self._backend_select is not None:
-            self._backend_select(index)
+    def select(self, index: torch.Tensor) -> None:
+        """Keep rows `index` [n] long, in that order."""
+        self._visible = self._visible[index.to(self.device)]
+
+    def concat(self, other: "SlotCache") -> None:
+        """Append other's rows; both slot axes grow to the longer one (new slots invisible)."""
+        length = max(self.length, other.length)
+        self._reserve(length)
+        mine = self._visible[:, : max(length, 1)]
+        theirs = torch.zeros(other.batch_size, mine.shape[1], dtype=torch.bool, device=self.device)
+        theirs[:, : other.length] = other.visible
+        self._visible = torch.cat([mine, theirs], 0)
+        self.length = length

@@ -96,7 +96,7 @@ class SpeculativeEngine:
                 # 2. Accept a prefix, add the target's own token.
                 verdict = verifier.verify(draft, logits, sampling, generators)
                 # 3. Roll back: keep the last token and the accepted draft tokens.
-                target_cache.slots.truncate(start + 1 + verdict.num_accepted)
+                target_cache.truncate(start + 1 + verdict.num_accepted)
                 self.drafter.commit(verdict)
                 stats.draft_seconds += t1 - t0
                 stats.target_seconds += t2 - t1

@@ -70,7 +70,7 @@ class ModelDrafter:
         start, tail_width, draft_len = self._round
         # Keep the tail and the accepted draft tokens that were fed (the last drafted token never is).
         fed_accepted = verdict.num_accepted.clamp(max=max(draft_len - 1, 0))
-        self.cache.slots.truncate(start + tail_width + fed_accepted)
+        self.cache.truncate(start + tail_width + fed_accepted)
 
     def select(self, rows: list[int]) -> None:
         self.cache.select(rows)

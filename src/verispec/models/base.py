@@ -1,7 +1,9 @@
 """The contract between the engine and a model backend.
 
-A backend turns new tokens into logits while appending them to a `ModelCache`; the engine rolls the
-cache back with `cache.slots.truncate`. Backends know nothing about drafting or verification.
+A backend turns new tokens into logits while appending them to a `ModelCache`. The cache's slot
+bookkeeping (`SlotCache`: which slots each row sees) is shared by every backend; the tensors live
+in a backend-owned `KVStore`. The engine rolls back with `truncate`, drops finished rows with
+`select`, and admits new rows with `concat`. Backends know nothing about drafting or verification.
 """
 
 from __future__ import annotations
@@ -14,15 +16,48 @@ import torch
 from verispec.cache import SlotCache
 
 
+class KVStore(Protocol):
+    """A backend's key/value tensors, laid out [batch, ..., slots, ...] on one shared slot axis."""
+
+    def trim(self, length: int) -> None:
+        """Drop every slot at index >= length (all rows)."""
+        ...
+
+    def select(self, index: torch.Tensor) -> None:
+        """Keep rows `index` [n] long, in that order."""
+        ...
+
+    def concat(self, other: "KVStore") -> None:
+        """Append other's rows after ours; the shorter slot axis is padded (the padding is never visible)."""
+        ...
+
+
 @dataclass
 class ModelCache:
-    """A backend's key/value store plus the slot bookkeeping the engine uses for rollback."""
+    """A backend's KVStore plus the slot bookkeeping the engine uses for rollback."""
 
     slots: SlotCache
-    store: Any = None  # backend-owned (e.g. a transformers DynamicCache)
+    store: KVStore
+
+    @property
+    def batch_size(self) -> int:
+        return self.slots.batch_size
+
+    def truncate(self, ends: torch.Tensor) -> None:
+        """Roll back: row b forgets slots >= ends[b] [batch] long."""
+        self.slots.truncate(ends)
+        self.store.trim(self.slots.length)
 
     def select(self, rows: list[int]) -> None:
-        self.slots.select(rows)
+        """Keep only these rows, in this order (the others left the batch)."""
+        index = torch.tensor(rows, dtype=torch.long)
+        self.slots.select(index)
+        self.store.select(index.to(self.slots.device))
+
+    def concat(self, other: "ModelCache") -> None:
+        """Admit other's rows (e.g. freshly prefilled requests) at the end of the batch."""
+        self.slots.concat(other.slots)
+        self.store.concat(other.store)
 
 
 class CausalLM(Protocol):
@@ -42,5 +77,7 @@ class CausalLM(Protocol):
 
         Appends T slots to `cache` and returns logits [batch, T, vocab_size] float32 (T = 1 with
         last_only), where logits[:, t] is the distribution of the token that follows tokens[:, t].
+        Position ids come from `cache.slots.extend`: a token's position is the number of slots its
+        row sees before it.
         """
         ...

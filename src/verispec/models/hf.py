@@ -35,6 +35,39 @@ def _eos_ids(model, tokenizer) -> frozenset[int]:
     return frozenset(ids)
 
 
+class HFStore:
+    """A transformers DynamicCache as a verispec KVStore."""
+
+    def __init__(self, cache: DynamicCache):
+        self.cache = cache
+
+    def trim(self, length: int) -> None:
+        # transformers 5 crops by a negative count of slots to drop
+        excess = self.cache.get_seq_length() - length
+        if excess > 0:
+            self.cache.crop(-excess)
+
+    def select(self, index: torch.Tensor) -> None:
+        if self.cache.get_seq_length():
+            self.cache.batch_select_indices(index)
+
+    def concat(self, other: "HFStore") -> None:
+        if not other.cache.get_seq_length():
+            raise ValueError("concat needs a prefilled cache: the new rows have no slots yet")
+        if not self.cache.get_seq_length():
+            self.cache = other.cache
+            return
+        for mine, theirs in zip(self.cache.layers, other.cache.layers):
+            length = max(mine.keys.shape[-2], theirs.keys.shape[-2])
+            mine.keys = torch.cat([_pad_slots(mine.keys, length), _pad_slots(theirs.keys, length)], 0)
+            mine.values = torch.cat([_pad_slots(mine.values, length), _pad_slots(theirs.values, length)], 0)
+
+
+def _pad_slots(x: torch.Tensor, length: int) -> torch.Tensor:
+    """[batch, heads, slots, dim] -> slots padded with zeros to `length`."""
+    return torch.nn.functional.pad(x, (0, 0, 0, length - x.shape[-2]))
+
+
 class HFCausalLM:
     """Wraps a `transformers` PreTrainedModel (and optionally its tokenizer)."""
 
@@ -55,13 +88,7 @@ class HFCausalLM:
         return f"HFCausalLM({self.name!r}, vocab={self.vocab_size}, device={self.device})"
 
     def new_cache(self, batch_size: int) -> ModelCache:
-        store = DynamicCache(config=self.config)
-        def trim(length: int) -> None:
-            # transformers 5 crops by a negative count of slots to drop
-            store.crop(length - store.get_seq_length())
-
-        slots = SlotCache(batch_size, self.device, backend_trim=trim, backend_select=store.batch_select_indices)
-        return ModelCache(slots=slots, store=store)
+        return ModelCache(slots=SlotCache(batch_size, self.device), store=HFStore(DynamicCache(config=self.config)))
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, cache: ModelCache, visible: torch.Tensor | None = None, last_only: bool = False) -> torch.Tensor:
@@ -73,7 +100,7 @@ class HFCausalLM:
             input_ids=tokens,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=cache.store,
+            past_key_values=cache.store.cache,
             use_cache=True,
             **({"logits_to_keep": 1} if last_only and self._takes_logits_to_keep else {}),
         )
