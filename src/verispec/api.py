@@ -5,14 +5,14 @@ Resolves names, tokenizes, picks the drafter once from the `DRAFTERS` table, and
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
 from verispec.drafters import ModelDrafter, NgramDrafter, NoDrafter
 from verispec.drafters.base import Drafter
-from verispec.engine import SpeculativeEngine, TokenEvent
+from verispec.engine import Request, SpeculativeEngine, TokenEvent
 from verispec.errors import VerispecError
 from verispec.models.base import CausalLM
 from verispec.models.hf import HFCausalLM, pick_device
@@ -163,14 +163,19 @@ class Session:
         self.stop = normalize_stop(stop)
         if self.stop and self.target.tokenizer is None:
             raise VerispecError("stop sequences need a tokenizer: load the model with one, or drop stop=")
-        self.engine = SpeculativeEngine(self.target, make_drafter(self.target, draft_model, drafter), draft_len)
-        self.max_new_tokens = max_new_tokens
+        make_drafter(self.target, draft_model, drafter)  # fail on a bad drafter choice now
+        self.engine = SpeculativeEngine(self.target, lambda: make_drafter(self.target, draft_model, drafter), draft_len)
+        checker = StopSequences(self.target.tokenizer, self.stop) if self.stop else None
+        # Row b of a seeded batch uses seed + b, so rows are independent draws and each is reproducible alone.
+        self.requests = [
+            Request(prompt=ids, sampling=replace(self.sampling, seed=None if seed is None else seed + b),
+                    max_new_tokens=max_new_tokens, stop_checker=checker, id=b)
+            for b, ids in enumerate(self.prompt_ids)
+        ]
         self.stats = SpecStats()
 
     def events(self) -> Iterator[TokenEvent]:
-        checker = StopSequences(self.target.tokenizer, self.stop) if self.stop else None
-        return self.engine.stream(self.prompt_ids, sampling=self.sampling, max_new_tokens=self.max_new_tokens,
-                                  stop_checker=checker, stats=self.stats)
+        return self.engine.stream(self.requests, stats=self.stats)
 
 
 def generate(target, prompt, *, draft=None, drafter: str = "auto", draft_len: int = 4, temperature: float = 0.0,
@@ -187,9 +192,9 @@ def generate(target, prompt, *, draft=None, drafter: str = "auto", draft_len: in
     generated = [[] for _ in session.prompt_ids]
     finish = ["length"] * len(generated)
     for event in session.events():
-        generated[event.row].extend(event.tokens)
+        generated[event.request_id].extend(event.tokens)
         if event.finish_reason:
-            finish[event.row] = event.finish_reason
+            finish[event.request_id] = event.finish_reason
     tokenizer = session.target.tokenizer
     results = [
         GenerationResult(

@@ -3,14 +3,16 @@
 Each step the drafter proposes up to k tokens per row, the target scores [last token, draft] in one
 forward pass, the verifier accepts a prefix and adds one token of the target's own, and every cache
 forgets what was rejected. With no drafter this is plain autoregressive decoding, the baseline.
+Sequences may join and leave between steps (continuous batching); each keeps its own sampling
+settings, random stream, accepted length and rollback, so it decodes exactly as it would alone.
 The engine works on token ids only: it knows nothing about text, except through `stop_checker`.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-from typing import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Callable, Hashable, Iterator
 
 import torch
 
@@ -18,19 +20,31 @@ from verispec.drafters.base import Drafter
 from verispec.drafters.model import left_pad
 from verispec.errors import VerispecError
 from verispec.models.base import CausalLM
-from verispec.sampling import SamplingParams, make_generators
+from verispec.sampling import SamplingParams, make_generator
 from verispec.stats import SpecStats
 from verispec.verifiers import verifier_for
 
-# (row, generated token ids so far) -> how many generated tokens to keep if a stop sequence ended, else None
-StopChecker = Callable[[int, list[int]], "int | None"]
+# generated token ids so far -> how many to keep if a stop sequence has ended, else None
+StopChecker = Callable[[list[int]], "int | None"]
+
+
+@dataclass
+class Request:
+    """One sequence to generate."""
+
+    prompt: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    max_new_tokens: int = 128
+    stop_checker: StopChecker | None = None
+    id: Hashable = None  # echoed in every TokenEvent
+    stats: SpecStats | None = None  # also count this request's steps here (per-request figures)
 
 
 @dataclass
 class TokenEvent:
     """The tokens one sequence gained in one step."""
 
-    row: int  # index of the sequence in the caller's batch
+    request_id: Hashable
     tokens: list[int]
     from_draft: list[bool]  # per token: accepted from the draft (True) or the target's own (False)
     finish_reason: str | None = None  # "stop" (EOS or stop sequence), "length", or None while running
@@ -38,126 +52,169 @@ class TokenEvent:
 
 @dataclass
 class _Row:
-    index: int  # position in the caller's batch
+    request: Request
     sequence: list[int]  # prompt + generated
-    prompt_len: int
     limit: int  # most new tokens this row may produce
+    generator: torch.Generator
 
     @property
     def generated(self) -> list[int]:
-        return self.sequence[self.prompt_len :]
+        return self.sequence[len(self.request.prompt) :]
+
+    @property
+    def remaining(self) -> int:
+        return self.limit - len(self.generated)
 
 
-class SpeculativeEngine:
-    """Generates with a target model and a drafter. Reusable across calls; not thread-safe."""
+class DecodeBatch:
+    """Sequences decoded together, step by step. Rows join with `add` and leave when finished or `remove`d.
 
-    def __init__(self, target: CausalLM, drafter: Drafter, draft_len: int = 4):
-        if not isinstance(draft_len, int) or draft_len < 1:
+    The target cache holds every token of a row but the last one, which opens the next step.
+    """
+
+    def __init__(self, target: CausalLM, drafter: Drafter, draft_len: int = 4, stats: SpecStats | None = None):
+        if not isinstance(draft_len, int) or isinstance(draft_len, bool) or draft_len < 1:
             raise VerispecError(f"draft_len must be an integer >= 1, got {draft_len!r}")
         self.target = target
         self.drafter = drafter
         self.draft_len = draft_len
+        self.stats = stats if stats is not None else SpecStats()
+        self.rows: list[_Row] = []
+        self.cache = target.new_cache(0)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def check(self, request: Request) -> None:
+        """Raise VerispecError if the request cannot run on this target."""
+        if not isinstance(request.max_new_tokens, int) or isinstance(request.max_new_tokens, bool) or request.max_new_tokens < 1:
+            raise VerispecError(f"max_new_tokens must be an integer >= 1, got {request.max_new_tokens!r}")
+        if len(request.prompt) == 0:
+            raise VerispecError("the prompt is empty: give at least one token")
+        if len(request.prompt) >= self.target.max_context:
+            raise VerispecError(
+                f"the prompt has {len(request.prompt)} tokens but {self.target.name} has a context window of "
+                f"{self.target.max_context}: shorten the prompt"
+            )
+        bad = [t for t in request.prompt if not 0 <= t < self.target.vocab_size]
+        if bad:
+            raise VerispecError(f"the prompt has token ids outside the vocabulary [0, {self.target.vocab_size}): {bad[:5]}")
 
     @torch.inference_mode()
-    def stream(
-        self,
-        prompts: list[list[int]],
-        *,
-        sampling: SamplingParams = SamplingParams(),
-        max_new_tokens: int = 128,
-        stop_checker: StopChecker | None = None,
-        stats: SpecStats | None = None,
-    ) -> Iterator[TokenEvent]:
-        """Yield TokenEvents until every row has finished. prompts: token ids per row (non-empty)."""
+    def add(self, requests: list[Request]) -> None:
+        """Admit requests: prefill their prompts (all but the last token) and join the batch."""
+        for request in requests:
+            self.check(request)
         started = time.perf_counter()
-        stats = stats if stats is not None else SpecStats()
-        rows = self._admit(prompts, max_new_tokens)
-        verifier = verifier_for(sampling)
-        generators = make_generators(sampling, len(rows))
-        target_cache = self.target.new_cache(len(rows))
-        try:
-            # Prefill: the target caches every prompt token but the last, which opens the first step.
-            context, visible = left_pad([row.sequence[:-1] for row in rows])
-            if context.shape[1]:
-                self.target.forward(context, target_cache, visible, last_only=True)
-            self.drafter.start([row.sequence for row in rows])
-            stats.prefill_seconds += time.perf_counter() - started
+        new_cache = self.target.new_cache(len(requests))
+        context, visible = left_pad([r.prompt[:-1] for r in requests])
+        if context.shape[1]:
+            self.target.forward(context, new_cache, visible, last_only=True)
+        self.cache.concat(new_cache)
+        self.drafter.add([list(r.prompt) for r in requests])
+        for r in requests:
+            limit = min(r.max_new_tokens, self.target.max_context - len(r.prompt))
+            self.rows.append(_Row(request=r, sequence=list(r.prompt), limit=limit, generator=make_generator(r.sampling)))
+        self.stats.prefill_seconds += time.perf_counter() - started
 
-            while rows:
-                k = self._step_draft_len(rows)
-                t0 = time.perf_counter()
-                draft = self.drafter.propose([row.sequence for row in rows], k, sampling, generators)
-                t1 = time.perf_counter()
-                # 1. One target pass scores the last token and every drafted one.
-                last = torch.tensor([[row.sequence[-1]] for row in rows], dtype=torch.long)
-                start = target_cache.slots.length
-                logits = self.target.forward(torch.cat([last, draft.tokens], 1), target_cache)
-                t2 = time.perf_counter()
-                # 2. Accept a prefix, add the target's own token.
-                verdict = verifier.verify(draft, logits, sampling, generators)
-                # 3. Roll back: keep the last token and the accepted draft tokens.
-                target_cache.truncate(start + 1 + verdict.num_accepted)
-                self.drafter.commit(verdict)
-                stats.draft_seconds += t1 - t0
-                stats.target_seconds += t2 - t1
-                stats.observe(draft.num_drafted, verdict.num_accepted, k)
+    def remove(self, request_id: Hashable) -> None:
+        """Drop a request mid-flight (e.g. its client went away)."""
+        self._keep([b for b, row in enumerate(self.rows) if row.request.id != request_id])
 
-                # 4. Hand out the new tokens; cut at max_new_tokens, EOS and stop sequences.
-                still_running = []
-                for b, row in enumerate(rows):
-                    event = self._emit(row, verdict.emitted(draft, b), int(verdict.num_accepted[b]), stop_checker)
-                    stats.emitted_tokens += len(event.tokens)
-                    yield event
-                    if event.finish_reason is None:
-                        still_running.append(b)
-                if len(still_running) < len(rows):
-                    rows = [rows[b] for b in still_running]
-                    generators = [generators[b] for b in still_running]
-                    if rows:
-                        target_cache.select(still_running)
-                        self.drafter.select(still_running)
-        finally:
-            stats.total_seconds += time.perf_counter() - started
+    def _keep(self, keep: list[int]) -> None:
+        if len(keep) == len(self.rows):
+            return
+        self.rows = [self.rows[b] for b in keep]
+        self.cache.select(keep)
+        self.drafter.select(keep)
 
-    def _admit(self, prompts: list[list[int]], max_new_tokens: int) -> list[_Row]:
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise VerispecError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-        if not prompts:
-            raise VerispecError("no prompts given: pass at least one prompt")
-        rows = []
-        for index, prompt in enumerate(prompts):
-            if len(prompt) == 0:
-                raise VerispecError(f"prompt {index} is empty: give at least one token")
-            room = self.target.max_context - len(prompt)
-            if room < 1:
-                raise VerispecError(
-                    f"prompt {index} has {len(prompt)} tokens but {self.target.name} has a context window of "
-                    f"{self.target.max_context}: shorten the prompt"
-                )
-            rows.append(_Row(index=index, sequence=list(prompt), prompt_len=len(prompt), limit=min(max_new_tokens, room)))
-        return rows
-
-    def _step_draft_len(self, rows: list[_Row]) -> int:
+    def next_draft_len(self) -> int:
         # Draft no more than any row can still use, and keep every verified position inside the context.
-        most_needed = max(row.limit - len(row.generated) for row in rows) - 1
-        context_room = min(self.target.max_context - len(row.sequence) for row in rows)
+        most_needed = max(row.remaining for row in self.rows) - 1
+        context_room = min(self.target.max_context - len(row.sequence) for row in self.rows)
         return max(0, min(self.draft_len, most_needed, context_room))
 
-    def _emit(self, row: _Row, new_tokens: list[int], num_accepted: int, stop_checker: StopChecker | None) -> TokenEvent:
+    @torch.inference_mode()
+    def step(self) -> list[TokenEvent]:
+        """One draft -> verify -> accept -> rollback round for every row. Finished rows leave the batch."""
+        if not self.rows:
+            return []
+        k = self.next_draft_len()
+        sampling = [row.request.sampling for row in self.rows]
+        generators = [row.generator for row in self.rows]
+        t0 = time.perf_counter()
+        draft = self.drafter.propose([row.sequence for row in self.rows], k, sampling, generators)
+        t1 = time.perf_counter()
+        # 1. One target pass scores the last token and every drafted one.
+        last = torch.tensor([[row.sequence[-1]] for row in self.rows], dtype=torch.long)
+        start = self.cache.slots.length
+        logits = self.target.forward(torch.cat([last, draft.tokens], 1), self.cache)
+        t2 = time.perf_counter()
+        # 2. Accept a prefix, add the target's own token.
+        verdict = verifier_for(sampling).verify(draft, logits, sampling, generators)
+        # 3. Roll back: the target keeps the last token and the accepted draft tokens; the drafter its own.
+        self.cache.truncate(start + 1 + verdict.num_accepted)
+        self.drafter.commit(verdict)
+        t3 = time.perf_counter()
+
+        # 4. Hand out the new tokens; cut at max_new_tokens, EOS and stop sequences.
+        events, running = [], []
+        for b, row in enumerate(self.rows):
+            event = self._emit(row, verdict.emitted(draft, b), int(verdict.num_accepted[b]))
+            events.append(event)
+            if event.finish_reason is None:
+                running.append(b)
+        for stats, rows in self._stat_sinks():
+            stats.draft_seconds += t1 - t0
+            stats.target_seconds += t2 - t1
+            stats.overhead_seconds += t3 - t2
+            stats.observe(draft.num_drafted[rows], verdict.num_accepted[rows], k)
+            stats.emitted_tokens += sum(len(events[b].tokens) for b in rows.tolist())
+        self._keep(running)
+        return events
+
+    def _stat_sinks(self) -> Iterator[tuple[SpecStats, torch.Tensor]]:
+        """The batch's stats over all rows, then each request's own stats over its row."""
+        yield self.stats, torch.arange(len(self.rows))
+        for b, row in enumerate(self.rows):
+            if row.request.stats is not None and row.request.stats is not self.stats:
+                yield row.request.stats, torch.tensor([b])
+
+    def _emit(self, row: _Row, new_tokens: list[int], num_accepted: int) -> TokenEvent:
         from_draft = [True] * num_accepted + [False]
         finish_reason = None
-        room = row.limit - len(row.generated)
-        if len(new_tokens) >= room:
-            new_tokens, finish_reason = new_tokens[:room], "length"
+        if len(new_tokens) >= row.remaining:
+            new_tokens, finish_reason = new_tokens[: row.remaining], "length"
         for i, token in enumerate(new_tokens):
             if token in self.target.eos_token_ids:
                 new_tokens, finish_reason = new_tokens[: i + 1], "stop"
                 break
         before = len(row.generated)
         row.sequence.extend(new_tokens)
-        if stop_checker is not None:
-            keep = stop_checker(row.index, row.generated)
+        if row.request.stop_checker is not None:
+            keep = row.request.stop_checker(row.generated)
             if keep is not None:
-                del row.sequence[row.prompt_len + max(keep, before) :]
+                del row.sequence[len(row.request.prompt) + max(keep, before) :]
                 new_tokens, finish_reason = row.generated[before:], "stop"
-        return TokenEvent(row=row.index, tokens=new_tokens, from_draft=from_draft[: len(new_tokens)], finish_reason=finish_reason)
+        return TokenEvent(row.request.id, new_tokens, from_draft[: len(new_tokens)], finish_reason)
+
+
+class SpeculativeEngine:
+    """Generates a fixed set of requests with a target model and a fresh drafter per call."""
+
+    def __init__(self, target: CausalLM, make_drafter: Callable[[], Drafter], draft_len: int = 4):
+        DecodeBatch(target, make_drafter(), draft_len)  # validates the settings now, not at the first call
+        self.target, self.make_drafter, self.draft_len = target, make_drafter, draft_len
+
+    def stream(self, requests: list[Request], stats: SpecStats | None = None) -> Iterator[TokenEvent]:
+        """Yield TokenEvents until every request has finished."""
+        if not requests:
+            raise VerispecError("no prompts given: pass at least one prompt")
+        started = time.perf_counter()
+        batch = DecodeBatch(self.target, self.make_drafter(), self.draft_len, stats)
+        try:
+            batch.add(requests)
+            while len(batch):
+                yield from batch.step()
+        finally:
+            batch.stats.total_seconds += time.perf_counter() - started

@@ -63,6 +63,23 @@ def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return logits.softmax(-1)
 
 
+def warp_rows(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Like `warp`, with settings per row: logits [batch, ..., V], params [batch] -> probs [batch, ..., V]."""
+    if all(p == params[0] for p in params):
+        return warp(logits, params[0])
+    return torch.stack([warp(logits[b], p) for b, p in enumerate(params)])
+
+
+def make_generator(params: SamplingParams, device: torch.device | str = "cpu") -> torch.Generator:
+    """A random stream for one sequence: seeded from params.seed, else from fresh entropy."""
+    g = torch.Generator(device=device)
+    if params.seed is None:
+        g.seed()
+    else:
+        g.manual_seed(params.seed)
+    return g
+
+
 def make_generators(params: SamplingParams, batch_size: int, device: torch.device | str = "cpu") -> list[torch.Generator]:
     """One random stream per sequence: row b uses seed + b, so a row's samples do not depend on its batch mates."""
     generators = []

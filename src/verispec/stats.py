@@ -42,6 +42,7 @@ class SpecStats:
     emitted_tokens: int = 0  # tokens returned to the caller (after max_new_tokens / stop cuts)
     draft_seconds: float = 0.0
     target_seconds: float = 0.0
+    overhead_seconds: float = 0.0  # verification and rollback
     prefill_seconds: float = 0.0
     total_seconds: float = 0.0
     draft_len_sum: int = 0  # sum over steps of the draft length k asked for
@@ -118,6 +119,7 @@ class SpecStats:
             "tokens_per_second": round(self.tokens_per_second, 3),
             "draft_seconds": round(self.draft_seconds, 4),
             "target_seconds": round(self.target_seconds, 4),
+            "overhead_seconds": round(self.overhead_seconds, 4),
             "prefill_seconds": round(self.prefill_seconds, 4),
             "total_seconds": round(self.total_seconds, 4),
             "cost_ratio": round(self.cost_ratio, 4),

@@ -53,7 +53,7 @@ class StopSequences:
         self.tokenizer = tokenizer
         self.stop = stop
 
-    def __call__(self, row: int, generated: list[int]) -> int | None:
+    def __call__(self, generated: list[int]) -> int | None:
         if find_stop(self.decode(generated), self.stop) is None:
             return None
         # Keep tokens up to and including the one that completes the stop sequence.

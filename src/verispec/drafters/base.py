@@ -41,12 +41,13 @@ class Verdict:
 class Drafter(Protocol):
     """Proposes tokens; learns the outcome. Chosen once, when the engine is built."""
 
-    def start(self, prompts: list[list[int]]) -> None:
-        """Reset state for a new batch of prompts."""
+    def add(self, prompts: list[list[int]]) -> None:
+        """New sequences join the batch, after the current rows."""
         ...
 
-    def propose(self, sequences: list[list[int]], draft_len: int, sampling: SamplingParams, generators: list[torch.Generator]) -> Draft:
-        """Up to draft_len tokens to follow each sequence (prompt plus tokens so far)."""
+    def propose(self, sequences: list[list[int]], draft_len: int, sampling: list[SamplingParams], generators: list[torch.Generator]) -> Draft:
+        """Up to draft_len tokens to follow each sequence (prompt plus tokens so far); sampling and
+        generators are per row, so a sampled draft draws from the same warped distribution as its row."""
         ...
 
     def commit(self, verdict: Verdict) -> None:

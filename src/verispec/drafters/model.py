@@ -12,7 +12,7 @@ import torch
 
 from verispec.drafters.base import Draft, Verdict
 from verispec.models.base import CausalLM
-from verispec.sampling import SamplingParams, sample, warp
+from verispec.sampling import SamplingParams, sample, warp_rows
 
 
 def left_pad(rows: list[list[int]], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -34,8 +34,13 @@ class ModelDrafter:
         self.cache = None
         self._round = None  # (slot length before the round, tail width, draft_len)
 
-    def start(self, prompts: list[list[int]]) -> None:
-        self.cache = self.model.new_cache(len(prompts))
+    def add(self, prompts: list[list[int]]) -> None:
+        # New rows start empty; they catch up on their whole prompt at the next propose.
+        new_rows = self.model.new_cache(len(prompts))
+        if self.cache is None or self.cache.batch_size == 0:
+            self.cache = new_rows
+        else:
+            self.cache.concat(new_rows)
 
     def _logits_to_target_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         # The draft may pad its embedding differently; tokens the target lacks can never be proposed.
@@ -45,21 +50,22 @@ class ModelDrafter:
         return torch.cat([logits, pad], -1)
 
     @torch.inference_mode()
-    def propose(self, sequences: list[list[int]], draft_len: int, sampling: SamplingParams, generators: list[torch.Generator]) -> Draft:
+    def propose(self, sequences: list[list[int]], draft_len: int, sampling: list[SamplingParams], generators: list[torch.Generator]) -> Draft:
         batch = len(sequences)
+        greedy = all(s.greedy for s in sampling)
         seen = self.cache.slots.num_tokens().tolist()
         tail_tokens, tail_visible = left_pad([seq[n:] for seq, n in zip(sequences, seen)])
         self._round = (self.cache.slots.length, tail_tokens.shape[1], draft_len)
 
         tokens = torch.zeros(batch, draft_len, dtype=torch.long)
-        probs = None if sampling.greedy else torch.zeros(batch, draft_len, self.vocab_size)
+        probs = None if greedy else torch.zeros(batch, draft_len, self.vocab_size)
         logits = self.model.forward(tail_tokens, self.cache, tail_visible, last_only=True)[:, -1]
         for i in range(draft_len):
             logits = self._logits_to_target_vocab(logits).cpu()
-            if sampling.greedy:
+            if greedy:
                 tokens[:, i] = logits.argmax(-1)
-            else:
-                q = warp(logits, sampling)
+            else:  # greedy rows get a one-hot q, from which sampling returns the argmax
+                q = warp_rows(logits, sampling)
                 probs[:, i] = q
                 tokens[:, i] = torch.tensor([sample(q[b], generators[b]) for b in range(batch)])
             if i + 1 < draft_len:  # the last draft token's successor is never needed

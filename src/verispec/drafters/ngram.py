@@ -47,10 +47,10 @@ class NgramDrafter:
         self.ngram_sizes = range(min_ngram, max_ngram + 1)
         self.rows: list[_RowIndex] = []
 
-    def start(self, prompts: list[list[int]]) -> None:
-        self.rows = [_RowIndex(self.ngram_sizes) for _ in prompts]
+    def add(self, prompts: list[list[int]]) -> None:
+        self.rows += [_RowIndex(self.ngram_sizes) for _ in prompts]
 
-    def propose(self, sequences: list[list[int]], draft_len: int, sampling: SamplingParams, generators: list[torch.Generator]) -> Draft:
+    def propose(self, sequences: list[list[int]], draft_len: int, sampling: list[SamplingParams], generators: list[torch.Generator]) -> Draft:
         tokens = torch.zeros(len(sequences), draft_len, dtype=torch.long)
         num_drafted = torch.zeros(len(sequences), dtype=torch.long)
         for row, (index, sequence) in enumerate(zip(self.rows, sequences)):

@@ -9,10 +9,10 @@ from verispec.sampling import SamplingParams
 
 
 class NoDrafter:
-    def start(self, prompts: list[list[int]]) -> None:
+    def add(self, prompts: list[list[int]]) -> None:
         pass
 
-    def propose(self, sequences: list[list[int]], draft_len: int, sampling: SamplingParams, generators: list[torch.Generator]) -> Draft:
+    def propose(self, sequences: list[list[int]], draft_len: int, sampling: list[SamplingParams], generators: list[torch.Generator]) -> Draft:
         return empty_draft(len(sequences))
 
     def commit(self, verdict: Verdict) -> None:

@@ -27,8 +27,9 @@ class KVStore(Protocol):
         """Keep rows `index` [n] long, in that order."""
         ...
 
-    def concat(self, other: "KVStore") -> None:
-        """Append other's rows after ours; the shorter slot axis is padded (the padding is never visible)."""
+    def concat(self, other: "KVStore", rows: int, other_rows: int) -> None:
+        """Append other's rows after ours (rows / other_rows: batch sizes, either side may hold no
+        slots yet); the shorter slot axis is padded, and the padding is never visible."""
         ...
 
 
@@ -56,8 +57,9 @@ class ModelCache:
 
     def concat(self, other: "ModelCache") -> None:
         """Admit other's rows (e.g. freshly prefilled requests) at the end of the batch."""
+        rows = self.slots.batch_size
         self.slots.concat(other.slots)
-        self.store.concat(other.store)
+        self.store.concat(other.store, rows, other.slots.batch_size)
 
 
 class CausalLM(Protocol):

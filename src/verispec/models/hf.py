@@ -38,8 +38,9 @@ def _eos_ids(model, tokenizer) -> frozenset[int]:
 class HFStore:
     """A transformers DynamicCache as a verispec KVStore."""
 
-    def __init__(self, cache: DynamicCache):
-        self.cache = cache
+    def __init__(self, config):
+        self.config = config
+        self.cache = DynamicCache(config=config)
 
     def trim(self, length: int) -> None:
         # transformers 5 crops by a negative count of slots to drop
@@ -51,16 +52,25 @@ class HFStore:
         if self.cache.get_seq_length():
             self.cache.batch_select_indices(index)
 
-    def concat(self, other: "HFStore") -> None:
-        if not other.cache.get_seq_length():
-            raise ValueError("concat needs a prefilled cache: the new rows have no slots yet")
+    def layer_tensors(self, rows: int) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        """Per layer (keys, values) [rows, heads, slots, dim], or None while the cache is empty."""
         if not self.cache.get_seq_length():
-            self.cache = other.cache
+            return None
+        return [(layer.keys, layer.values) for layer in self.cache.layers]
+
+    def concat(self, other: "HFStore", rows: int, other_rows: int) -> None:
+        mine, theirs = self.layer_tensors(rows), other.layer_tensors(other_rows)
+        if mine is None and theirs is None:
             return
-        for mine, theirs in zip(self.cache.layers, other.cache.layers):
-            length = max(mine.keys.shape[-2], theirs.keys.shape[-2])
-            mine.keys = torch.cat([_pad_slots(mine.keys, length), _pad_slots(theirs.keys, length)], 0)
-            mine.values = torch.cat([_pad_slots(mine.values, length), _pad_slots(theirs.values, length)], 0)
+        template = mine or theirs
+        empty = lambda n: [(k.new_zeros(n, k.shape[1], 0, k.shape[3]), v.new_zeros(n, v.shape[1], 0, v.shape[3])) for k, v in template]
+        mine, theirs = mine or empty(rows), theirs or empty(other_rows)
+        merged = []
+        for (k1, v1), (k2, v2) in zip(mine, theirs):
+            length = max(k1.shape[-2], k2.shape[-2])
+            merged.append((torch.cat([_pad_slots(k1, length), _pad_slots(k2, length)], 0),
+                           torch.cat([_pad_slots(v1, length), _pad_slots(v2, length)], 0)))
+        self.cache = DynamicCache(merged, config=self.config)
 
 
 def _pad_slots(x: torch.Tensor, length: int) -> torch.Tensor:
@@ -88,7 +98,7 @@ class HFCausalLM:
         return f"HFCausalLM({self.name!r}, vocab={self.vocab_size}, device={self.device})"
 
     def new_cache(self, batch_size: int) -> ModelCache:
-        return ModelCache(slots=SlotCache(batch_size, self.device), store=HFStore(DynamicCache(config=self.config)))
+        return ModelCache(slots=SlotCache(batch_size, self.device), store=HFStore(self.config))
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, cache: ModelCache, visible: torch.Tensor | None = None, last_only: bool = False) -> torch.Tensor:

@@ -6,9 +6,9 @@ from verispec.verifiers.greedy import GreedyVerifier
 from verispec.verifiers.speculative_sampling import SpeculativeSamplingVerifier
 
 
-def verifier_for(sampling: SamplingParams) -> Verifier:
-    """Greedy settings verify by argmax equality; anything else by speculative sampling."""
-    return GreedyVerifier() if sampling.greedy else SpeculativeSamplingVerifier()
+def verifier_for(sampling: list[SamplingParams]) -> Verifier:
+    """All-greedy rows verify by argmax equality; otherwise speculative sampling (which is greedy on greedy rows)."""
+    return GreedyVerifier() if all(s.greedy for s in sampling) else SpeculativeSamplingVerifier()
 
 
 __all__ = ["Verifier", "GreedyVerifier", "SpeculativeSamplingVerifier", "verifier_for"]

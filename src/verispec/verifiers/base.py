@@ -13,8 +13,8 @@ from verispec.sampling import SamplingParams
 class Verifier(Protocol):
     lossless: bool  # True: output follows the target's own distribution exactly
 
-    def verify(self, draft: Draft, target_logits: torch.Tensor, sampling: SamplingParams, generators: list[torch.Generator]) -> Verdict:
-        """target_logits: [batch, k + 1, vocab]; position i scores the token after draft position i - 1
+    def verify(self, draft: Draft, target_logits: torch.Tensor, sampling: list[SamplingParams], generators: list[torch.Generator]) -> Verdict:
+        """sampling, generators: per row. target_logits: [batch, k + 1, vocab]; position i scores the token after draft position i - 1
         (position 0 follows the last accepted token), so position k gives the bonus token."""
         ...
 

@@ -6,6 +6,8 @@ drafted token is accepted, a bonus token is drawn from p_{k+1}. Each emitted tok
 distributed exactly as p given its prefix. p is the *warped* target distribution (temperature,
 top-k, top-p), the same one plain sampling draws from. A draft without probabilities (n-gram) is a
 one-hot q: accept with probability p_i(x_i), else resample from p_i with x_i removed.
+With greedy settings p is one-hot at the argmax and the rule reduces exactly to greedy
+verification, so one batch may mix greedy and sampled rows.
 """
 
 from __future__ import annotations
@@ -13,15 +15,15 @@ from __future__ import annotations
 import torch
 
 from verispec.drafters.base import Draft, Verdict
-from verispec.sampling import SamplingParams, sample, warp
+from verispec.sampling import SamplingParams, sample, warp_rows
 from verispec.verifiers.base import accepted_prefix, drafted_mask
 
 
 class SpeculativeSamplingVerifier:
     lossless = True
 
-    def verify(self, draft: Draft, target_logits: torch.Tensor, sampling: SamplingParams, generators: list[torch.Generator]) -> Verdict:
-        p = warp(target_logits.cpu(), sampling)  # [batch, k + 1, vocab]
+    def verify(self, draft: Draft, target_logits: torch.Tensor, sampling: list[SamplingParams], generators: list[torch.Generator]) -> Verdict:
+        p = warp_rows(target_logits.cpu(), sampling)  # [batch, k + 1, vocab]
         batch, k = draft.tokens.shape
         q = draft.probs if draft.probs is not None else torch.nn.functional.one_hot(draft.tokens, p.shape[-1]).float()
         p_draft = p[:, :k].gather(2, draft.tokens[..., None]).squeeze(2)  # [batch, k]
