@@ -178,14 +178,15 @@ class Session:
         return self.engine.stream(self.requests, stats=self.stats)
 
 
-def generate(target, prompt, *, draft=None, drafter: str = "auto", draft_len: int = 4, temperature: float = 0.0,
+def generate(target, prompt, *, draft=None, drafter: str = "auto", draft_len: int | str = 4, temperature: float = 0.0,
              top_k: int = 0, top_p: float = 1.0, seed: int | None = None, max_new_tokens: int = 128, chat: bool = False,
              stop: str | Sequence[str] | None = None) -> GenerationResult | list[GenerationResult]:
     """Generate from `prompt` with speculative decoding; the output is what the target alone would give.
 
     target / draft: zoo name, path, hub id or loaded model. prompt: text, token ids, or a list of
     either (a batch: returns a list). drafter: "auto" (the draft model if given, else n-gram),
-    "model", "ngram", or "none" (plain decoding). temperature 0 is greedy.
+    "model", "ngram", or "none" (plain decoding). draft_len: tokens drafted per step, or "auto" to
+    choose it each step from measured acceptance and costs. temperature 0 is greedy.
     """
     session = Session(target, prompt, draft=draft, drafter=drafter, draft_len=draft_len, temperature=temperature,
                       top_k=top_k, top_p=top_p, seed=seed, max_new_tokens=max_new_tokens, chat=chat, stop=stop)

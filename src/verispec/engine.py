@@ -20,6 +20,7 @@ from verispec.drafters.base import Drafter
 from verispec.drafters.model import left_pad
 from verispec.errors import VerispecError
 from verispec.models.base import CausalLM
+from verispec.policy import DraftPolicy, make_policy
 from verispec.sampling import SamplingParams, make_generator
 from verispec.stats import SpecStats
 from verispec.verifiers import verifier_for
@@ -72,12 +73,10 @@ class DecodeBatch:
     The target cache holds every token of a row but the last one, which opens the next step.
     """
 
-    def __init__(self, target: CausalLM, drafter: Drafter, draft_len: int = 4, stats: SpecStats | None = None):
-        if not isinstance(draft_len, int) or isinstance(draft_len, bool) or draft_len < 1:
-            raise VerispecError(f"draft_len must be an integer >= 1, got {draft_len!r}")
+    def __init__(self, target: CausalLM, drafter: Drafter, draft_len: int | str | DraftPolicy = 4, stats: SpecStats | None = None):
         self.target = target
         self.drafter = drafter
-        self.draft_len = draft_len
+        self.policy = draft_len if hasattr(draft_len, "choose") else make_policy(draft_len)
         self.stats = stats if stats is not None else SpecStats()
         self.rows: list[_Row] = []
         self.cache = target.new_cache(0)
@@ -132,7 +131,7 @@ class DecodeBatch:
         # Draft no more than any row can still use, and keep every verified position inside the context.
         most_needed = max(row.remaining for row in self.rows) - 1
         context_room = min(self.target.max_context - len(row.sequence) for row in self.rows)
-        return max(0, min(self.draft_len, most_needed, context_room))
+        return max(0, min(self.policy.choose(len(self.rows)), most_needed, context_room))
 
     @torch.inference_mode()
     def step(self) -> list[TokenEvent]:
@@ -144,6 +143,8 @@ class DecodeBatch:
         generators = [row.generator for row in self.rows]
         t0 = time.perf_counter()
         draft = self.drafter.propose([row.sequence for row in self.rows], k, sampling, generators)
+        width = int(draft.num_drafted.max()) if k else 0
+        draft = draft.narrow(width)  # rows that stopped early need no verify slots
         t1 = time.perf_counter()
         # 1. One target pass scores the last token and every drafted one.
         last = torch.tensor([[row.sequence[-1]] for row in self.rows], dtype=torch.long)
@@ -156,6 +157,7 @@ class DecodeBatch:
         self.cache.truncate(start + 1 + verdict.num_accepted)
         self.drafter.commit(verdict)
         t3 = time.perf_counter()
+        self.policy.observe(len(self.rows), k, width + 1, draft.num_drafted, verdict.num_accepted, t1 - t0, t2 - t1)
 
         # 4. Hand out the new tokens; cut at max_new_tokens, EOS and stop sequences.
         events, running = [], []
@@ -168,7 +170,7 @@ class DecodeBatch:
             stats.draft_seconds += t1 - t0
             stats.target_seconds += t2 - t1
             stats.overhead_seconds += t3 - t2
-            stats.observe(draft.num_drafted[rows], verdict.num_accepted[rows], k)
+            stats.observe(draft.num_drafted[rows], verdict.num_accepted[rows], width)
             stats.emitted_tokens += sum(len(events[b].tokens) for b in rows.tolist())
         self._keep(running)
         return events
@@ -202,8 +204,8 @@ class DecodeBatch:
 class SpeculativeEngine:
     """Generates a fixed set of requests with a target model and a fresh drafter per call."""
 
-    def __init__(self, target: CausalLM, make_drafter: Callable[[], Drafter], draft_len: int = 4):
-        DecodeBatch(target, make_drafter(), draft_len)  # validates the settings now, not at the first call
+    def __init__(self, target: CausalLM, make_drafter: Callable[[], Drafter], draft_len: int | str = 4):
+        make_policy(draft_len)  # validates the setting now, not at the first call
         self.target, self.make_drafter, self.draft_len = target, make_drafter, draft_len
 
     def stream(self, requests: list[Request], stats: SpecStats | None = None) -> Iterator[TokenEvent]:

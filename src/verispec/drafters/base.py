@@ -25,6 +25,13 @@ class Draft:
     def draft_len(self) -> int:
         return self.tokens.shape[1]
 
+    def narrow(self, width: int) -> "Draft":
+        """The first `width` positions (every row's real proposals, when width >= max(num_drafted))."""
+        if width == self.draft_len:
+            return self
+        probs = None if self.probs is None else self.probs[:, :width]
+        return Draft(self.tokens[:, :width], self.num_drafted.clamp(max=width), probs)
+
 
 @dataclass
 class Verdict:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from verispec.drafters.base import Draft, Verdict
+from verispec.drafters.base import Draft, Verdict, empty_draft
 from verispec.models.base import CausalLM
 from verispec.sampling import SamplingParams, sample, warp_rows
 
@@ -52,6 +52,9 @@ class ModelDrafter:
     @torch.inference_mode()
     def propose(self, sequences: list[list[int]], draft_len: int, sampling: list[SamplingParams], generators: list[torch.Generator]) -> Draft:
         batch = len(sequences)
+        if draft_len == 0:  # a plain step: catch up later, in one pass
+            self._round = None
+            return empty_draft(batch)
         greedy = all(s.greedy for s in sampling)
         seen = self.cache.slots.num_tokens().tolist()
         tail_tokens, tail_visible = left_pad([seq[n:] for seq, n in zip(sequences, seen)])
@@ -73,6 +76,8 @@ class ModelDrafter:
         return Draft(tokens=tokens, num_drafted=torch.full((batch,), draft_len, dtype=torch.long), probs=probs)
 
     def commit(self, verdict: Verdict) -> None:
+        if self._round is None:
+            return
         start, tail_width, draft_len = self._round
         # Keep the tail and the accepted draft tokens that were fed (the last drafted token never is).
         fed_accepted = verdict.num_accepted.clamp(max=max(draft_len - 1, 0))

@@ -1,0 +1,261 @@
+"""`verispec bench`: speedup over plain decoding and over Hugging Face, per prompt category.
+
+For each prompt, in one interleaved run: plain decoding through the verispec engine (the baseline),
+speculative decoding (greedy outputs must be identical to the baseline), and the peers Hugging Face
+`generate()`, `generate(assistant_model=draft)` and `generate(prompt_lookup_num_tokens=...)`.
+Speedups are per-prompt time ratios against a run on the same machine in the same process, summarised
+by their median (and geometric mean) per category. Writes JSON, Markdown and PNG plots.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+DEFAULT_PROMPTS = "../shared/data/humaneval_dev.jsonl"
+
+
+def add_bench_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("prompts", nargs="?", default=DEFAULT_PROMPTS, help="JSONL in Spec-Bench ({category, turns}) or HumanEval ({task_id, prompt}) form")
+    p.add_argument("--target", default="qwen2.5-coder-1.5b")
+    p.add_argument("--draft", default="qwen2.5-coder-0.5b", help="draft model; 'none' for n-gram only")
+    p.add_argument("--drafter", default="auto", help="auto | model | ngram")
+    p.add_argument("--draft-len", default="auto", help="int, or 'auto' (adaptive)")
+    p.add_argument("--per-category", type=int, default=2, help="prompts per category (fixed sample: the first N)")
+    p.add_argument("--max-new-tokens", type=int, default=96)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face peers")
+    p.add_argument("--quick", action="store_true", help="1 prompt per category, 32 new tokens: a few minutes")
+    p.add_argument("--out", default="bench/reports", help="directory for JSON, Markdown and PNG reports")
+    p.add_argument("--name", default=None, help="report file stem (default: derived from the prompt file)")
+
+
+@dataclass
+class Prompt:
+    category: str
+    id: str
+    text: str
+    chat: bool  # Spec-Bench turns are instructions (chat template); HumanEval prompts are code to continue
+
+
+def read_prompts(path: str, per_category: int) -> list[Prompt]:
+    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    prompts, taken = [], defaultdict(int)
+    for row in rows:
+        if "turns" in row:
+            p = Prompt(row.get("category", "spec_bench"), str(row.get("question_id")), row["turns"][0], chat=True)
+        elif "prompt" in row:
+            p = Prompt("humaneval", str(row.get("task_id")), row["prompt"], chat=False)
+        else:
+            raise ValueError(f"{path}: a row has neither 'turns' nor 'prompt': {sorted(row)}")
+        if taken[p.category] < per_category:
+            taken[p.category] += 1
+            prompts.append(p)
+    return prompts
+
+
+@dataclass
+class Measurement:
+    prompt: Prompt
+    seconds: dict = field(default_factory=dict)  # method -> seconds
+    tokens: dict = field(default_factory=dict)  # method -> new tokens
+    identical: bool | None = None
+    stats: dict = field(default_factory=dict)
+
+
+def _timed(fn):
+    start = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - start
+
+
+def _hf_generate(model, input_ids, max_new_tokens, eos_ids, pad_id, **extra):
+    out = model.generate(torch.tensor([input_ids], device=model.device), attention_mask=torch.ones(1, len(input_ids), dtype=torch.long, device=model.device),
+                         max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos_ids, pad_token_id=pad_id, **extra)
+    return out[0, len(input_ids):].tolist()
+
+
+def run_bench(args) -> dict:
+    import verispec
+    from verispec.text import encode_prompt
+
+    if args.quick:
+        args.per_category, args.max_new_tokens = 1, 32
+    draft_len = "auto" if str(args.draft_len) == "auto" else int(args.draft_len)
+    prompts = read_prompts(args.prompts, args.per_category)
+    target = verispec.load(args.target)
+    draft = verispec.load(args.draft) if args.draft and args.draft != "none" else None
+    hf_target = getattr(target, "hf_model", None) or getattr(target, "model", None)
+    hf_draft = (getattr(draft, "hf_model", None) or getattr(draft, "model", None)) if draft is not None else None
+    eos_ids = sorted(target.eos_token_ids)
+    pad_id = eos_ids[0]
+    sampled = args.temperature > 0
+    print(f"[bench] {len(prompts)} prompts from {args.prompts}, target {args.target}, draft {args.draft}, "
+          f"drafter {args.drafter}, draft_len {draft_len}, {args.max_new_tokens} new tokens, temperature {args.temperature}, "
+          f"torch threads {torch.get_num_threads()}", file=sys.stderr)
+
+    # Warm up every path once so first-call costs do not land on the first prompt.
+    warm = encode_prompt(target.tokenizer, "def f(x):", chat=False)
+    verispec.generate(target, warm, drafter="none", max_new_tokens=4)
+    verispec.generate(target, warm, draft=draft, drafter=args.drafter, draft_len=draft_len, max_new_tokens=4)
+
+    common = dict(temperature=args.temperature, seed=args.seed, max_new_tokens=args.max_new_tokens)
+    results = []
+    for i, p in enumerate(prompts):
+        ids = encode_prompt(target.tokenizer, p.text, chat=p.chat)
+        m = Measurement(p)
+        base, m.seconds["plain"] = _timed(lambda: verispec.generate(target, ids, drafter="none", **common))
+        spec, m.seconds["verispec"] = _timed(lambda: verispec.generate(target, ids, draft=draft, drafter=args.drafter, draft_len=draft_len, **common))
+        m.tokens["plain"], m.tokens["verispec"] = len(base.token_ids), len(spec.token_ids)
+        m.identical = None if sampled else base.token_ids == spec.token_ids
+        m.stats = spec.stats.to_dict()
+        if not args.no_hf and hf_target is not None and not sampled:
+            out, m.seconds["hf"] = _timed(lambda: _hf_generate(hf_target, ids, args.max_new_tokens, eos_ids, pad_id))
+            m.tokens["hf"] = len(out)
+            if hf_draft is not None:
+                out, m.seconds["hf_assisted"] = _timed(lambda: _hf_generate(hf_target, ids, args.max_new_tokens, eos_ids, pad_id, assistant_model=hf_draft))
+                m.tokens["hf_assisted"] = len(out)
+            out, m.seconds["hf_prompt_lookup"] = _timed(lambda: _hf_generate(hf_target, ids, args.max_new_tokens, eos_ids, pad_id, prompt_lookup_num_tokens=10))
+            m.tokens["hf_prompt_lookup"] = len(out)
+        results.append(m)
+        ratio = m.seconds["plain"] / m.seconds["verispec"]
+        extra = "".join(f", {k} {m.seconds[k]:.1f}s" for k in ("hf", "hf_assisted", "hf_prompt_lookup") if k in m.seconds)
+        print(f"[bench] {i + 1}/{len(prompts)} {p.category}/{p.id}: plain {m.seconds['plain']:.1f}s, verispec {m.seconds['verispec']:.1f}s "
+              f"({ratio:.2f}x, {m.stats['mean_accepted_tokens']:.2f} tok/pass, identical={m.identical}){extra}", file=sys.stderr)
+
+    report = summarize(results, args)
+    write_reports(report, results, args)
+    return report
+
+
+def _median(xs):
+    return statistics.median(xs) if xs else None
+
+
+def _geomean(xs):
+    return statistics.geometric_mean(xs) if xs else None
+
+
+def _speedups(ms: list[Measurement], over: str, of: str) -> list[float]:
+    """Per-prompt speedup of method `of` over method `over`, in tokens/s (so different lengths compare fairly)."""
+    out = []
+    for m in ms:
+        if over in m.seconds and of in m.seconds and m.tokens.get(of) and m.tokens.get(over):
+            out.append((m.tokens[of] / m.seconds[of]) / (m.tokens[over] / m.seconds[over]))
+    return out
+
+
+def summarize(results: list[Measurement], args) -> dict:
+    by_cat = defaultdict(list)
+    for m in results:
+        by_cat[m.prompt.category].append(m)
+    by_cat["overall"] = results
+    rows = {}
+    for cat, ms in by_cat.items():
+        accepted_pos = [m.stats["acceptance_by_position"] for m in ms]
+        depth = max((len(a) for a in accepted_pos), default=0)
+        rows[cat] = {
+            "prompts": len(ms),
+            "speedup_vs_plain": _median(_speedups(ms, "plain", "verispec")),
+            "speedup_vs_plain_geomean": _geomean(_speedups(ms, "plain", "verispec")),
+            "speedup_vs_hf": _median(_speedups(ms, "hf", "verispec")),
+            "plain_vs_hf": _median(_speedups(ms, "hf", "plain")),
+            "hf_assisted_vs_hf": _median(_speedups(ms, "hf", "hf_assisted")),
+            "hf_prompt_lookup_vs_hf": _median(_speedups(ms, "hf", "hf_prompt_lookup")),
+            "verispec_vs_hf_assisted": _median(_speedups(ms, "hf_assisted", "verispec")),
+            "verispec_vs_hf_prompt_lookup": _median(_speedups(ms, "hf_prompt_lookup", "verispec")),
+            "mean_accepted_tokens": statistics.mean(m.stats["mean_accepted_tokens"] for m in ms),
+            "acceptance_rate": statistics.mean(m.stats["acceptance_rate"] for m in ms),
+            "acceptance_by_position": [statistics.mean(a[i] for a in accepted_pos if len(a) > i) for i in range(depth)],
+            "predicted_speedup": statistics.mean(m.stats["predicted_speedup"] for m in ms),
+            "cost_ratio": statistics.mean(m.stats["cost_ratio"] for m in ms),
+            "identical": None if any(m.identical is None for m in ms) else sum(m.identical for m in ms),
+        }
+    return {
+        "settings": {k: v for k, v in vars(args).items() if k not in ("run",)},
+        "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+                    "cpus": torch.get_num_threads(), "torch": torch.__version__, "cuda": torch.cuda.is_available()},
+        "categories": rows,
+        "prompts": [{"category": m.prompt.category, "id": m.prompt.id, "seconds": m.seconds, "tokens": m.tokens,
+                     "identical": m.identical, "stats": m.stats} for m in results],
+    }
+
+
+def _fmt(x, suffix="x"):
+    return "–" if x is None else f"{x:.2f}{suffix}"
+
+
+def markdown_table(report: dict) -> str:
+    lines = [
+        "| category | prompts | speedup vs plain | vs HF generate | HF assisted vs HF | HF prompt lookup vs HF | verispec / HF assisted | tokens per pass | acceptance | predicted | identical |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for cat, r in report["categories"].items():
+        identical = "–" if r["identical"] is None else f"{r['identical']}/{r['prompts']}"
+        lines.append(
+            f"| {cat} | {r['prompts']} | {_fmt(r['speedup_vs_plain'])} | {_fmt(r['speedup_vs_hf'])} | {_fmt(r['hf_assisted_vs_hf'])} | "
+            f"{_fmt(r['hf_prompt_lookup_vs_hf'])} | {_fmt(r['verispec_vs_hf_assisted'])} | {r['mean_accepted_tokens']:.2f} | "
+            f"{r['acceptance_rate']:.0%} | {_fmt(r['predicted_speedup'])} | {identical} |"
+        )
+    return "\n".join(lines)
+
+
+def write_reports(report: dict, results: list[Measurement], args) -> None:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = args.name or Path(args.prompts).stem + ("_t%g" % args.temperature if args.temperature else "")
+    (out / f"{stem}.json").write_text(json.dumps(report, indent=2))
+    s = report["settings"]
+    header = (f"verispec bench: `{s['prompts']}`, target `{s['target']}`, draft `{s['draft']}`, drafter {s['drafter']}, "
+              f"draft_len {s['draft_len']}, {s['max_new_tokens']} new tokens, temperature {s['temperature']}, "
+              f"machine: {report['machine']['processor']}, {report['machine']['cpus']} threads, torch {report['machine']['torch']}. "
+              "Speedups are medians of per-prompt tokens/s ratios measured in the same run.")
+    table = markdown_table(report)
+    (out / f"{stem}.md").write_text(header + "\n\n" + table + "\n")
+    print(table)
+    try:
+        plot(report, out / f"{stem}.png")
+    except ImportError:
+        print("[bench] matplotlib not installed: no plot", file=sys.stderr)
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cats = [c for c in report["categories"]]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    names = [("speedup_vs_plain", "verispec vs plain"), ("speedup_vs_hf", "verispec vs HF generate"),
+             ("hf_assisted_vs_hf", "HF assisted vs HF"), ("hf_prompt_lookup_vs_hf", "HF prompt lookup vs HF")]
+    width = 0.8 / len(names)
+    for j, (key, label) in enumerate(names):
+        ys = [report["categories"][c][key] or 0 for c in cats]
+        ax1.bar([i + j * width for i in range(len(cats))], ys, width, label=label)
+    ax1.axhline(1.0, color="k", lw=0.8)
+    ax1.set_xticks([i + 0.4 - width / 2 for i in range(len(cats))], cats, rotation=45, ha="right")
+    ax1.set_ylabel("speedup (median over prompts)")
+    ax1.legend(fontsize=8)
+    ax1.set_title("Speedup by category")
+    for c in cats:
+        acc = report["categories"][c]["acceptance_by_position"]
+        ax2.plot(range(1, len(acc) + 1), acc, marker="o", label=c)
+    ax2.set_xlabel("draft position")
+    ax2.set_ylabel("acceptance rate")
+    ax2.set_ylim(0, 1)
+    ax2.set_title("Acceptance by draft position")
+    ax2.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,126 @@
+"""The `verispec` command: pull, generate, bench, demo, serve. A thin layer over the Python API."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from verispec.errors import VerispecError
+
+DEFAULT_TARGET = "qwen2.5-coder-1.5b"
+DEFAULT_DRAFT = "qwen2.5-coder-0.5b"
+
+
+def _add_generation_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default=DEFAULT_TARGET, help="zoo name, local directory, .gguf file or hub id (default: %(default)s)")
+    p.add_argument("--draft", default=None, help="draft model (same tokenizer as the target); omit for n-gram drafting")
+    p.add_argument("--drafter", default="auto", help="auto | model | ngram | none (plain decoding)")
+    p.add_argument("--draft-len", type=int, default=None, help="draft tokens per step (default: adaptive)")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--dtype", default=None, help="float32 (default), bfloat16, float16")
+
+
+def cmd_pull(args) -> int:
+    from verispec import zoo
+
+    for name in args.names:
+        path = zoo.pull(name)
+        print(f"{name}: {path}")
+    return 0
+
+
+def cmd_generate(args) -> int:
+    import verispec
+
+    target = verispec.load(args.target, dtype=args.dtype)
+    draft = verispec.load(args.draft, dtype=args.dtype) if args.draft else None
+    options = dict(draft=draft, drafter=args.drafter, draft_len=args.draft_len, temperature=args.temperature,
+                   top_k=args.top_k, top_p=args.top_p, seed=args.seed, max_new_tokens=args.max_new_tokens,
+                   chat=args.chat, stop=args.stop or None)
+    if args.json:
+        result = verispec.generate(target, args.prompt, **options)
+        print(json.dumps({"text": result.text, "token_ids": result.token_ids, "finish_reason": result.finish_reason,
+                          "stats": result.stats.to_dict()}))
+        return 0
+    stats = None
+    for chunk in verispec.stream(target, args.prompt, **options):
+        sys.stdout.write(chunk.text)
+        sys.stdout.flush()
+        stats = chunk.stats
+    print()
+    if stats is not None:
+        print(f"[verispec] {stats.summary()}", file=sys.stderr)
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from verispec.bench import run_bench
+
+    run_bench(args)
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from verispec.demo import run_demo
+
+    run_demo(args)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="verispec", description="Lossless speculative decoding: faster generation, the same output.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("pull", help="download, verify and convert zoo models")
+    p.add_argument("names", nargs="+", help="zoo names: smollm2-135m, qwen2.5-coder-0.5b, qwen2.5-coder-1.5b")
+    p.set_defaults(run=cmd_pull)
+
+    p = sub.add_parser("generate", help="generate text from a prompt")
+    p.add_argument("prompt")
+    _add_generation_options(p)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument("--stop", action="append", help="stop sequence (repeatable)")
+    p.add_argument("--json", action="store_true", help='print {"text", "token_ids", "finish_reason", "stats"}')
+    p.set_defaults(run=cmd_generate)
+
+    p = sub.add_parser("bench", help="speedup over plain decoding and Hugging Face, per category")
+    from verispec.bench import add_bench_arguments
+
+    add_bench_arguments(p)
+    p.set_defaults(run=cmd_bench)
+
+    p = sub.add_parser("demo", help="plain vs speculative on the default pair: same text, faster")
+    p.add_argument("--target", default=DEFAULT_TARGET)
+    p.add_argument("--draft", default=DEFAULT_DRAFT)
+    p.add_argument("--max-new-tokens", type=int, default=96)
+    p.add_argument("--prompt", default=None)
+    p.set_defaults(run=cmd_demo)
+
+    sub.add_parser("serve", help="OpenAI-compatible server (verispec serve --help)", add_help=False)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["serve"]:
+        from verispec import server
+
+        server.main(argv[1:])
+        return 0
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except VerispecError as exc:
+        print(f"verispec: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
