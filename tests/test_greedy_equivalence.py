@@ -105,3 +105,12 @@ def test_streaming_yields_the_same_tokens(tiny_pair):
     assert tokens == plain(target, PROMPTS[0], 30)
     assert chunks[-1].finish_reason in ("length", "stop")
     assert any(any(c.from_draft) for c in chunks)
+
+
+@pytest.mark.parametrize("confidence", [0.3, 0.6, 0.9])
+def test_confidence_early_stop_is_exact_and_drafts_less(tiny_pair, confidence):
+    target, draft = tiny_pair
+    full = verispec.generate(target, PROMPTS, draft=draft, draft_len=6, max_new_tokens=40)
+    results = verispec.generate(target, PROMPTS, draft=draft, draft_len=6, max_new_tokens=40, draft_confidence=confidence)
+    assert [r.token_ids for r in results] == [plain(target, p, 40) for p in PROMPTS]
+    assert results[0].stats.mean_draft_len < full[0].stats.mean_draft_len

@@ -71,11 +71,11 @@ def _load_uncached(name: str, dtype: torch.dtype, device: torch.device) -> HFCau
     return HFCausalLM(model, tokenizer, name=name)
 
 
-# How each drafter is built, chosen once per call: (target, draft model or None, options) -> Drafter.
-DRAFTERS: dict[str, Callable[[CausalLM, CausalLM | None], Drafter]] = {
-    "model": lambda target, draft: ModelDrafter(draft, target.vocab_size),
-    "ngram": lambda target, draft: NgramDrafter(),
-    "none": lambda target, draft: NoDrafter(),
+# How each drafter is built, chosen once per call: (target, draft model or None, draft_confidence) -> Drafter.
+DRAFTERS: dict[str, Callable[[CausalLM, CausalLM | None, float], Drafter]] = {
+    "model": lambda target, draft, confidence: ModelDrafter(draft, target.vocab_size, min_confidence=confidence),
+    "ngram": lambda target, draft, confidence: NgramDrafter(),
+    "none": lambda target, draft, confidence: NoDrafter(),
 }
 
 
@@ -94,7 +94,7 @@ def check_compatible(target: CausalLM, draft: CausalLM) -> None:
         )
 
 
-def make_drafter(target: CausalLM, draft: CausalLM | None, drafter: str) -> Drafter:
+def make_drafter(target: CausalLM, draft: CausalLM | None, drafter: str, draft_confidence: float = 0.0) -> Drafter:
     if drafter == "auto":
         drafter = "model" if draft is not None else "ngram"
     if drafter not in DRAFTERS:
@@ -103,7 +103,9 @@ def make_drafter(target: CausalLM, draft: CausalLM | None, drafter: str) -> Draf
         if draft is None:
             raise VerispecError("drafter='model' needs a draft model: pass draft=NAME_OR_PATH")
         check_compatible(target, draft)
-    return DRAFTERS[drafter](target, draft)
+    if not isinstance(draft_confidence, (int, float)) or not 0.0 <= draft_confidence < 1.0:
+        raise VerispecError(f"draft_confidence must be in [0, 1) (0 drafts every position), got {draft_confidence!r}")
+    return DRAFTERS[drafter](target, draft, draft_confidence)
 
 
 @dataclass
@@ -154,7 +156,7 @@ class Session:
     """Everything one call needs, resolved and checked once."""
 
     def __init__(self, target, prompt, *, draft=None, drafter="auto", draft_len=4, temperature=0.0, top_k=0, top_p=1.0,
-                 seed=None, max_new_tokens=128, chat=False, stop=None):
+                 seed=None, max_new_tokens=128, chat=False, stop=None, draft_confidence=0.0):
         self.target = load(target)
         draft_model = load(draft) if draft is not None else None
         self.sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
@@ -163,8 +165,8 @@ class Session:
         self.stop = normalize_stop(stop)
         if self.stop and self.target.tokenizer is None:
             raise VerispecError("stop sequences need a tokenizer: load the model with one, or drop stop=")
-        make_drafter(self.target, draft_model, drafter)  # fail on a bad drafter choice now
-        self.engine = SpeculativeEngine(self.target, lambda: make_drafter(self.target, draft_model, drafter), draft_len)
+        make_drafter(self.target, draft_model, drafter, draft_confidence)  # fail on a bad drafter choice now
+        self.engine = SpeculativeEngine(self.target, lambda: make_drafter(self.target, draft_model, drafter, draft_confidence), draft_len)
         checker = StopSequences(self.target.tokenizer, self.stop) if self.stop else None
         # Row b of a seeded batch uses seed + b, so rows are independent draws and each is reproducible alone.
         self.requests = [
@@ -180,16 +182,18 @@ class Session:
 
 def generate(target, prompt, *, draft=None, drafter: str = "auto", draft_len: int | str = 4, temperature: float = 0.0,
              top_k: int = 0, top_p: float = 1.0, seed: int | None = None, max_new_tokens: int = 128, chat: bool = False,
-             stop: str | Sequence[str] | None = None) -> GenerationResult | list[GenerationResult]:
+             stop: str | Sequence[str] | None = None, draft_confidence: float = 0.0) -> GenerationResult | list[GenerationResult]:
     """Generate from `prompt` with speculative decoding; the output is what the target alone would give.
 
     target / draft: zoo name, path, hub id or loaded model. prompt: text, token ids, or a list of
     either (a batch: returns a list). drafter: "auto" (the draft model if given, else n-gram),
     "model", "ngram", or "none" (plain decoding). draft_len: tokens drafted per step, or "auto" to
-    choose it each step from measured acceptance and costs. temperature 0 is greedy.
+    choose it each step from measured acceptance and costs. draft_confidence: a draft model stops
+    drafting a row at a token it gives less than this probability. temperature 0 is greedy.
     """
     session = Session(target, prompt, draft=draft, drafter=drafter, draft_len=draft_len, temperature=temperature,
-                      top_k=top_k, top_p=top_p, seed=seed, max_new_tokens=max_new_tokens, chat=chat, stop=stop)
+                      top_k=top_k, top_p=top_p, seed=seed, max_new_tokens=max_new_tokens, chat=chat, stop=stop,
+                      draft_confidence=draft_confidence)
     generated = [[] for _ in session.prompt_ids]
     finish = ["length"] * len(generated)
     for event in session.events():

@@ -2,8 +2,9 @@
 
 The draft model keeps its own cache. Each round it first catches up on the tokens it has not seen
 (the last accepted tokens and the target's own token), then drafts k tokens one at a time,
-sampling from the same warped distribution q it reports to the verifier. On commit it forgets the
-draft tokens that were rejected.
+sampling from the same warped distribution q it reports to the verifier; with `min_confidence` a row
+stops early at a token the draft itself finds unlikely. On commit it forgets the draft tokens that
+were rejected.
 """
 
 from __future__ import annotations
@@ -28,8 +29,9 @@ def left_pad(rows: list[list[int]], pad_id: int = 0) -> tuple[torch.Tensor, torc
 
 
 class ModelDrafter:
-    def __init__(self, model: CausalLM, target_vocab_size: int):
+    def __init__(self, model: CausalLM, target_vocab_size: int, min_confidence: float = 0.0):
         self.model = model
+        self.min_confidence = min_confidence  # stop drafting a row when q(token) falls below this
         self.vocab_size = target_vocab_size  # q lives on the target's vocabulary
         self.cache = None
         self._round = None  # (slot length before the round, tail width, draft_len)
@@ -58,30 +60,42 @@ class ModelDrafter:
         greedy = all(s.greedy for s in sampling)
         seen = self.cache.slots.num_tokens().tolist()
         tail_tokens, tail_visible = left_pad([seq[n:] for seq, n in zip(sequences, seen)])
-        self._round = (self.cache.slots.length, tail_tokens.shape[1], draft_len)
+        start = self.cache.slots.length
 
         tokens = torch.zeros(batch, draft_len, dtype=torch.long)
         probs = None if greedy else torch.zeros(batch, draft_len, self.vocab_size)
+        num_drafted = torch.zeros(batch, dtype=torch.long)
+        confident = torch.ones(batch, dtype=torch.bool)
+        fed = 0  # draft tokens fed back into the draft cache
         logits = self.model.forward(tail_tokens, self.cache, tail_visible, last_only=True)[:, -1]
         for i in range(draft_len):
-            logits = self._logits_to_target_vocab(logits).cpu()
+            logits = self._logits_to_target_vocab(logits).float().cpu()
             if greedy:
                 tokens[:, i] = logits.argmax(-1)
+                confidence = logits.softmax(-1).max(-1).values if self.min_confidence else None
             else:  # greedy rows get a one-hot q, from which sampling returns the argmax
                 q = warp_rows(logits, sampling)
                 probs[:, i] = q
                 tokens[:, i] = torch.tensor([sample(q[b], generators[b]) for b in range(batch)])
-            if i + 1 < draft_len:  # the last draft token's successor is never needed
-                logits = self.model.forward(tokens[:, i : i + 1], self.cache)[:, -1]
-        return Draft(tokens=tokens, num_drafted=torch.full((batch,), draft_len, dtype=torch.long), probs=probs)
+                confidence = q.gather(1, tokens[:, i : i + 1]).squeeze(1)
+            if self.min_confidence:
+                # Stop a row's draft before a token its own draft model doubts: it would likely be
+                # rejected, and every drafted token widens the verify pass.
+                confident &= confidence >= self.min_confidence
+            num_drafted += confident.long()
+            if not confident.any() or i + 1 == draft_len:  # the last token's successor is never needed
+                break
+            logits = self.model.forward(tokens[:, i : i + 1], self.cache)[:, -1]
+            fed += 1
+        self._round = (start, tail_tokens.shape[1], fed)
+        return Draft(tokens=tokens, num_drafted=num_drafted, probs=probs)
 
     def commit(self, verdict: Verdict) -> None:
         if self._round is None:
             return
-        start, tail_width, draft_len = self._round
-        # Keep the tail and the accepted draft tokens that were fed (the last drafted token never is).
-        fed_accepted = verdict.num_accepted.clamp(max=max(draft_len - 1, 0))
-        self.cache.truncate(start + tail_width + fed_accepted)
+        start, tail_width, fed = self._round
+        # Keep the tail and the accepted draft tokens that were fed back.
+        self.cache.truncate(start + tail_width + verdict.num_accepted.clamp(max=fed))
 
     def select(self, rows: list[int]) -> None:
         self.cache.select(rows)
