@@ -114,3 +114,18 @@ def test_confidence_early_stop_is_exact_and_drafts_less(tiny_pair, confidence):
     results = verispec.generate(target, PROMPTS, draft=draft, draft_len=6, max_new_tokens=40, draft_confidence=confidence)
     assert [r.token_ids for r in results] == [plain(target, p, 40) for p in PROMPTS]
     assert results[0].stats.mean_draft_len < full[0].stats.mean_draft_len
+
+
+def test_cheap_draft_variants_stay_exact(tiny_pair):
+    """int8 weights and a restricted vocabulary change the draft, never the output."""
+    from verispec.models.draft_variants import quantize_int8, restrict_vocabulary
+
+    target, draft = tiny_pair
+    for variant in (quantize_int8(draft), restrict_vocabulary(draft, 48), quantize_int8(restrict_vocabulary(draft, 60))):
+        for temperature in (0.0,):
+            results = verispec.generate(target, PROMPTS, draft=variant, draft_len=4, max_new_tokens=30, temperature=temperature)
+            assert [r.token_ids for r in results] == [plain(target, p, 30) for p in PROMPTS]
+            assert results[0].stats.accepted_tokens > 0
+    restricted = restrict_vocabulary(draft, 48)
+    draft_tokens = verispec.generate(restricted, PROMPTS[0], drafter="none", max_new_tokens=30).token_ids
+    assert all(t < 48 or t in restricted.eos_token_ids for t in draft_tokens)

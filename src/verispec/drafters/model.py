@@ -69,7 +69,7 @@ class ModelDrafter:
         fed = 0  # draft tokens fed back into the draft cache
         logits = self.model.forward(tail_tokens, self.cache, tail_visible, last_only=True)[:, -1]
         for i in range(draft_len):
-            logits = self._logits_to_target_vocab(logits).float().cpu()
+            logits = self._logits_to_target_vocab(logits.float().cpu())
             if greedy:
                 tokens[:, i] = logits.argmax(-1)
                 confidence = logits.softmax(-1).max(-1).values if self.min_confidence else None

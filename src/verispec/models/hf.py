@@ -86,8 +86,9 @@ class HFCausalLM:
         self.tokenizer = tokenizer
         self.config = model.config
         self.name = name or getattr(model.config, "_name_or_path", None) or type(model).__name__
-        self.device = next(model.parameters()).device
-        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        self.device = next(model.parameters(), torch.empty(0)).device
+        self.vocab_size = int(model.get_output_embeddings().out_features)
+        self.output_ids: torch.Tensor | None = None  # set when the output layer scores only these token ids
         self.max_context = int(
             getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None) or 2048
         )
@@ -114,6 +115,8 @@ class HFCausalLM:
             use_cache=True,
             **({"logits_to_keep": 1} if last_only and self._takes_logits_to_keep else {}),
         )
-        if last_only:
-            return out.logits[:, -1:].float()
-        return out.logits.float()
+        logits = out.logits[:, -1:].float() if last_only else out.logits.float()
+        if self.output_ids is not None:  # a restricted output layer: every other token gets probability 0
+            full = logits.new_full((*logits.shape[:-1], self.vocab_size), float("-inf"))
+            logits = full.index_copy_(-1, self.output_ids.to(logits.device), logits)
+        return logits

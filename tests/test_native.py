@@ -1,0 +1,293 @@
+"""The native Llama/Qwen2 forward against transformers, and the exactness its kernels promise.
+
+Tiny random-weight models (see conftest). Two claims are checked:
+- close: native logits match the HF model's to float32 rounding, and greedy decoding (plain or
+  speculative, alone or batched) gives the HF tokens;
+- exact: in small passes a row's logits are bitwise independent of the pass width, its batch mates
+  and rollback holes, so a width-k verify pass sees what k single-token steps would.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import verispec
+from conftest import perturbed_copy, tiny_gpt2, tiny_llama, tiny_qwen2
+from verispec.drafters.model import left_pad
+from verispec.models import kernels
+from verispec.models.native import NativeCausalLM, NativeStore, supports
+
+PROMPTS = [[1, 5, 6, 7, 8, 9, 5, 6, 7], [1, 20, 21], [4], [1, 30, 31, 32, 30, 31, 32, 30, 31, 40, 41, 42]]
+SEQUENCE = [1, 5, 6, 7, 8, 9, 5, 6, 7, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20]
+
+needs_kernels = pytest.mark.skipif(not kernels.available(), reason="no C compiler or no AVX2/AVX-512 CPU")
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def pair(request):
+    """(HF model, native model over the same weights)."""
+    hf = {"llama": tiny_llama, "qwen2": tiny_qwen2}[request.param](seed=0)
+    return hf, NativeCausalLM.from_hf(hf)
+
+
+@pytest.fixture(params=["kernels", "torch"])
+def native(request, pair, monkeypatch):
+    """The native model with its exact kernels, and with the plain torch path it falls back to."""
+    _, model = pair
+    if request.param == "kernels":
+        if not model._kernels:
+            pytest.skip("exact kernels unavailable here")
+    else:
+        monkeypatch.setattr(model, "_kernels", False)
+        monkeypatch.setattr(model, "_kernel_attention", False)
+    return model
+
+
+def run(model, chunks, batch_size=1):
+    """Feed token chunks [B, T] one forward pass each; return the logits of every pass, concatenated on T."""
+    cache = model.new_cache(batch_size)
+    return torch.cat([model.forward(chunk, cache) for chunk in chunks], 1), cache
+
+
+# --- close to transformers ----------------------------------------------------------------------
+
+def test_supports_llama_qwen2_only(pair):
+    hf, _ = pair
+    assert supports(hf) and supports(hf.model)
+    assert not supports(tiny_gpt2())
+    with pytest.raises(ValueError, match="not supported"):
+        NativeCausalLM.from_hf(tiny_gpt2())
+
+
+def test_same_contract_attributes(pair):
+    hf, model = pair
+    for attribute in ("vocab_size", "max_context", "eos_token_ids", "device", "config"):
+        assert getattr(model, attribute) == getattr(hf, attribute), attribute
+    assert model.name == hf.name
+    assert model.lm_head.data_ptr() == hf.model.get_output_embeddings().weight.data_ptr()  # borrowed, not copied
+
+
+def test_logits_match_hf_prefill_then_decode(pair, native):
+    hf, _ = pair
+    tokens = torch.tensor([SEQUENCE])
+    chunks = [tokens[:, :12]] + [tokens[:, t : t + 1] for t in range(12, 16)] + [tokens[:, 16:]]
+    expected, _ = run(hf, chunks)
+    got, _ = run(native, chunks)
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_last_only_scores_the_last_position(pair, native):
+    tokens = torch.tensor([SEQUENCE[:9]])
+    full = native.forward(tokens, native.new_cache(1))
+    last = native.forward(tokens, native.new_cache(1), last_only=True)
+    assert last.shape == (1, 1, native.vocab_size)
+    torch.testing.assert_close(last[:, 0], full[:, -1], atol=1e-5, rtol=1e-5)
+
+
+def test_cache_grows_past_its_first_capacity(pair, native):
+    hf, _ = pair
+    tokens = torch.arange(150).remainder(90).add(4)[None]  # 150 slots > the 64 first allocated
+    chunks = [tokens[:, :40]] + [tokens[:, t : t + 5] for t in range(40, 150, 5)]
+    expected, _ = run(hf, chunks)
+    got, cache = run(native, chunks)
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    assert cache.store.capacity >= 150 and cache.store.length == 150
+
+
+def test_left_padding_matches_each_row_alone(pair, native):
+    rows = [SEQUENCE[:9], SEQUENCE[:3], SEQUENCE[5:6]]
+    tokens, visible = left_pad(rows)
+    cache = native.new_cache(len(rows))
+    logits = native.forward(tokens, cache, visible)
+    assert torch.isfinite(logits).all()  # padding queries see nothing, yet produce no NaN
+    step = native.forward(torch.tensor([[30], [31], [32]]), cache)
+    for b, row in enumerate(rows):
+        alone_cache = native.new_cache(1)
+        alone = native.forward(torch.tensor([row]), alone_cache)
+        torch.testing.assert_close(logits[b, -len(row) :], alone[0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(step[b], native.forward(torch.tensor([[30 + b]]), alone_cache)[0], atol=1e-5, rtol=1e-5)
+
+
+# --- greedy tokens through the engine -------------------------------------------------------------
+
+def test_plain_greedy_equals_hf(pair, native):
+    hf, _ = pair
+    for prompt in PROMPTS:
+        expected = verispec.generate(hf, prompt, drafter="none", max_new_tokens=30).token_ids
+        assert verispec.generate(native, prompt, drafter="none", max_new_tokens=30).token_ids == expected
+
+
+@pytest.mark.parametrize("drafter", ["model", "ngram"])
+@pytest.mark.parametrize("draft_len", [1, 3, 5])
+def test_speculative_equals_plain(pair, native, drafter, draft_len):
+    hf, _ = pair
+    draft = NativeCausalLM.from_hf(perturbed_copy(hf, scale=0.05))
+    for prompt in PROMPTS:
+        expected = verispec.generate(native, prompt, drafter="none", max_new_tokens=30).token_ids
+        got = verispec.generate(native, prompt, draft=draft, drafter=drafter, draft_len=draft_len, max_new_tokens=30)
+        assert got.token_ids == expected, f"prompt {prompt}"
+
+
+@pytest.mark.parametrize("drafter", ["model", "ngram", "none"])
+def test_batch_equals_each_alone(pair, native, drafter):
+    hf, _ = pair
+    draft = NativeCausalLM.from_hf(perturbed_copy(hf, scale=0.05))
+    batch = verispec.generate(native, PROMPTS, draft=draft, drafter=drafter, draft_len=4, max_new_tokens=30)
+    alone = [verispec.generate(native, p, drafter="none", max_new_tokens=30).token_ids for p in PROMPTS]
+    assert [r.token_ids for r in batch] == alone
+
+
+def test_speculation_accepts_with_native_target(pair):
+    """Guard against a vacuous pass: the perturbed draft must get tokens accepted."""
+    hf, model = pair
+    draft = NativeCausalLM.from_hf(perturbed_copy(hf, scale=0.05))
+    saved, model.eos_token_ids = model.eos_token_ids, frozenset()
+    try:
+        result = verispec.generate(model, PROMPTS[0], draft=draft, draft_len=4, max_new_tokens=40)
+    finally:
+        model.eos_token_ids = saved
+    assert result.stats.mean_accepted_tokens > 1.5
+
+
+# --- rollback, select, concat ---------------------------------------------------------------------
+
+def test_rollback_then_reforward_equals_fresh_cache(pair, native):
+    exact = native._kernels
+    tokens = torch.tensor([SEQUENCE])
+    cache = native.new_cache(1)
+    native.forward(tokens[:, :10], cache)
+    native.forward(torch.tensor([[50, 51, 52, 53, 54]]), cache)  # a draft that gets rejected
+    cache.truncate(torch.tensor([10]))
+    assert cache.store.length == 10
+    again = native.forward(tokens[:, 10:15], cache)
+    fresh_cache = native.new_cache(1)
+    native.forward(tokens[:, :10], fresh_cache)
+    fresh = native.forward(tokens[:, 10:15], fresh_cache)
+    if exact:
+        assert torch.equal(again, fresh)
+    torch.testing.assert_close(again, fresh, atol=1e-5, rtol=1e-5)
+
+
+def test_holes_from_rollback_do_not_shift_a_row(pair, native):
+    """Row 0 accepts 1 of 4 draft tokens, row 1 all 4: row 0's holes stay masked for ever."""
+    cache = native.new_cache(2)
+    native.forward(torch.tensor([SEQUENCE[:6], SEQUENCE[6:12]]), cache)
+    native.forward(torch.tensor([[60, 61, 62, 63], [64, 65, 66, 67]]), cache)
+    cache.truncate(torch.tensor([7, 10]))
+    step = native.forward(torch.tensor([[70], [71]]), cache)
+    alone0 = native.new_cache(1)
+    native.forward(torch.tensor([SEQUENCE[:6] + [60]]), alone0)
+    alone1 = native.new_cache(1)
+    native.forward(torch.tensor([SEQUENCE[6:12] + [64, 65, 66, 67]]), alone1)
+    torch.testing.assert_close(step[0], native.forward(torch.tensor([[70]]), alone0)[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(step[1], native.forward(torch.tensor([[71]]), alone1)[0], atol=1e-5, rtol=1e-5)
+    if native._kernels:  # holes are skipped, not masked: bitwise what the row gives alone
+        assert torch.equal(step[0], native.forward(torch.tensor([[70]]), _prefilled(native, SEQUENCE[:6] + [60]))[0])
+
+
+def _prefilled(model, tokens):
+    cache = model.new_cache(1)
+    model.forward(torch.tensor([tokens]), cache)
+    return cache
+
+
+def test_select_and_concat_rows(pair, native):
+    rows = [SEQUENCE[:4], SEQUENCE[4:11], SEQUENCE[11:14]]
+    caches = [_prefilled(native, r) for r in rows]
+    expected = [native.forward(torch.tensor([[40 + i]]), _prefilled(native, r))[0] for i, r in enumerate(rows)]
+
+    cache = caches[0]
+    cache.concat(caches[1])  # shorter rows are padded on the slot axis with invisible slots
+    cache.concat(caches[2])
+    assert cache.batch_size == 3 and cache.store.batch_size == 3
+    cache.select([2, 0])
+    got = native.forward(torch.tensor([[42], [40]]), cache)
+    torch.testing.assert_close(got[0], expected[2], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got[1], expected[0], atol=1e-5, rtol=1e-5)
+
+
+def test_store_trim_moves_length_only():
+    store = NativeStore(2, 1, 2, 16, torch.float32, torch.device("cpu"))
+    store.reserve(10)
+    store.length = 10
+    keys = store.keys
+    store.trim(4)
+    assert store.length == 4 and store.keys is keys
+    store.reserve(64)
+    assert store.keys is keys  # capacity 64 already: no reallocation
+    store.reserve(65)
+    assert store.capacity == 128
+
+
+# --- the exactness premise ------------------------------------------------------------------------
+
+@needs_kernels
+def test_width_k_pass_equals_k_single_steps(pair):
+    """Verification scores k+1 tokens in one pass; plain decoding scores them one by one."""
+    _, model = pair
+    tokens = torch.tensor([SEQUENCE])
+    for width in (2, 5, 8):
+        cache = _prefilled(model, SEQUENCE[:8])
+        wide = model.forward(tokens[:, 8 : 8 + width], cache)
+        cache = _prefilled(model, SEQUENCE[:8])
+        singles = torch.cat([model.forward(tokens[:, t : t + 1], cache) for t in range(8, 8 + width)], 1)
+        assert torch.equal(wide.argmax(-1), singles.argmax(-1))
+        assert torch.equal(wide, singles), f"width {width}: max diff {(wide - singles).abs().max()}"
+
+
+@needs_kernels
+def test_batch_mates_do_not_change_a_row(pair):
+    _, model = pair
+    alone = model.forward(torch.tensor([[9, 8, 7]]), _prefilled(model, SEQUENCE[:5]))
+    cache = model.new_cache(3)
+    model.forward(torch.tensor([SEQUENCE[:5], SEQUENCE[5:10], SEQUENCE[10:15]]), cache)
+    together = model.forward(torch.tensor([[9, 8, 7], [1, 2, 3], [4, 5, 6]]), cache)
+    assert torch.equal(together[0], alone[0])
+
+
+@needs_kernels
+@pytest.mark.parametrize("isa", [512, 256])
+def test_rowwise_linear_rows_are_independent(isa, monkeypatch):
+    if isa > kernels.isa():
+        pytest.skip(f"CPU lacks the {isa}-bit kernel")
+    monkeypatch.setattr(kernels, "_isa", isa)
+    torch.manual_seed(0)
+    for out_features, in_features in ((97, 70), (64, 128), (8, 33)):
+        weight, bias = torch.randn(out_features, in_features), torch.randn(out_features)
+        x = torch.randn(13, in_features)
+        full = kernels.rowwise_linear(x, weight, bias)
+        torch.testing.assert_close(full, torch.nn.functional.linear(x, weight, bias), atol=1e-4, rtol=1e-4)
+        for lo in range(13):
+            for hi in range(lo + 1, 14):
+                assert torch.equal(kernels.rowwise_linear(x[lo:hi], weight, bias), full[lo:hi])
+
+
+@needs_kernels
+@pytest.mark.parametrize("isa", [512, 256])
+def test_slot_attention_matches_masked_softmax(isa, monkeypatch):
+    if isa > kernels.isa():
+        pytest.skip(f"CPU lacks the {isa}-bit kernel")
+    monkeypatch.setattr(kernels, "_isa", isa)
+    torch.manual_seed(0)
+    batch, width, heads, kv_heads, dim, start = 2, 3, 4, 2, 16, 6
+    q = torch.randn(batch, width, heads, dim)
+    keys, values = torch.randn(2, batch, 16, kv_heads, dim).unbind(0)
+    visible = torch.ones(batch, start + width, dtype=torch.bool)
+    visible[0, 1:3] = False  # holes
+    visible[1, :4] = False  # left padding
+    out = kernels.slot_attention(q, keys, values, visible, start, dim**-0.5)
+    slot = torch.arange(start + width)
+    for b in range(batch):
+        for t in range(width):
+            seen = visible[b] & (slot <= start + t)
+            for h in range(heads):
+                kv = h // (heads // kv_heads)
+                k, v = keys[b, : start + width][seen, kv], values[b, : start + width][seen, kv]
+                p = torch.softmax(k @ q[b, t, h] * dim**-0.5, 0)
+                torch.testing.assert_close(out[b, t, h], p @ v, atol=1e-5, rtol=1e-5)
+                one = kernels.slot_attention(q[b : b + 1, t : t + 1], keys[b : b + 1], values[b : b + 1],
+                                             visible[b : b + 1], start + t, dim**-0.5)
+                assert torch.equal(one[0, 0, h], out[b, t, h])
+    nothing = torch.zeros(1, 2, dtype=torch.bool)  # a padding query with no visible slot: zeros, not NaN
+    assert torch.equal(kernels.slot_attention(q[:1, :2], keys[:1], values[:1], nothing, 0, 0.25), torch.zeros(1, 2, heads, dim))

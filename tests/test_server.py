@@ -1,0 +1,477 @@
+"""The OpenAI-compatible server: a real server process on smollm2-135m, spoken to with the `openai` client and raw httpx.
+
+The server drafts with the model itself (self-speculation: nearly every draft token is accepted, so
+the batched draft/verify path does real work) and is checked against plain single-request decoding
+in this process. The worker's fault handling is tested in-process on tiny random models.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+
+import httpx
+import openai
+import pytest
+import torch
+
+import verispec
+from verispec import zoo
+from verispec.api import make_drafter
+from verispec.engine import DecodeBatch, Request, TokenEvent
+from verispec.sampling import SamplingParams
+from verispec.server import Job, JobFailed, Scheduler
+
+from conftest import perturbed_copy, tiny_llama
+
+API_KEY = "test-key"
+MODEL = "smollm2-135m"
+MAX_BATCH = 8
+LOAD_TOKENS = 10  # max_tokens for the load test's requests
+# Distinct prompts for the load test, one per concurrent client.
+LOAD_PROMPTS = [f"Question {i}: what is {i} plus {i + 3}? Answer:" for i in range(8)] + [
+    f"The {word} is a kind of" for word in ("falcon", "violin", "glacier", "tulip", "comet", "otter", "sonnet", "canyon")
+]
+PROMPT = "The three primary colors are"
+CHAT = "Name two planets."
+
+
+@dataclass
+class Server:
+    url: str
+    proc: subprocess.Popen
+    log_path: str
+    plain: dict  # (prompt, max_tokens, chat) -> text from plain single-request decoding in this process
+
+    def client(self, **kwargs) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120, **kwargs)
+
+    def post(self, path: str, body=None, key: str | None = API_KEY, timeout=120) -> httpx.Response:
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        return httpx.post(self.url + path, json=body, headers=headers, timeout=timeout)
+
+    def metrics(self) -> dict[str, float]:
+        return parse_prometheus(httpx.get(self.url + "/metrics", timeout=30).text)
+
+    def rss_kb(self) -> int:
+        with open(f"/proc/{self.proc.pid}/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+
+    def wait_idle(self, timeout: float = 20.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            m = self.metrics()
+            if m["verispec_batch_size"] == 0 and m["verispec_queue_depth"] == 0:
+                return
+            time.sleep(0.2)
+        raise AssertionError(f"the server still has work in flight after {timeout}s: {self.metrics()['verispec_batch_size']} rows")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def parse_prometheus(text: str) -> dict[str, float]:
+    """'name{labels} value' lines -> {'name{labels}': value}; fails on any line that is not valid."""
+    samples = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            assert line == "" or line.startswith(("# HELP ", "# TYPE ")), line
+            continue
+        name, value = line.rsplit(" ", 1)
+        samples[name] = float(value)
+    return samples
+
+
+@pytest.fixture(scope="module")
+def server():
+    zoo.pull("smollm2-135m")
+    port = free_port()
+    log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
+    # One thread each for the server and this process: the machine has two cores.
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "verispec.server", "--target", "smollm2-135m", "--draft", "smollm2-135m", "--draft-len", "4",
+         "--port", str(port), "--api-key", API_KEY, "--max-batch", str(MAX_BATCH)],
+        stdout=log, stderr=subprocess.STDOUT, env=env,
+    )
+    try:
+        # While the server loads: the reference outputs, plain decoding one request at a time.
+        torch.set_num_threads(1)
+        model = verispec.load("smollm2-135m")
+        plain = {(p, LOAD_TOKENS, False): verispec.generate(model, p, drafter="none", max_new_tokens=LOAD_TOKENS).text
+                 for p in LOAD_PROMPTS}
+        plain[(PROMPT, 24, False)] = verispec.generate(model, PROMPT, drafter="none", max_new_tokens=24).text
+        plain[(CHAT, 24, True)] = verispec.generate(model, CHAT, drafter="none", max_new_tokens=24, chat=True).text
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 180
+        while True:
+            if proc.poll() is not None:
+                log.seek(0)
+                pytest.fail(f"the server exited with {proc.returncode}:\n{log.read()[-3000:]}")
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail("the server did not answer /health within 180 s")
+            time.sleep(0.25)
+        yield Server(url, proc, log.name, plain)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+        os.unlink(log.name)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Correctness through the official client
+
+
+def test_models_and_health(server):
+    assert [m.id for m in server.client().models.list().data] == ["smollm2-135m"]
+    health = httpx.get(server.url + "/health", timeout=10).json()
+    assert health["status"] == "ok" and health["model"] == "smollm2-135m"
+
+
+def test_greedy_completion_matches_plain_decoding(server):
+    result = server.client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0)
+    assert result.choices[0].text == server.plain[(PROMPT, 24, False)]
+    assert result.choices[0].finish_reason in ("length", "stop")
+    usage = result.usage
+    assert usage.prompt_tokens == len(verispec.load("smollm2-135m").tokenizer(PROMPT)["input_ids"])
+    assert 0 < usage.completion_tokens <= 24 and usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    spec = usage.model_extra["speculative"]
+    assert set(spec) == {"drafted_tokens", "accepted_tokens", "acceptance_rate", "mean_accepted_tokens", "target_passes"}
+    assert spec["accepted_tokens"] > 0 and spec["mean_accepted_tokens"] > 1.5  # the model drafting for itself
+    assert spec["target_passes"] < usage.completion_tokens
+
+
+def test_greedy_chat_matches_plain_decoding(server):
+    client = server.client()
+    messages = [{"role": "user", "content": CHAT}]
+    result = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0)
+    assert result.choices[0].message.content == server.plain[(CHAT, 24, True)]
+    assert result.choices[0].message.role == "assistant"
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == result.choices[0].message.content
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == result.usage.completion_tokens
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == [result.choices[0].finish_reason]
+
+
+def test_streamed_completion_equals_non_streamed(server):
+    client = server.client()
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == server.plain[(PROMPT, 24, False)]
+    assert chunks[-1].usage.model_extra["speculative"]["target_passes"] > 0
+
+
+def test_per_request_speculation_settings(server):
+    """speculate=false decodes plainly, draft_len overrides k; greedy text is the same either way."""
+    expected = server.plain[(PROMPT, 24, False)]
+    plain = server.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 24, "temperature": 0, "speculate": False}).json()
+    assert plain["choices"][0]["text"] == expected
+    assert plain["usage"]["speculative"]["drafted_tokens"] == 0
+    assert plain["usage"]["speculative"]["target_passes"] == plain["usage"]["completion_tokens"]
+    short = server.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 24, "temperature": 0, "draft_len": 1}).json()
+    assert short["choices"][0]["text"] == expected
+    spec = short["usage"]["speculative"]
+    assert spec["drafted_tokens"] <= spec["target_passes"]  # at most one draft token per pass
+
+
+def test_sampling_with_seed_and_n(server):
+    body = {"prompt": "Once upon a time", "max_tokens": 12, "temperature": 0.9, "top_p": 0.95, "top_k": 50, "seed": 7, "n": 2}
+    first, second = (server.post("/v1/completions", body).json() for _ in range(2))
+    texts = [c["text"] for c in first["choices"]]
+    assert [c["index"] for c in first["choices"]] == [0, 1]
+    assert texts == [c["text"] for c in second["choices"]]  # seeded: reproducible
+    assert 0 < first["usage"]["completion_tokens"] <= 2 * 12
+    # Choice i uses seed + i: choice 1 is what a lone request with seed 8 gives.
+    alone = server.post("/v1/completions", {**body, "n": 1, "seed": 8}).json()
+    assert alone["choices"][0]["text"] == texts[1]
+
+
+def test_stop_sequence(server):
+    full = server.plain[(PROMPT, 24, False)]
+    stop = full.strip().split()[2]  # a word the model will produce
+    result = server.client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0, stop=[stop])
+    assert result.choices[0].finish_reason == "stop"
+    assert result.choices[0].text == full[: full.index(stop)]
+    streamed = "".join(c.choices[0].text for c in server.client().completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0, stop=stop, stream=True))
+    assert streamed == result.choices[0].text
+
+
+# ---------------------------------------------------------------------------------------------------
+# Load, disconnects, memory
+
+
+def test_concurrent_streams_are_not_mixed_and_memory_is_stable(server):
+    """16 concurrent streaming clients, 3 rounds: every response equals its prompt's single-request output."""
+    client = server.client()
+    rss = []
+    for _ in range(3):
+        results: dict[str, str] = {}
+        errors: list[BaseException] = []
+
+        def run(prompt: str) -> None:
+            try:
+                stream = client.completions.create(model=MODEL, prompt=prompt, max_tokens=LOAD_TOKENS, temperature=0, stream=True)
+                results[prompt] = "".join(c.choices[0].text for c in stream if c.choices)
+            except BaseException as exc:  # reported below, with the prompt
+                errors.append(exc)
+
+        threads = [threading.Thread(target=run, args=(p,)) for p in LOAD_PROMPTS]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        assert not errors, errors
+        for prompt in LOAD_PROMPTS:
+            assert results[prompt] == server.plain[(prompt, LOAD_TOKENS, False)], prompt
+        server.wait_idle()
+        rss.append(server.rss_kb())
+    # The first round warms up allocators and caches; after it, memory must not keep growing.
+    assert rss[2] - rss[0] < 100 * 1024, f"server RSS grew across rounds: {[r // 1024 for r in rss]} MB"
+    metrics = server.metrics()
+    assert metrics["verispec_time_to_first_token_seconds_count{endpoint=\"/v1/completions\"}"] >= 3 * len(LOAD_PROMPTS)
+
+
+def test_disconnect_mid_stream_frees_the_slot(server):
+    server.wait_idle()
+    body = {"prompt": "Write a very long story about a dragon.", "max_tokens": 4000, "temperature": 0, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"},
+                      timeout=60) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data: ") and json.loads(line[6:])["choices"][0]["text"]:
+                break
+        assert server.metrics()["verispec_batch_size"] == 1
+    server.wait_idle(timeout=10)  # 4000 tokens would take minutes: the row was removed
+    assert server.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 4, "temperature": 0}).status_code == 200
+
+
+def test_disconnect_while_waiting_for_a_non_streamed_answer(server):
+    server.wait_idle()
+    with pytest.raises(httpx.ReadTimeout):
+        server.post("/v1/completions", {"prompt": "Write a very long story.", "max_tokens": 4000, "temperature": 0},
+                    timeout=httpx.Timeout(30, read=2))
+    server.wait_idle(timeout=10)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Bad input: an OpenAI-style 4xx each, and the server keeps serving
+
+LONG_PROMPT = [1] * 8200  # past smollm2's 8192-token context
+
+BAD_REQUESTS = [
+    # (path, body or raw bytes, key, status, param)
+    ("/v1/completions", b"{not json", API_KEY, 400, None),
+    ("/v1/completions", [1, 2], API_KEY, 400, None),
+    ("/v1/completions", {"prompt": PROMPT, "model": "gpt-4"}, API_KEY, 404, "model"),
+    ("/v1/completions", {"max_tokens": 4}, API_KEY, 400, "prompt"),
+    ("/v1/completions", {"prompt": 42}, API_KEY, 400, "prompt"),
+    ("/v1/completions", {"prompt": [[1, 2], "x", 3]}, API_KEY, 400, "prompt"),
+    ("/v1/completions", {"prompt": ""}, API_KEY, 400, "prompt"),
+    ("/v1/completions", {"prompt": LONG_PROMPT}, API_KEY, 400, "prompt"),
+    ("/v1/completions", {"prompt": [1, 2, 10**9]}, API_KEY, 400, "prompt"),
+    ("/v1/completions", {"prompt": PROMPT, "max_tokens": 0}, API_KEY, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": PROMPT, "max_tokens": -3}, API_KEY, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": PROMPT, "max_tokens": "ten"}, API_KEY, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": PROMPT, "max_tokens": True}, API_KEY, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": PROMPT, "max_tokens": 9000}, API_KEY, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": PROMPT, "temperature": -0.1}, API_KEY, 400, "temperature"),
+    ("/v1/completions", {"prompt": PROMPT, "temperature": 2.5}, API_KEY, 400, "temperature"),
+    ("/v1/completions", {"prompt": PROMPT, "temperature": "hot"}, API_KEY, 400, "temperature"),
+    ("/v1/completions", {"prompt": PROMPT, "top_p": 0}, API_KEY, 400, "top_p"),
+    ("/v1/completions", {"prompt": PROMPT, "top_p": 1.5}, API_KEY, 400, "top_p"),
+    ("/v1/completions", {"prompt": PROMPT, "top_k": -1}, API_KEY, 400, "top_k"),
+    ("/v1/completions", {"prompt": PROMPT, "seed": "abc"}, API_KEY, 400, "seed"),
+    ("/v1/completions", {"prompt": PROMPT, "n": 0}, API_KEY, 400, "n"),
+    ("/v1/completions", {"prompt": PROMPT, "n": 17}, API_KEY, 400, "n"),
+    ("/v1/completions", {"prompt": PROMPT, "stop": ["a", "b", "c", "d", "e"]}, API_KEY, 400, "stop"),
+    ("/v1/completions", {"prompt": PROMPT, "stop": [""]}, API_KEY, 400, "stop"),
+    ("/v1/completions", {"prompt": PROMPT, "logprobs": 1}, API_KEY, 400, "logprobs"),
+    ("/v1/completions", {"prompt": PROMPT, "presence_penalty": 0.5}, API_KEY, 400, "presence_penalty"),
+    ("/v1/completions", {"prompt": PROMPT, "frequency_penalty": 1}, API_KEY, 400, "frequency_penalty"),
+    ("/v1/completions", {"prompt": PROMPT, "logit_bias": {"1": 5}}, API_KEY, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": PROMPT, "best_of": 2}, API_KEY, 400, "best_of"),
+    ("/v1/completions", {"prompt": PROMPT, "echo": True}, API_KEY, 400, "echo"),
+    ("/v1/completions", {"prompt": PROMPT, "suffix": "end"}, API_KEY, 400, "suffix"),
+    ("/v1/completions", {"prompt": PROMPT, "repetition_penalty": 1.1}, API_KEY, 400, "repetition_penalty"),
+    ("/v1/completions", {"prompt": PROMPT, "draft_len": 0}, API_KEY, 400, "draft_len"),
+    ("/v1/completions", {"prompt": PROMPT, "draft_len": 3, "speculate": False}, API_KEY, 400, "draft_len"),
+    ("/v1/completions", {"prompt": PROMPT, "speculate": "yes"}, API_KEY, 400, "speculate"),
+    ("/v1/completions", {"prompt": PROMPT, "stream_options": {"include_usage": True}}, API_KEY, 400, "stream_options"),
+    ("/v1/chat/completions", {"max_tokens": 4}, API_KEY, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "hi"}]}, API_KEY, 400, "messages[0].role"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, API_KEY, 400, "messages[0].content"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     API_KEY, 400, "messages[0].content"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, API_KEY, 400, "tools"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True}, API_KEY, 400, "logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10000}, API_KEY, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": PROMPT}, None, 401, None),
+    ("/v1/completions", {"prompt": PROMPT}, "wrong-key", 401, None),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, "wrong-key", 401, None),
+]
+
+
+def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server):
+    for path, body, key, status, param in BAD_REQUESTS:
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        if isinstance(body, bytes):
+            response = httpx.post(server.url + path, content=body, headers={**headers, "Content-Type": "application/json"}, timeout=30)
+        else:
+            response = httpx.post(server.url + path, json=body, headers=headers, timeout=30)
+        case = f"{path} {str(body)[:80]} -> {response.status_code} {response.text[:200]}"
+        assert response.status_code == status, case
+        error = response.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["message"], case
+        assert error["type"] == "invalid_request_error", case
+        if param is not None:
+            assert error["param"] == param, case
+    assert httpx.get(server.url + "/v1/models", timeout=10).status_code == 401
+    assert httpx.get(server.url + "/v1/no-such-thing", timeout=10).status_code == 404
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0).models.list()
+    with pytest.raises(openai.BadRequestError):
+        server.client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=0)
+    # Missing model is fine; so is a list holding one prompt, and token ids.
+    good = server.post("/v1/completions", {"prompt": [PROMPT], "max_tokens": 24, "temperature": 0})
+    assert good.status_code == 200 and good.json()["choices"][0]["text"] == server.plain[(PROMPT, 24, False)]
+    ids = verispec.load("smollm2-135m").tokenizer(PROMPT)["input_ids"]
+    assert server.post("/v1/completions", {"prompt": ids, "max_tokens": 24, "temperature": 0}).json()["choices"][0]["text"] == \
+        server.plain[(PROMPT, 24, False)]
+
+
+def test_metrics_count_requests_and_speculation(server):
+    before = server.metrics()
+    assert server.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 8, "temperature": 0}).status_code == 200
+    assert server.post("/v1/completions", {"prompt": PROMPT, "top_p": 7}).status_code == 400
+    after = server.metrics()
+    ok, bad = 'verispec_requests_total{endpoint="/v1/completions",status="200"}', 'verispec_requests_total{endpoint="/v1/completions",status="400"}'
+    assert after[ok] == before.get(ok, 0) + 1 and after[bad] == before.get(bad, 0) + 1
+    for counter in ("verispec_generation_tokens_total", "verispec_prompt_tokens_total", "verispec_target_passes_total",
+                    "verispec_drafted_tokens_total", "verispec_accepted_tokens_total"):
+        assert after[counter] > before.get(counter, 0), counter
+    assert 0 < after['verispec_acceptance_by_position{position="1"}'] <= 1
+    assert after["verispec_mean_accepted_tokens"] > 1
+    latency = 'verispec_request_latency_seconds_count{endpoint="/v1/completions"}'
+    assert after[latency] == before.get(latency, 0) + 1
+    assert after['verispec_request_latency_seconds_bucket{endpoint="/v1/completions",le="+Inf"}'] == after[latency]
+    assert {"verispec_batch_size", "verispec_queue_depth", "verispec_step_failures_total"} <= set(after)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The worker on its own (in-process, tiny random models): faults stay contained.
+
+
+class Collector:
+    """Stands in for an HTTP request: gathers one job's events."""
+
+    def __init__(self):
+        self.items: queue.Queue = queue.Queue()
+
+    def result(self, timeout: float = 60.0) -> list[int] | JobFailed:
+        tokens = []
+        while True:
+            item = self.items.get(timeout=timeout)
+            if isinstance(item, JobFailed):
+                return item
+            tokens.extend(item.tokens)
+            if item.finish_reason is not None:
+                return tokens
+
+
+_ids = iter(range(10**9))
+
+
+def job(prompt: list[int], max_new_tokens: int = 12, draft=4) -> tuple[Job, Collector]:
+    collector = Collector()
+    request = Request(prompt=prompt, sampling=SamplingParams(), max_new_tokens=max_new_tokens, id=next(_ids))
+    return Job(request, draft, collector.items.put), collector
+
+
+@pytest.fixture
+def tiny_scheduler():
+    torch.set_num_threads(1)
+    target = tiny_llama(seed=0)
+    draft = perturbed_copy(target, scale=0.05)
+    scheduler = Scheduler(target, lambda speculate: make_drafter(target, draft, "model" if speculate else "none"), max_batch=4)
+    scheduler.start()
+    yield target, scheduler
+    scheduler.stop()
+
+
+def plain_tokens(target, prompt, max_new_tokens=12):
+    return verispec.generate(target, prompt, drafter="none", max_new_tokens=max_new_tokens).token_ids
+
+
+def test_worker_survives_a_failing_step(tiny_scheduler, monkeypatch):
+    target, scheduler = tiny_scheduler
+    real_step, calls = DecodeBatch.step, []
+
+    def failing_once(self):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("injected fault")
+        return real_step(self)
+
+    monkeypatch.setattr(DecodeBatch, "step", failing_once)
+    victims = [job([5, 6, 7]), job([8, 9])]
+    scheduler.submit([j for j, _ in victims])
+    for _, collector in victims:
+        failure = collector.result()
+        assert isinstance(failure, JobFailed) and failure.status == 500
+    survivor, collector = job([5, 6, 7])
+    scheduler.submit([survivor])
+    assert collector.result() == plain_tokens(target, [5, 6, 7])
+    assert scheduler.step_failures == 1 and scheduler.thread.is_alive()
+
+
+def test_a_bad_request_fails_alone(tiny_scheduler):
+    target, scheduler = tiny_scheduler
+    (bad, bad_result), (good, good_result) = job([5, 10**6]), job([11, 12, 13])
+    scheduler.submit([bad, good])
+    failure = bad_result.result()
+    assert isinstance(failure, JobFailed) and failure.status == 400 and "vocabulary" in failure.message
+    assert good_result.result() == plain_tokens(target, [11, 12, 13])
+
+
+def test_lanes_and_cancellation(tiny_scheduler):
+    """Requests with different draft settings decode side by side, exactly; a cancelled one leaves at once."""
+    target, scheduler = tiny_scheduler
+    long_job, long_result = job([20, 21], max_new_tokens=400)
+    prompts = [[5, 6, 7], [30, 31], [40, 41, 42, 43], [50]]
+    jobs = [job(p, draft=d) for p, d in zip(prompts, [4, None, 1, "auto"])]
+    scheduler.submit([long_job])
+    scheduler.submit([j for j, _ in jobs])
+    scheduler.cancel([long_job.id])
+    for prompt, (_, collector) in zip(prompts, jobs):
+        assert collector.result() == plain_tokens(target, prompt)
+    deadline = time.monotonic() + 10
+    while scheduler.running and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert scheduler.running == 0 and not scheduler.lanes or all(not lane.jobs for lane in scheduler.lanes)
+    while not long_result.items.empty():  # whatever the long job got before it was cancelled, it never finished
+        item = long_result.items.get()
+        assert isinstance(item, TokenEvent) and item.finish_reason is None
