@@ -38,6 +38,9 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face peers")
+    p.add_argument("--sweep", default="1,2,3,4,6,8", help="fixed draft lengths to measure against the formula ('' to skip)")
+    p.add_argument("--sweep-prompts", type=int, default=3, help="prompts used for the draft-length sweep")
+    p.add_argument("--widths", default="1,2,3,4,5,6,8,9,12,16", help="target forward widths for the verify cost curve")
     p.add_argument("--quick", action="store_true", help="1 prompt per category, 32 new tokens: a few minutes")
     p.add_argument("--out", default="bench/reports", help="directory for JSON, Markdown and PNG reports")
     p.add_argument("--name", default=None, help="report file stem (default: derived from the prompt file)")
@@ -142,8 +145,74 @@ def run_bench(args) -> dict:
               f"({ratio:.2f}x, {m.stats['mean_accepted_tokens']:.2f} tok/pass, identical={m.identical}){extra}", file=sys.stderr)
 
     report = summarize(results, args)
+    report["verify_cost"] = measure_verify_curve(target, args)
+    if args.sweep and draft is not None:
+        report["sweep"] = sweep_draft_len(target, results[: args.sweep_prompts], spec_options, report["verify_cost"], args)
     write_reports(report, results, args)
     return report
+
+
+def measure_verify_curve(target, args) -> dict:
+    """cost(width) / cost(1) of the target: the term that decides speculation on a CPU."""
+    from verispec.costs import measure_width_costs
+
+    widths = sorted({int(w) for w in args.widths.split(",") if w})
+    seconds = measure_width_costs(target, widths, repeats=5)
+    ratio = {w: seconds[w] / seconds[1] for w in widths}
+    print("[bench] verify cost, target forward of width w relative to width 1 (median of 5): "
+          + ", ".join(f"w={w}: {r:.2f}" for w, r in ratio.items()), file=sys.stderr)
+    return {"seconds": seconds, "ratio": ratio}
+
+
+def predicted_curve(acceptance: list[float], cost_ratio: float, verify_ratio: dict, max_k: int) -> dict[int, float]:
+    """Speedup(k) = E(k) / (k c + v(k + 1)), with E(k) = 1 + sum_{i<=k} prod_{j<=i} a_j and v the
+    measured verify cost relative to one plain step (v = 1 is the GPU textbook case)."""
+    curve = {}
+    for k in range(1, max_k + 1):
+        if (k + 1) not in verify_ratio:
+            continue
+        expected, survive = 1.0, 1.0
+        for a in acceptance[:k]:
+            survive *= a
+            expected += survive
+        curve[k] = expected / (k * cost_ratio + verify_ratio[k + 1])
+    return curve
+
+
+def conditional_acceptance(drafted_at: list[int], accepted_at: list[int]) -> list[float]:
+    """a_j = P(position j accepted | position j - 1 accepted), from per-position counters."""
+    out = []
+    for j, accepted in enumerate(accepted_at):
+        reached = drafted_at[0] if j == 0 else accepted_at[j - 1]
+        out.append(accepted / reached if reached else 0.0)
+    return out
+
+
+def sweep_draft_len(target, results: list[Measurement], spec_options: dict, verify_cost: dict, args) -> dict:
+    """Measured speedup over plain decoding at fixed draft lengths, beside the formula's prediction."""
+    import verispec
+    from verispec.text import encode_prompt
+
+    ks = [int(k) for k in args.sweep.split(",") if k]
+    measured, acceptance_runs, draft_costs = {}, [], []
+    for k in ks:
+        ratios = []
+        for m in results:
+            ids = encode_prompt(target.tokenizer, m.prompt.text, chat=m.prompt.chat)
+            spec, seconds = _timed(lambda: verispec.generate(target, ids, **{**spec_options, "draft_len": k}))
+            ratios.append((len(spec.token_ids) / seconds) / (m.tokens["plain"] / m.seconds["plain"]))
+            st = spec.stats
+            if k == max(ks):
+                acceptance_runs.append(conditional_acceptance(st.drafted_at, st.accepted_at))
+            if st.drafted_tokens:
+                draft_costs.append((st.draft_seconds / st.draft_len_sum) / (m.seconds["plain"] / max(m.tokens["plain"], 1)))
+        measured[k] = statistics.median(ratios)
+        print(f"[bench] sweep draft_len={k}: {measured[k]:.2f}x over plain (median of {len(ratios)})", file=sys.stderr)
+    depth = max(len(a) for a in acceptance_runs) if acceptance_runs else 0
+    acceptance = [statistics.mean(a[j] for a in acceptance_runs if len(a) > j) for j in range(depth)]
+    cost_ratio = statistics.median(draft_costs) if draft_costs else 0.0
+    predicted = predicted_curve(acceptance, cost_ratio, {int(w): r for w, r in verify_cost["ratio"].items()}, max(ks))
+    return {"measured": measured, "predicted": predicted, "acceptance": acceptance, "draft_cost_ratio": cost_ratio}
 
 
 def cheap_draft(draft, args):
@@ -242,7 +311,16 @@ def write_reports(report: dict, results: list[Measurement], args) -> None:
               f"machine: {report['machine']['processor']}, {report['machine']['cpus']} threads, torch {report['machine']['torch']}. "
               "Speedups are medians of per-prompt tokens/s ratios measured in the same run.")
     table = markdown_table(report)
-    (out / f"{stem}.md").write_text(header + "\n\n" + table + "\n")
+    extra = ""
+    if "verify_cost" in report:
+        ratio = report["verify_cost"]["ratio"]
+        extra += ("\n\nTarget forward cost by width, relative to width 1: "
+                  + ", ".join(f"{w}: {r:.2f}" for w, r in ratio.items()) + "\n")
+    if "sweep" in report:
+        sw = report["sweep"]
+        extra += "\n| draft length k | measured speedup | predicted E/(k·c + v(k+1)) |\n| --- | --- | --- |\n"
+        extra += "\n".join(f"| {k} | {v:.2f}x | {_fmt(sw['predicted'].get(k))} |" for k, v in sw["measured"].items()) + "\n"
+    (out / f"{stem}.md").write_text(header + "\n\n" + table + "\n" + extra)
     print(table)
     try:
         plot(report, out / f"{stem}.png")
@@ -257,7 +335,8 @@ def plot(report: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     cats = [c for c in report["categories"]]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, axes = plt.subplots(1, 4, figsize=(22, 4.5))
+    ax1, ax2, ax3, ax4 = axes
     names = [("speedup_vs_plain", "verispec vs plain"), ("speedup_vs_hf", "verispec vs HF generate"),
              ("hf_assisted_vs_hf", "HF assisted vs HF"), ("hf_prompt_lookup_vs_hf", "HF prompt lookup vs HF")]
     width = 0.8 / len(names)
@@ -277,6 +356,26 @@ def plot(report: dict, path: Path) -> None:
     ax2.set_ylim(0, 1)
     ax2.set_title("Acceptance by draft position")
     ax2.legend(fontsize=7)
+    if "verify_cost" in report:
+        ratio = report["verify_cost"]["ratio"]
+        ws = sorted(int(w) for w in ratio)
+        ax3.plot(ws, [ratio[w] if w in ratio else ratio[str(w)] for w in ws], marker="o", label="measured")
+        ax3.plot(ws, [1.0] * len(ws), "k--", lw=0.8, label="ideal (memory-bound)")
+        ax3.set_xlabel("target forward width (tokens)")
+        ax3.set_ylabel("cost / cost(width 1)")
+        ax3.set_title("Verify cost by width")
+        ax3.legend(fontsize=8)
+    if "sweep" in report:
+        sw = report["sweep"]
+        ks = sorted(int(k) for k in sw["measured"])
+        ax4.plot(ks, [sw["measured"][k] for k in ks], "o", label="measured")
+        pk = sorted(int(k) for k in sw["predicted"])
+        ax4.plot(pk, [sw["predicted"][k] for k in pk], "-", label="E/(k·c + v(k+1))")
+        ax4.axhline(1.0, color="k", lw=0.8)
+        ax4.set_xlabel("draft length k")
+        ax4.set_ylabel("speedup over plain")
+        ax4.set_title("Speedup vs draft length")
+        ax4.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
