@@ -46,7 +46,7 @@ def test_draft_with_a_different_tokenizer():
 
     tok = copy.deepcopy(smollm.tokenizer)
     tok.add_tokens(["<an-extra-token>"])
-    other = HFCausalLM(smollm.model, tok, name="other-tokenizer")
+    other = HFCausalLM(smollm.hf_model, tok, name="other-tokenizer")
     with pytest.raises(VerispecError, match="different tokenizers"):
         verispec.generate(smollm, "hi", draft=other, drafter="model", max_new_tokens=2)
 

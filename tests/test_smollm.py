@@ -28,7 +28,7 @@ def smollm():
 @pytest.fixture(scope="module")
 def bf16_draft(smollm):
     """Self-speculation with a lower-precision copy: the same weights in bfloat16 draft for the fp32 target."""
-    return HFCausalLM(copy.deepcopy(smollm.model).to(torch.bfloat16), smollm.tokenizer, name="smollm2-135m-bf16")
+    return HFCausalLM(copy.deepcopy(smollm.hf_model).to(torch.bfloat16), smollm.tokenizer, name="smollm2-135m-bf16")
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +39,7 @@ def plain_outputs(smollm):
 def test_plain_engine_matches_transformers(smollm, plain_outputs):
     for prompt, expected in zip(PROMPTS, plain_outputs):
         ids = smollm.tokenizer(prompt, return_tensors="pt")
-        out = smollm.model.generate(**ids, max_new_tokens=40, do_sample=False, eos_token_id=sorted(smollm.eos_token_ids))
+        out = smollm.hf_model.generate(**ids, max_new_tokens=40, do_sample=False, eos_token_id=sorted(smollm.eos_token_ids))
         assert out[0, ids["input_ids"].shape[1]:].tolist() == expected
 
 

@@ -23,20 +23,49 @@ from verispec.text import IncrementalText, StopSequences, encode_prompt, final_t
 _LOADED: dict[tuple, HFCausalLM] = {}
 
 
-def load(name_or_path: Any, dtype: torch.dtype | str | None = None, device: str | torch.device | None = None, tokenizer=None) -> CausalLM:
+BACKENDS = ("auto", "native", "hf")
+
+
+def load(name_or_path: Any, dtype: torch.dtype | str | None = None, device: str | torch.device | None = None, tokenizer=None,
+         backend: str = "auto") -> CausalLM:
     """A model ready for `generate`: a zoo name (`smollm2-135m`), a local directory, a `.gguf` file,
-    a hub id, or a `transformers` model object. Loaded once per process and reused."""
-    if isinstance(name_or_path, HFCausalLM) or hasattr(name_or_path, "new_cache"):
+    a hub id, or a `transformers` model object. Loaded once per process and reused.
+
+    backend: "native" runs Llama/Qwen2-family weights through verispec's own forward pass (fast,
+    row-exact small-batch kernels on CPU); "hf" through `transformers`; "auto" picks native when the
+    architecture is supported. Both backends give the same tokens.
+    """
+    if backend not in BACKENDS:
+        raise VerispecError(f"unknown backend {backend!r}: use one of {', '.join(BACKENDS)}")
+    if hasattr(name_or_path, "new_cache"):  # already a verispec model
         return name_or_path
     if hasattr(name_or_path, "config") and hasattr(name_or_path, "forward"):  # a transformers model object
-        return HFCausalLM(name_or_path, tokenizer)
+        return _wrap(HFCausalLM(name_or_path, tokenizer), backend)
     if not isinstance(name_or_path, str) or not name_or_path:
         raise VerispecError(f"a model must be a zoo name, a path, a hub id or a loaded model, got {name_or_path!r}")
     dtype = _parse_dtype(dtype)
     key = (name_or_path, dtype, str(device))
     if key not in _LOADED:
         _LOADED[key] = _load_uncached(name_or_path, dtype, pick_device(device))
-    return _LOADED[key]
+    return _wrap(_LOADED[key], backend)
+
+
+_NATIVE: dict[int, CausalLM] = {}
+
+
+def _wrap(model: HFCausalLM, backend: str) -> CausalLM:
+    """The model on the requested backend; the native one shares the transformers model's weights."""
+    from verispec.models.native import NativeCausalLM, supports
+
+    if backend == "hf" or (backend == "auto" and not supports(model.model)):
+        return model
+    if backend == "native" and not supports(model.model):
+        raise VerispecError(f"{model.name!r} ({model.config.model_type}) has no native forward: use backend='hf'")
+    if id(model) not in _NATIVE:
+        native = NativeCausalLM.from_hf(model)
+        native.hf_model = model.model  # for comparisons against transformers' own generate()
+        _NATIVE[id(model)] = native
+    return _NATIVE[id(model)]
 
 
 def _parse_dtype(dtype) -> torch.dtype:
