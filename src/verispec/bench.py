@@ -100,7 +100,9 @@ def run_bench(args) -> dict:
     draft_len = "auto" if str(args.draft_len) == "auto" else int(args.draft_len)
     prompts = read_prompts(args.prompts, args.per_category)
     target = verispec.load(args.target)
-    draft = verispec.load(args.draft) if args.draft and args.draft != "none" else None
+    # The cheap draft variants rewrite transformers modules, so such a draft runs on that backend.
+    draft_backend = "hf" if (args.draft_int8 or args.draft_vocab) else "auto"
+    draft = verispec.load(args.draft, backend=draft_backend) if args.draft and args.draft != "none" else None
     hf_draft = (getattr(draft, "hf_model", None) or getattr(draft, "model", None)) if draft is not None else None
     draft = cheap_draft(draft, args)
     hf_target = getattr(target, "hf_model", None) or getattr(target, "model", None)
