@@ -129,3 +129,21 @@ def test_cheap_draft_variants_stay_exact(tiny_pair):
     restricted = restrict_vocabulary(draft, 48)
     draft_tokens = verispec.generate(restricted, PROMPTS[0], drafter="none", max_new_tokens=30).token_ids
     assert all(t < 48 or t in restricted.eos_token_ids for t in draft_tokens)
+
+
+@pytest.mark.parametrize("drafter", ["model", "ngram", "none"])
+def test_batch_reused_after_it_emptied(tiny_pair, drafter):
+    """Rows join a DecodeBatch whose earlier rows all left: they must decode as if alone."""
+    from verispec.api import make_drafter
+    from verispec.engine import DecodeBatch, Request
+
+    target, draft = tiny_pair
+    batch = DecodeBatch(target, make_drafter(target, draft, drafter), 3)
+    batch.add([Request(PROMPTS[0], max_new_tokens=20, id="first")])
+    batch.step()
+    batch.remove("first")
+    batch.add([Request(PROMPTS[1], max_new_tokens=20, id="second")])
+    tokens = []
+    while len(batch):
+        tokens += [t for e in batch.step() for t in e.tokens]
+    assert tokens == plain(target, PROMPTS[1], 20)

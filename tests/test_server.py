@@ -250,21 +250,22 @@ def test_concurrent_streams_are_not_mixed_and_memory_is_stable(server):
         server.wait_idle()
         rss.append(server.rss_kb())
     # The first round warms up allocators and caches; after it, memory must not keep growing.
-    assert rss[2] - rss[0] < 100 * 1024, f"server RSS grew across rounds: {[r // 1024 for r in rss]} MB"
+    assert rss[2] - rss[0] < 50 * 1024, f"server RSS grew across rounds: {[r // 1024 for r in rss]} MB"
     metrics = server.metrics()
     assert metrics["verispec_time_to_first_token_seconds_count{endpoint=\"/v1/completions\"}"] >= 3 * len(LOAD_PROMPTS)
 
 
 def test_disconnect_mid_stream_frees_the_slot(server):
     server.wait_idle()
-    body = {"prompt": "Write a very long story about a dragon.", "max_tokens": 4000, "temperature": 0, "stream": True}
+    body = {"prompt": "Once upon a time, in a land far away,", "max_tokens": 4000, "temperature": 0, "stream": True}
     with httpx.stream("POST", server.url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"},
                       timeout=60) as response:
         assert response.status_code == 200
-        for line in response.iter_lines():
-            if line.startswith("data: ") and json.loads(line[6:])["choices"][0]["text"]:
-                break
-        assert server.metrics()["verispec_batch_size"] == 1
+        # Hold on to the line iterator: dropping it makes httpx close the connection, i.e. disconnect early.
+        lines = response.iter_lines()
+        while not (line := next(lines)).startswith("data: ") or not json.loads(line[6:])["choices"][0]["text"]:
+            pass
+        assert server.metrics()["verispec_batch_size"] == 1  # still decoding
     server.wait_idle(timeout=10)  # 4000 tokens would take minutes: the row was removed
     assert server.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 4, "temperature": 0}).status_code == 200
 
@@ -272,7 +273,7 @@ def test_disconnect_mid_stream_frees_the_slot(server):
 def test_disconnect_while_waiting_for_a_non_streamed_answer(server):
     server.wait_idle()
     with pytest.raises(httpx.ReadTimeout):
-        server.post("/v1/completions", {"prompt": "Write a very long story.", "max_tokens": 4000, "temperature": 0},
+        server.post("/v1/completions", {"prompt": "Once upon a time, in a land far away,", "max_tokens": 4000, "temperature": 0},
                     timeout=httpx.Timeout(30, read=2))
     server.wait_idle(timeout=10)
 
@@ -381,6 +382,14 @@ def test_metrics_count_requests_and_speculation(server):
     assert {"verispec_batch_size", "verispec_queue_depth", "verispec_step_failures_total"} <= set(after)
 
 
+def test_no_step_failed_and_the_log_is_clean(server):
+    """Runs after the others: no request above was failed by an engine fault the tests did not see."""
+    assert server.metrics()["verispec_step_failures_total"] == 0
+    with open(server.log_path) as f:
+        log = f.read()
+    assert "Traceback" not in log, log[-4000:]
+
+
 # ---------------------------------------------------------------------------------------------------
 # The worker on its own (in-process, tiny random models): faults stay contained.
 
@@ -458,20 +467,23 @@ def test_a_bad_request_fails_alone(tiny_scheduler):
 
 
 def test_lanes_and_cancellation(tiny_scheduler):
-    """Requests with different draft settings decode side by side, exactly; a cancelled one leaves at once."""
-    target, scheduler = tiny_scheduler
+    """A cancelled row leaves its batch at once and its slot is reused; requests with different draft
+    settings (lanes) decode side by side, each exactly as plain decoding would."""
+    target, scheduler = tiny_scheduler  # max_batch 4
     long_job, long_result = job([20, 21], max_new_tokens=400)
+    scheduler.submit([long_job])
+    first = long_result.items.get(timeout=30)
+    assert isinstance(first, TokenEvent) and first.finish_reason is None  # it is in a batch, decoding
     prompts = [[5, 6, 7], [30, 31], [40, 41, 42, 43], [50]]
     jobs = [job(p, draft=d) for p, d in zip(prompts, [4, None, 1, "auto"])]
-    scheduler.submit([long_job])
-    scheduler.submit([j for j, _ in jobs])
+    scheduler.submit([j for j, _ in jobs])  # five rows for four slots: one waits for the cancelled row's slot
     scheduler.cancel([long_job.id])
     for prompt, (_, collector) in zip(prompts, jobs):
         assert collector.result() == plain_tokens(target, prompt)
     deadline = time.monotonic() + 10
     while scheduler.running and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert scheduler.running == 0 and not scheduler.lanes or all(not lane.jobs for lane in scheduler.lanes)
-    while not long_result.items.empty():  # whatever the long job got before it was cancelled, it never finished
+    assert scheduler.running == 0
+    while not long_result.items.empty():  # the cancelled job never finished
         item = long_result.items.get()
         assert isinstance(item, TokenEvent) and item.finish_reason is None

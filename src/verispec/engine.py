@@ -124,7 +124,10 @@ class DecodeBatch:
         if len(keep) == len(self.rows):
             return
         self.rows = [self.rows[b] for b in keep]
-        self.cache.select(keep)
+        if self.rows:
+            self.cache.select(keep)
+        else:
+            self.cache = self.target.new_cache(0)  # an emptied batch starts afresh: no stale slots
         self.drafter.select(keep)
 
     def next_draft_len(self) -> int:

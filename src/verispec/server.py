@@ -30,8 +30,8 @@ import time
 import uuid
 from bisect import bisect_left
 from collections import defaultdict
-from dataclasses import dataclass, field, replace
 from contextlib import asynccontextmanager
+from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
@@ -195,6 +195,9 @@ class Scheduler:
             for job_id in job_ids & lane.jobs.keys():
                 lane.batch.remove(job_id)  # frees the row's slot now, not when it would have finished
                 del lane.jobs[job_id]
+        # An emptied DecodeBatch keeps stale slot bookkeeping (its KV store forgets its slots, the SlotCache
+        # does not), so a request must never join one: drop empty lanes before the next admission.
+        self.lanes = [lane for lane in self.lanes if lane.jobs]
 
     def _admit(self) -> None:
         room = self.max_batch - self.running
@@ -234,7 +237,7 @@ class Scheduler:
 
     def _open_lane(self, setting: DraftSetting) -> Lane:
         for lane in self.lanes:
-            if lane.open and lane.draft == setting:
+            if lane.open and lane.draft == setting and len(lane.batch):
                 return lane
         if setting is None:
             drafter, policy = self.new_drafter(False), 1  # no drafter: k is never used
@@ -269,7 +272,7 @@ class Scheduler:
     @staticmethod
     def _wasted_slots(batch: DecodeBatch) -> int:
         """Cache slots past what the longest row needs: holes and left padding of rows long gone."""
-        return batch.cache.slots.length - max(len(row.sequence) for row in batch.rows)
+        return batch.cache.slots.length - max((len(row.sequence) for row in batch.rows), default=0)
 
     def _fail_lane(self, lane: Lane, message: str) -> None:
         for job in lane.jobs.values():
@@ -462,7 +465,6 @@ class ServerConfig:
     target: CausalLM
     model_name: str
     draft_len: DraftSetting  # the server's own setting; None when it was started without a drafter
-    api_key: str | None
 
 
 def parse_common(fields: Fields, config: ServerConfig, prompts: list[list[int]], prompt_param: str,
@@ -662,7 +664,6 @@ class LockedTokenizer:
 @dataclass
 class Choice:
     index: int
-    prompt_tokens: int
     job: Job
     stats: SpecStats
     text: IncrementalText
@@ -678,7 +679,6 @@ class Generation:
 
     def __init__(self, spec: Spec, tokenizer: LockedTokenizer, loop: asyncio.AbstractEventLoop):
         self.spec = spec
-        self.tokenizer = tokenizer
         self.events: asyncio.Queue = asyncio.Queue()
         self.started = time.perf_counter()
         self.first_token_at: float | None = None
@@ -694,7 +694,7 @@ class Generation:
                                         stop_checker=checker, id=next(_job_ids), stats=stats)
                 deliver = (lambda item, index=index: _post(loop, self.events, (index, item)))
                 job = Job(request, spec.draft, deliver)
-                self.choices.append(Choice(index, len(ids), job, stats, IncrementalText(tokenizer, spec.stop)))
+                self.choices.append(Choice(index, job, stats, IncrementalText(tokenizer, spec.stop)))
 
     @property
     def finished(self) -> bool:
@@ -709,7 +709,8 @@ class Generation:
         is_disconnected: polled while waiting (for responses that cannot notice a disconnect by writing)."""
         while not self.finished:
             try:
-                index, item = await asyncio.wait_for(self.events.get(), DISCONNECT_POLL_SECONDS) if is_disconnected else await self.events.get()
+                timeout = DISCONNECT_POLL_SECONDS if is_disconnected else None
+                index, item = await asyncio.wait_for(self.events.get(), timeout)
             except asyncio.TimeoutError:
                 if await is_disconnected():
                     raise ApiError(499, "the client disconnected", code="client_disconnected")
@@ -723,6 +724,11 @@ class Generation:
             choice.finish_reason = item.finish_reason
             delta = choice.text.push(item.tokens, item.finish_reason is not None)
             yield choice, delta
+
+    def timings(self) -> tuple[float, float | None]:
+        """(seconds from request to now, seconds from request to the first token or None)."""
+        first = None if self.first_token_at is None else self.first_token_at - self.started
+        return time.perf_counter() - self.started, first
 
     def usage(self) -> dict:
         completion = sum(len(c.tokens) for c in self.choices)
@@ -799,7 +805,7 @@ def build_app(target, draft=None, drafter: str = "auto", draft_len: int | str = 
     make_drafter(target_model, draft_model, drafter)  # fails now on a bad choice (unknown name, vocabularies differ)
     speculative = drafter != "none"
     name = model_name or (target if isinstance(target, str) else target_model.name)
-    config = ServerConfig(target_model, name, draft_len if speculative else None, api_key)
+    config = ServerConfig(target_model, name, draft_len if speculative else None)
     tokenizer = LockedTokenizer(target_model.tokenizer)
     metrics = Metrics()
     stats = SpecStats()
@@ -888,8 +894,7 @@ def build_app(target, draft=None, drafter: str = "auto", draft_len: int | str = 
         finally:
             if not generation.finished:
                 scheduler.cancel(generation.unfinished_jobs())
-        metrics.observe(endpoint.path, latency=time.perf_counter() - generation.started,
-                        ttft=None if generation.first_token_at is None else generation.first_token_at - generation.started)
+        metrics.observe(endpoint.path, *generation.timings())
         choices = [endpoint.choice(c, final_text(tokenizer, c.tokens, generation.spec.stop)) for c in generation.choices]
         return {"id": endpoint.id_prefix + uuid.uuid4().hex, "object": endpoint.object, "created": int(time.time()),
                 "model": name, "choices": choices, "usage": generation.usage()}
@@ -909,8 +914,7 @@ def build_app(target, draft=None, drafter: str = "auto", draft_len: int | str = 
             if generation.spec.include_usage:
                 yield sse({**head, "choices": [], "usage": generation.usage()})
             yield "data: [DONE]\n\n"
-            metrics.observe(endpoint.path, latency=time.perf_counter() - generation.started,
-                            ttft=None if generation.first_token_at is None else generation.first_token_at - generation.started)
+            metrics.observe(endpoint.path, *generation.timings())
         except ApiError as error:
             yield sse(error.body())
             yield "data: [DONE]\n\n"
