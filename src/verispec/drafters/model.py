@@ -36,9 +36,14 @@ class ModelDrafter:
         self.cache = None
         self._round = None  # (slot length before the round, tail width, draft_len)
 
+    @torch.inference_mode()
     def add(self, prompts: list[list[int]]) -> None:
-        # New rows start empty; they catch up on their whole prompt at the next propose.
+        # Prefill the new rows now (all but the last token, like the target), so a draft step costs
+        # what drafting costs: the adaptive draft length learns from that time.
         new_rows = self.model.new_cache(len(prompts))
+        context, visible = left_pad([p[:-1] for p in prompts])
+        if context.shape[1]:
+            self.model.forward(context, new_rows, visible, last_only=True)
         if self.cache is None or self.cache.batch_size == 0:
             self.cache = new_rows
         else:
