@@ -108,10 +108,21 @@ DRAFTERS: dict[str, Callable[[CausalLM, CausalLM | None, float], Drafter]] = {
 }
 
 
+_SAME_VOCAB: dict[tuple[int, int], bool] = {}
+
+
+def _same_vocabulary(a, b) -> bool:
+    """Tokenizers map the same strings to the same ids (memoized: a 150k-entry comparison is not free)."""
+    key = (id(a), id(b))
+    if key not in _SAME_VOCAB:
+        _SAME_VOCAB[key] = a is b or a.get_vocab() == b.get_vocab()
+    return _SAME_VOCAB[key]
+
+
 def check_compatible(target: CausalLM, draft: CausalLM) -> None:
     """Draft and target must number tokens the same way, or draft tokens mean nothing to the target."""
     if target.tokenizer is not None and draft.tokenizer is not None:
-        if target.tokenizer.get_vocab() != draft.tokenizer.get_vocab():
+        if not _same_vocabulary(target.tokenizer, draft.tokenizer):
             raise VerispecError(
                 f"draft {draft.name!r} and target {target.name!r} have different tokenizers: "
                 "choose a draft model from the target's family (same tokenizer), or use drafter='ngram'"
