@@ -108,15 +108,16 @@ DRAFTERS: dict[str, Callable[[CausalLM, CausalLM | None, float], Drafter]] = {
 }
 
 
-_SAME_VOCAB: dict[tuple[int, int], bool] = {}
+_SAME_VOCAB: dict[tuple[int, int], tuple] = {}
 
 
 def _same_vocabulary(a, b) -> bool:
-    """Tokenizers map the same strings to the same ids (memoized: a 150k-entry comparison is not free)."""
+    """Tokenizers map the same strings to the same ids (memoized: a 150k-entry comparison is not free).
+    The memo holds both tokenizers, so their ids cannot be reused by other objects."""
     key = (id(a), id(b))
     if key not in _SAME_VOCAB:
-        _SAME_VOCAB[key] = a is b or a.get_vocab() == b.get_vocab()
-    return _SAME_VOCAB[key]
+        _SAME_VOCAB[key] = (a, b, a is b or a.get_vocab() == b.get_vocab())
+    return _SAME_VOCAB[key][2]
 
 
 def check_compatible(target: CausalLM, draft: CausalLM) -> None:
