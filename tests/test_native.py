@@ -40,7 +40,6 @@ def native(request, pair, monkeypatch):
             pytest.skip("exact kernels unavailable here")
     else:
         monkeypatch.setattr(model, "_kernels", False)
-        monkeypatch.setattr(model, "_kernel_attention", False)
     return model
 
 
@@ -148,6 +147,22 @@ def test_speculation_accepts_with_native_target(pair):
     finally:
         model.eos_token_ids = saved
     assert result.stats.mean_accepted_tokens > 1.5
+
+
+def test_bf16_draft_is_close_and_output_stays_the_targets(pair, native):
+    """bfloat16 matrices make a cheaper draft: logits move a little, the target's tokens not at all."""
+    hf, _ = pair
+    draft = NativeCausalLM.from_hf(hf, weight_dtype=torch.bfloat16)
+    assert draft.lm_head.dtype == torch.bfloat16 and native.lm_head.dtype == torch.float32
+    tokens = torch.arange(40).remainder(90).add(4)[None]  # 40 > MAX_ROWS: the prefill takes the PyTorch path
+    chunks = [tokens[:, :36], tokens[:, 36:38], tokens[:, 38:]]
+    exact, _ = run(native, chunks)
+    approx, _ = run(draft, chunks)
+    assert (approx - exact).abs().max() < 0.05 * exact.abs().max()
+    assert not torch.equal(approx, exact)
+    for prompt in PROMPTS:
+        expected = verispec.generate(native, prompt, drafter="none", max_new_tokens=30).token_ids
+        assert verispec.generate(native, prompt, draft=draft, draft_len=4, max_new_tokens=30).token_ids == expected
 
 
 # --- rollback, select, concat ---------------------------------------------------------------------
@@ -270,24 +285,47 @@ def test_slot_attention_matches_masked_softmax(isa, monkeypatch):
         pytest.skip(f"CPU lacks the {isa}-bit kernel")
     monkeypatch.setattr(kernels, "_isa", isa)
     torch.manual_seed(0)
-    batch, width, heads, kv_heads, dim, start = 2, 3, 4, 2, 16, 6
+    batch, width, heads, kv_heads, dim, start, capacity = 2, 3, 4, 2, 16, 20, 48
     q = torch.randn(batch, width, heads, dim)
-    keys, values = torch.randn(2, batch, 16, kv_heads, dim).unbind(0)
+    values = torch.randn(batch, kv_heads, capacity, dim)
+    keys = torch.randn(batch, kv_heads, capacity, dim)
+    # the kernel's layout: blocks of 16 slots, d-major inside [B, KVH, capacity / 16, D, 16]
+    keys_dmajor = keys.view(batch, kv_heads, capacity // 16, 16, dim).transpose(-1, -2).contiguous()
     visible = torch.ones(batch, start + width, dtype=torch.bool)
     visible[0, 1:3] = False  # holes
+    visible[0, start + 1] = False  # a padding token inside the pass
     visible[1, :4] = False  # left padding
-    out = kernels.slot_attention(q, keys, values, visible, start, dim**-0.5)
+    out = kernels.slot_attention(q, keys_dmajor, values, visible, start, dim**-0.5)
     slot = torch.arange(start + width)
     for b in range(batch):
         for t in range(width):
             seen = visible[b] & (slot <= start + t)
             for h in range(heads):
                 kv = h // (heads // kv_heads)
-                k, v = keys[b, : start + width][seen, kv], values[b, : start + width][seen, kv]
+                k, v = keys[b, kv, : start + width][seen], values[b, kv, : start + width][seen]
                 p = torch.softmax(k @ q[b, t, h] * dim**-0.5, 0)
                 torch.testing.assert_close(out[b, t, h], p @ v, atol=1e-5, rtol=1e-5)
-                one = kernels.slot_attention(q[b : b + 1, t : t + 1], keys[b : b + 1], values[b : b + 1],
-                                             visible[b : b + 1], start + t, dim**-0.5)
-                assert torch.equal(one[0, 0, h], out[b, t, h])
+            # the same query alone, at its own slot: bitwise the same
+            one = kernels.slot_attention(q[b : b + 1, t : t + 1].contiguous(), keys_dmajor[b : b + 1].contiguous(),
+                                         values[b : b + 1].contiguous(), visible[b : b + 1], start + t, dim**-0.5)
+            assert torch.equal(one[0, 0], out[b, t])
     nothing = torch.zeros(1, 2, dtype=torch.bool)  # a padding query with no visible slot: zeros, not NaN
-    assert torch.equal(kernels.slot_attention(q[:1, :2], keys[:1], values[:1], nothing, 0, 0.25), torch.zeros(1, 2, heads, dim))
+    padded = kernels.slot_attention(q[:1, :2].contiguous(), keys_dmajor[:1].contiguous(), values[:1].contiguous(), nothing, 0, 0.25)
+    assert torch.equal(padded, torch.zeros(1, 2, heads, dim))
+
+
+@needs_kernels
+@pytest.mark.parametrize("isa", [512, 256])
+def test_glue_kernels_match_torch(isa, monkeypatch):
+    if isa > kernels.isa():
+        pytest.skip(f"CPU lacks the {isa}-bit kernel")
+    monkeypatch.setattr(kernels, "_isa", isa)
+    torch.manual_seed(0)
+    x, delta, weight = torch.randn(5, 72), torch.randn(5, 72), torch.randn(72)
+    expected_x = x + delta
+    expected = weight * (expected_x * torch.rsqrt(expected_x.pow(2).mean(-1, keepdim=True) + 1e-6))
+    out = kernels.rms_norm(x, weight, 1e-6, torch.empty(5, 72), residual=delta)
+    assert torch.equal(x, expected_x)  # the residual is added in place
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    gate, up = torch.randn(3, 37) * 4, torch.randn(3, 37)
+    torch.testing.assert_close(kernels.silu_mul_(gate.clone(), up), torch.nn.functional.silu(gate) * up, atol=1e-6, rtol=1e-5)

@@ -1,22 +1,31 @@
-"""A float32 linear layer for a few rows at a time, fast at small batch and exact row by row.
+"""CPU kernels for small passes (a few tokens per row): fast at small batch, exact row by row.
 
-Decoding and verifying multiply a handful of activation rows (1 to ~16) by every weight matrix, so
-the cost is reading the weights from memory, not arithmetic. PyTorch's CPU GEMMs (MKL, oneDNN) are
-tuned for big batches: on a 2-core AVX-512 VM an 8-row product costs 3-5x a 1-row product although
-both read the same bytes. Worse for speculative decoding, they pick different code paths for
-different row counts, so row 0 of an 8-row product need not equal the same row computed alone.
+Decoding and verifying push a handful of activation rows (1 to ~16) through every weight matrix,
+so the cost is reading the weights from memory, not arithmetic. PyTorch's CPU GEMMs (MKL, oneDNN)
+are tuned for big batches: on a 2-core AVX-512 VM a 5-row product costs 2-3x a 1-row product
+although both read the same bytes. Worse for speculative decoding, they take different code paths
+for different row counts, so a row of an 8-row product need not equal the same row computed alone.
 
-`rowwise_linear` computes y[m, n] = x[m] . w[n] (+ b[n]) with the weight read once per tile of up
-to 6 rows, and every output element accumulated by the same sequence of fused multiply-adds
-(16 or 8 lanes along k, in order, then a fixed horizontal sum) whatever the number of rows and
-wherever the row falls in a tile. A row's result is therefore bitwise independent of its batch
-mates: a width-k verify pass sees exactly the numbers of k single-token passes.
+These kernels fix both in the decode regime:
+- `rowwise_linear`: y = x W^T (+ b), the weight read once per tile of up to 6 rows, every output
+  element accumulated by the same fused multiply-adds in the same order whatever the row count;
+- `slot_attention`: attention of the new tokens over the visible slots of a slot cache (keys kept
+  d-major so one vector op scores 16 slots); invisible slots are skipped, not masked, so holes,
+  padding and batch mates cannot change a row's numbers;
+- `rms_norm`, `rope_`, `silu_mul_`, `cache_write`: the glue between them, so a small pass costs a
+  dozen calls per layer instead of ~40 PyTorch ops.
+Every row's output is thus bitwise independent of how many rows share the pass: a width-k verify
+pass sees exactly the numbers of k single-token steps. Activations and accumulation are float32;
+`rowwise_linear` also takes bfloat16 weights (half the bytes, for draft models).
 
-The kernel is C with AVX-512 and AVX2/FMA variants (chosen by what the CPU supports), compiled
-once with the system C compiler into the verispec cache and called through ctypes; threads come
-from the OpenMP runtime that PyTorch itself loaded, so `torch.set_num_threads` governs it. Without
-a compiler or a suitable CPU, `available()` is False and callers use `torch.nn.functional.linear`.
-This module knows nothing about models: it multiplies matrices.
+The C source has AVX-512 and AVX2+FMA variants, picked by what the CPU supports. It is compiled
+once with the system C compiler into the verispec cache and called through ctypes. It runs on
+`torch.get_num_threads()` threads of its own small pool, in which the caller never waits for a
+thread that has not started: on a machine shared with busy processes, OpenMP's barriers (with
+libgomp's default busy-waiting) made a pass 8x slower with 2 threads than with 1; this pool
+degrades to about 1-thread speed instead. Without a
+compiler or a suitable CPU, `available()` is False and callers stay with PyTorch.
+This module knows nothing about models: it does arithmetic on the buffers it is handed.
 """
 
 from __future__ import annotations
@@ -34,83 +43,164 @@ import torch
 
 log = logging.getLogger(__name__)
 
-# Rows one call is meant for. Above this, MKL's blocked GEMM (prefill) is faster, and exactness
+# Keys are stored in blocks of this many slots (d-major inside a block); capacities are multiples of it.
+SLOT_BLOCK = 16
+
+# Rows one small pass may hold. Above this (prefill), MKL's blocked GEMM is faster, and exactness
 # across widths no longer matters: the engine never compares a prefill row with a decode row.
 MAX_ROWS = 32
 
-_SOURCE = r"""
+_PREAMBLE = r"""
 #include <immintrin.h>
 #include <math.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 
-/* y[m, n] = sum_k x[m, k] * w[n, k] (+ b[n]). x [M, K], w [N, K], y [M, N], all row-major, contiguous.
- *
- * Exactness: every y[m, n] has its own accumulator vector, fed x[m, k:k+L] * w[n, k:k+L] by one
- * fused multiply-add per L lanes in increasing k (a zero-filled masked tail last), then reduced by a
- * fixed shuffle sequence. The tile shape (how many rows share a pass over the weights) changes only
- * which accumulators are live together, never the arithmetic one of them sees.
- * Build with -ffp-contract=off so the compiler does not fuse the scalar bias add differently. */
+/* Built with -ffp-contract=off: the compiler never fuses a*b+c by itself, so scalar code rounds
+ * exactly as written and only the explicit fmadd intrinsics fuse. */
 
-#define NR 4  /* weight rows per tile */
+/* ======== a small thread pool that never waits for a thread that has not started ========
+ * OpenMP's fork/join makes every parallel region wait at a barrier for all its threads. On a
+ * machine shared with other busy processes (2 cores here), a descheduled OpenMP thread costs the
+ * region a scheduler time slice, and a forward pass has ~250 regions: measured 8x slower than one
+ * thread. Here the caller claims chunks of the range like any worker, and waits only for chunks a
+ * worker has actually claimed; a worker that wakes late finds nothing left. Workers spin briefly
+ * between jobs (a pass issues them back to back), then sleep. */
+typedef void (*range_fn)(const void *job, int64_t begin, int64_t end);
 
-/* ---------------- AVX-512: 16 lanes, up to 6 x 4 accumulators (24 of 32 zmm registers) ------ */
+#define TAG_SHIFT 40  /* pool_next = job tag << 40 | next index: a late worker cannot claim a newer job's chunks */
+static pthread_mutex_t pool_lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t pool_wake = PTHREAD_COND_INITIALIZER;
+static int pool_workers = 0;
+static _Atomic uint64_t pool_generation = 0;
+static _Atomic uint64_t pool_next = 0;
+static _Atomic int64_t pool_done = 0;
+static range_fn pool_fn;
+static const void *pool_job;
+static int64_t pool_total, pool_grain;
+static int pool_helpers;
+static _Atomic int pool_busy = 0;  /* ctypes drops the GIL: a second caller thread runs its job alone */
 
-#define TILE512(MR)                                                                              \
-__attribute__((target("avx512f"))) static void tile512_##MR(                                     \
-    const float *x, const float *w, const float *b, float *y, int64_t K, int64_t N)              \
-{                                                                                                \
-    __m512 acc[MR][NR];                                                                          \
-    _Pragma("GCC unroll 8") for (int i = 0; i < MR; i++)                                        \
-        _Pragma("GCC unroll 4") for (int j = 0; j < NR; j++) acc[i][j] = _mm512_setzero_ps();   \
-    const int64_t kfull = K & ~(int64_t)15;                                                      \
-    for (int64_t k = 0; k < kfull; k += 16) {                                                    \
-        __m512 wv[NR];                                                                           \
-        _Pragma("GCC unroll 4") for (int j = 0; j < NR; j++) wv[j] = _mm512_loadu_ps(w + j * K + k); \
-        _Pragma("GCC unroll 8") for (int i = 0; i < MR; i++) {                                  \
-            __m512 xv = _mm512_loadu_ps(x + i * K + k);                                          \
-            _Pragma("GCC unroll 4") for (int j = 0; j < NR; j++)                                \
-                acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);                               \
-        }                                                                                        \
-    }                                                                                            \
-    if (K > kfull) {                                                                             \
-        const __mmask16 tail = (__mmask16)((1u << (K - kfull)) - 1u);                            \
-        __m512 wv[NR];                                                                           \
-        for (int j = 0; j < NR; j++) wv[j] = _mm512_maskz_loadu_ps(tail, w + j * K + kfull);     \
-        for (int i = 0; i < MR; i++) {                                                           \
-            __m512 xv = _mm512_maskz_loadu_ps(tail, x + i * K + kfull);                          \
-            for (int j = 0; j < NR; j++) acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);     \
-        }                                                                                        \
-    }                                                                                            \
-    for (int i = 0; i < MR; i++)                                                                 \
-        for (int j = 0; j < NR; j++)                                                             \
-            y[i * N + j] = _mm512_reduce_add_ps(acc[i][j]) + (b ? b[j] : 0.0f);                 \
-}
-
-TILE512(1) TILE512(2) TILE512(3) TILE512(4) TILE512(5) TILE512(6)
-
-/* One weight row against MR activation rows: the same per-element arithmetic as the tiles above,
- * for the last N % 4 weight rows. */
-__attribute__((target("avx512f"))) static void edge512(
-    const float *x, const float *w, const float *b, float *y, int64_t K, int64_t N, int mr)
+static void run_ranges(uint64_t generation, range_fn fn, const void *job, int64_t total, int64_t grain)
 {
-    const int64_t kfull = K & ~(int64_t)15;
-    const __mmask16 tail = (__mmask16)((1u << (K - kfull)) - 1u);
-    for (int i = 0; i < mr; i++) {
-        __m512 acc = _mm512_setzero_ps();
-        for (int64_t k = 0; k < kfull; k += 16)
-            acc = _mm512_fmadd_ps(_mm512_loadu_ps(x + i * K + k), _mm512_loadu_ps(w + k), acc);
-        if (K > kfull)
-            acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail, x + i * K + kfull), _mm512_maskz_loadu_ps(tail, w + kfull), acc);
-        y[i * N] = _mm512_reduce_add_ps(acc) + (b ? b[0] : 0.0f);
+    const uint64_t tag = generation & 0xFFFFFF;
+    for (;;) {
+        uint64_t current = atomic_load(&pool_next);
+        if ((current >> TAG_SHIFT) != tag) return;
+        const int64_t begin = (int64_t)(current & ((1ull << TAG_SHIFT) - 1));
+        if (begin >= total) return;
+        const int64_t end = begin + grain < total ? begin + grain : total;
+        if (!atomic_compare_exchange_weak(&pool_next, &current, (tag << TAG_SHIFT) | (uint64_t)end)) continue;
+        fn(job, begin, end);
+        atomic_fetch_add(&pool_done, end - begin);
     }
 }
 
-typedef void (*tile_fn)(const float *, const float *, const float *, float *, int64_t, int64_t);
-static const tile_fn tiles512[7] = {0, tile512_1, tile512_2, tile512_3, tile512_4, tile512_5, tile512_6};
+static void *pool_worker(void *arg)
+{
+    const int index = (int)(intptr_t)arg;
+    uint64_t seen = 0;
+    for (;;) {
+        for (int spin = 0; spin < 4000 && atomic_load(&pool_generation) == seen; spin++) _mm_pause();
+        pthread_mutex_lock(&pool_lock);
+        while (atomic_load(&pool_generation) == seen) pthread_cond_wait(&pool_wake, &pool_lock);
+        seen = atomic_load(&pool_generation);
+        const range_fn fn = pool_fn;
+        const void *job = pool_job;
+        const int64_t total = pool_total, grain = pool_grain;
+        const int helping = index < pool_helpers;
+        pthread_mutex_unlock(&pool_lock);
+        if (helping) run_ranges(seen, fn, job, total, grain);
+    }
+    return 0;
+}
 
-/* ---------------- AVX2 + FMA: 8 lanes, up to 3 x 4 accumulators (12 of 16 ymm registers) ------ */
+/* fn(job, begin, end) over [0, total) in chunks of `grain`, on up to `threads` threads (caller included). */
+static void parallel_for(range_fn fn, const void *job, int64_t total, int64_t grain, int threads)
+{
+    if (threads > 64) threads = 64;
+    if (threads <= 1 || total <= grain || atomic_exchange(&pool_busy, 1)) { fn(job, 0, total); return; }
+    pthread_mutex_lock(&pool_lock);
+    while (pool_workers < threads - 1) {
+        pthread_t thread;
+        if (pthread_create(&thread, 0, pool_worker, (void *)(intptr_t)pool_workers)) break;
+        pthread_detach(thread);
+        pool_workers++;
+    }
+    const uint64_t generation = atomic_load(&pool_generation) + 1;
+    pool_fn = fn; pool_job = job; pool_total = total; pool_grain = grain; pool_helpers = threads - 1;
+    atomic_store(&pool_done, 0);
+    atomic_store(&pool_next, (generation & 0xFFFFFF) << TAG_SHIFT);
+    atomic_store(&pool_generation, generation);
+    pthread_cond_broadcast(&pool_wake);
+    pthread_mutex_unlock(&pool_lock);
+    run_ranges(generation, fn, job, total, grain);
+    for (int spin = 0; atomic_load(&pool_done) < total; spin++) {
+        if (spin < 20000) _mm_pause(); else sched_yield();  /* a claimed chunk's worker may be descheduled */
+    }
+    atomic_store(&pool_busy, 0);
+}
 
+typedef struct { const float *x; const void *w; const float *b; float *y; int64_t M, N, K; } linear_job;
+typedef struct {
+    const float *q, *kc, *vc; const uint8_t *vis; float *out;
+    int64_t B, T, H, KVH, D, cap, vis_stride, start; float scale; _Atomic int failed;
+} attention_job;
+
+#define NR 4  /* weight rows per linear tile */
+#define SLOT_BLOCK 16  /* slots per key block: keys are [capacity / 16, D, 16] per (row, kv head) */
+/* tiles take (x, w, saved accumulators, k0, k1, K); declared per vector type in the templates */
+#define KBLOCK 512  /* k per pass of the row tiles: 4 weight rows + 6 activation rows = 20 KB, in L1 */
+"""
+
+# Per-ISA helpers that the shared templates below call as $NAME.
+_ISA_HELPERS = {
+    "512": r"""
+__attribute__((target("avx512f"))) static inline __mmask16 mask512(int64_t n) { return (__mmask16)((1u << n) - 1u); }
+__attribute__((target("avx512f"))) static inline __m512 loadn512(const float *p, int64_t n) { return _mm512_maskz_loadu_ps(mask512(n), p); }
+__attribute__((target("avx512f"))) static inline void storen512(float *p, __m512 v, int64_t n) { _mm512_mask_storeu_ps(p, mask512(n), v); }
+__attribute__((target("avx512f"))) static inline __m512 keepn512(__m512 v, int64_t n) { return _mm512_maskz_mov_ps(mask512(n), v); }
+__attribute__((target("avx512f"))) static inline __m512 round512(__m512 v) { return _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+__attribute__((target("avx512f"))) static inline __m512 pow2mul512(__m512 p, __m512 n) { return _mm512_scalef_ps(p, n); }
+/* bfloat16 -> float32 is exact: the 16 bits become the top half of the float */
+__attribute__((target("avx512f"))) static inline __m512 bf16load512(const uint16_t *p)
+{
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+__attribute__((target("avx512f"))) static inline __m512 bf16loadn512(const uint16_t *p, int64_t n)
+{
+    uint16_t part[16] = {0};
+    for (int64_t i = 0; i < n; i++) part[i] = p[i];
+    return bf16load512(part);
+}
+""",
+    "256": r"""
+__attribute__((target("avx2,fma"))) static inline __m256i mask256(int64_t n)
+{
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+__attribute__((target("avx2,fma"))) static inline __m256 loadn256(const float *p, int64_t n) { return _mm256_maskload_ps(p, mask256(n)); }
+__attribute__((target("avx2,fma"))) static inline void storen256(float *p, __m256 v, int64_t n) { _mm256_maskstore_ps(p, mask256(n), v); }
+__attribute__((target("avx2,fma"))) static inline __m256 keepn256(__m256 v, int64_t n) { return _mm256_and_ps(v, _mm256_castsi256_ps(mask256(n))); }
+__attribute__((target("avx2,fma"))) static inline __m256 round256(__m256 v) { return _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+__attribute__((target("avx2,fma"))) static inline __m256 pow2mul256(__m256 p, __m256 n)
+{   /* 2^n built in the exponent field; n is within [-126, 127] after exp's clamp */
+    __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+__attribute__((target("avx2,fma"))) static inline __m256 bf16load256(const uint16_t *p)
+{
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+__attribute__((target("avx2,fma"))) static inline __m256 bf16loadn256(const uint16_t *p, int64_t n)
+{
+    uint16_t part[8] = {0};
+    for (int64_t i = 0; i < n; i++) part[i] = p[i];
+    return bf16load256(part);
+}
 __attribute__((target("avx2,fma"))) static inline float hsum256(__m256 v)
 {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -118,65 +208,280 @@ __attribute__((target("avx2,fma"))) static inline float hsum256(__m256 v)
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
 }
-
-__attribute__((target("avx2,fma"))) static inline __m256i tailmask256(int64_t rem)
-{
-    return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)rem), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+""",
 }
 
-#define TILE256(MR)                                                                              \
-__attribute__((target("avx2,fma"))) static void tile256_##MR(                                    \
-    const float *x, const float *w, const float *b, float *y, int64_t K, int64_t N)              \
-{                                                                                                \
-    __m256 acc[MR][NR];                                                                          \
-    _Pragma("GCC unroll 4") for (int i = 0; i < MR; i++)                                        \
-        _Pragma("GCC unroll 4") for (int j = 0; j < NR; j++) acc[i][j] = _mm256_setzero_ps();   \
-    const int64_t kfull = K & ~(int64_t)7;                                                       \
-    for (int64_t k = 0; k < kfull; k += 8) {                                                     \
-        __m256 wv[NR];                                                                           \
-        _Pragma("GCC unroll 4") for (int j = 0; j < NR; j++) wv[j] = _mm256_loadu_ps(w + j * K + k); \
-        _Pragma("GCC unroll 4") for (int i = 0; i < MR; i++) {                                  \
-            __m256 xv = _mm256_loadu_ps(x + i * K + k);                                          \
-            _Pragma("GCC unroll 4") for (int j = 0; j < NR; j++)                                \
-                acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);                               \
-        }                                                                                        \
-    }                                                                                            \
-    if (K > kfull) {                                                                             \
-        const __m256i tail = tailmask256(K - kfull);                                             \
-        __m256 wv[NR];                                                                           \
-        for (int j = 0; j < NR; j++) wv[j] = _mm256_maskload_ps(w + j * K + kfull, tail);        \
-        for (int i = 0; i < MR; i++) {                                                           \
-            __m256 xv = _mm256_maskload_ps(x + i * K + kfull, tail);                             \
-            for (int j = 0; j < NR; j++) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);     \
-        }                                                                                        \
-    }                                                                                            \
-    for (int i = 0; i < MR; i++)                                                                 \
-        for (int j = 0; j < NR; j++)                                                             \
-            y[i * N + j] = hsum256(acc[i][j]) + (b ? b[j] : 0.0f);                               \
+_ISAS = {
+    "512": {"$SFX": "512", "$ISA": '"avx512f"', "$VEC": "__m512", "$LANES": "16", "$MAXMR": "6", "$QTILE": "8", "$DVECS": "4",
+            "$ZERO": "_mm512_setzero_ps", "$SET1": "_mm512_set1_ps", "$LOADN": "loadn512", "$STOREN": "storen512",
+            "$KEEPN": "keepn512", "$LOAD": "_mm512_loadu_ps", "$STORE": "_mm512_storeu_ps", "$ADD": "_mm512_add_ps",
+            "$SUB": "_mm512_sub_ps", "$MUL": "_mm512_mul_ps", "$DIV": "_mm512_div_ps", "$FMA": "_mm512_fmadd_ps",
+            "$MAX": "_mm512_max_ps", "$MIN": "_mm512_min_ps", "$HSUM": "_mm512_reduce_add_ps", "$ROUND": "round512",
+            "$POW2MUL": "pow2mul512"},
+    "256": {"$SFX": "256", "$ISA": '"avx2,fma"', "$VEC": "__m256", "$LANES": "8", "$MAXMR": "3", "$QTILE": "4", "$DVECS": "2",
+            "$ZERO": "_mm256_setzero_ps", "$SET1": "_mm256_set1_ps", "$LOADN": "loadn256", "$STOREN": "storen256",
+            "$KEEPN": "keepn256", "$LOAD": "_mm256_loadu_ps", "$STORE": "_mm256_storeu_ps", "$ADD": "_mm256_add_ps",
+            "$SUB": "_mm256_sub_ps", "$MUL": "_mm256_mul_ps", "$DIV": "_mm256_div_ps", "$FMA": "_mm256_fmadd_ps",
+            "$MAX": "_mm256_max_ps", "$MIN": "_mm256_min_ps", "$HSUM": "hsum256", "$ROUND": "round256",
+            "$POW2MUL": "pow2mul256"},
 }
 
-TILE256(1) TILE256(2) TILE256(3)
+# The linear layer, instantiated per ISA and per weight storage type ($W: f32 or bf16).
+_LINEAR_TEMPLATE = r"""
+/* ======== linear: y[m, n] = sum_k x[m, k] w[n, k] (+ b[n]); x [M, K], w [N, K], y [M, N] ========
+ * Exactness: every y[m, n] owns one accumulator vector, fed x[m, k:k+L] * w[n, k:k+L] by one fused
+ * multiply-add per L lanes in increasing k (a zero-filled tail last), then reduced by a fixed
+ * shuffle sequence. The tile shape (how many rows share a pass over the weights) only decides which
+ * accumulators are live together, never the arithmetic one of them sees. */
+#define TILE_$SFX$W(MR)                                                                             \
+__attribute__((target($ISA))) static void tile$SFX$W##_##MR(                                        \
+    const float *x, const $WT *w, $VEC *saved, int64_t k0, int64_t k1, int64_t K, const char *next) \
+{                                                                                                 \
+    /* continue the accumulators saved [MR][NR] over k in [k0, k1) (plus the masked tail at the end); \
+     * `next`, if set, is the next tile's weights: fetched into cache while this one computes */   \
+    $VEC acc[MR][NR];                                                                             \
+    _Pragma("GCC unroll 8") for (int i = 0; i < MR; i++)                                         \
+        _Pragma("GCC unroll 4") for (int j = 0; j < NR; j++) acc[i][j] = k0 ? saved[i * NR + j] : $ZERO(); \
+    for (int64_t k = k0; k < k1; k += $LANES) {                                                   \
+        $VEC wv[NR];                                                                              \
+        _Pragma("GCC unroll 4") for (int j = 0; j < NR; j++) {                                   \
+            wv[j] = $WLOAD(w + j * K + k);                                                        \
+            if (next) _mm_prefetch(next + (j * K + k) * (int64_t)sizeof($WT), _MM_HINT_T0);       \
+        }                                                                                         \
+        _Pragma("GCC unroll 8") for (int i = 0; i < MR; i++) {                                   \
+            $VEC xv = $LOAD(x + i * K + k);                                                       \
+            _Pragma("GCC unroll 4") for (int j = 0; j < NR; j++) acc[i][j] = $FMA(xv, wv[j], acc[i][j]); \
+        }                                                                                         \
+    }                                                                                             \
+    if (k1 == K - K % $LANES && K > k1) {                                                         \
+        $VEC wv[NR];                                                                              \
+        for (int j = 0; j < NR; j++) wv[j] = $WLOADN(w + j * K + k1, K - k1);                      \
+        for (int i = 0; i < MR; i++) {                                                            \
+            $VEC xv = $LOADN(x + i * K + k1, K - k1);                                             \
+            for (int j = 0; j < NR; j++) acc[i][j] = $FMA(xv, wv[j], acc[i][j]);                  \
+        }                                                                                         \
+    }                                                                                             \
+    _Pragma("GCC unroll 8") for (int i = 0; i < MR; i++)                                         \
+        _Pragma("GCC unroll 4") for (int j = 0; j < NR; j++) saved[i * NR + j] = acc[i][j];      \
+}
+TILE_$SFX$W(1) TILE_$SFX$W(2) TILE_$SFX$W(3)
+#if $MAXMR > 3
+TILE_$SFX$W(4) TILE_$SFX$W(5) TILE_$SFX$W(6)
+typedef void (*tile$SFX$W_fn)(const float *, const $WT *, $VEC *, int64_t, int64_t, int64_t, const char *);
+static const tile$SFX$W_fn tiles$SFX$W[7] = {0, tile$SFX$W_1, tile$SFX$W_2, tile$SFX$W_3, tile$SFX$W_4, tile$SFX$W_5, tile$SFX$W_6};
+#else
+typedef void (*tile$SFX$W_fn)(const float *, const $WT *, $VEC *, int64_t, int64_t, int64_t, const char *);
+static const tile$SFX$W_fn tiles$SFX$W[4] = {0, tile$SFX$W_1, tile$SFX$W_2, tile$SFX$W_3};
+#endif
 
-__attribute__((target("avx2,fma"))) static void edge256(
-    const float *x, const float *w, const float *b, float *y, int64_t K, int64_t N, int mr)
+/* The last N % 4 weight rows: one weight row at a time, the same per-element arithmetic. */
+__attribute__((target($ISA))) static void edge$SFX$W(const float *x, const $WT *w, const float *b, float *y,
+                                                  int64_t M, int64_t N, int64_t K)
 {
-    const int64_t kfull = K & ~(int64_t)7;
-    const __m256i tail = tailmask256(K - kfull);
-    for (int i = 0; i < mr; i++) {
-        __m256 acc = _mm256_setzero_ps();
-        for (int64_t k = 0; k < kfull; k += 8)
-            acc = _mm256_fmadd_ps(_mm256_loadu_ps(x + i * K + k), _mm256_loadu_ps(w + k), acc);
-        if (K > kfull)
-            acc = _mm256_fmadd_ps(_mm256_maskload_ps(x + i * K + kfull, tail), _mm256_maskload_ps(w + kfull, tail), acc);
-        y[i * N] = hsum256(acc) + (b ? b[0] : 0.0f);
+    const int64_t kfull = K - K % $LANES;
+    for (int64_t i = 0; i < M; i++) {
+        $VEC acc = $ZERO();
+        for (int64_t k = 0; k < kfull; k += $LANES) acc = $FMA($LOAD(x + i * K + k), $WLOAD(w + k), acc);
+        if (K > kfull) acc = $FMA($LOADN(x + i * K + kfull, K - kfull), $WLOADN(w + kfull, K - kfull), acc);
+        y[i * N] = $HSUM(acc) + (b ? b[0] : 0.0f);
     }
 }
 
-static const tile_fn tiles256[4] = {0, tile256_1, tile256_2, tile256_3};
+/* Weight-row tiles [begin, end) of a linear_job: each weight byte is read by one thread, once per
+ * row tile. k runs in blocks of KBLOCK so a tile's weight and activation rows stay in L1 while all
+ * row tiles pass over them; the accumulators wait in `saved` between blocks, so every output still
+ * sees one unbroken chain of multiply-adds in k order. */
+__attribute__((target($ISA))) static void linear_range$SFX$W(const void *arg, int64_t begin, int64_t end)
+{
+    const linear_job *job = arg;
+    const int64_t M = job->M, N = job->N, K = job->K, kfull = K - K % $LANES;
+    $VEC local[64 * NR];
+    $VEC *saved = M <= 64 ? local : aligned_alloc(64, sizeof($VEC) * (size_t)(M * NR));
+    for (int64_t t = begin; t < end; t++) {
+        const $WT *w = (const $WT *)job->w + t * NR * K;
+        for (int64_t k0 = 0;; k0 += KBLOCK) {
+            const int64_t k1 = k0 + KBLOCK < kfull ? k0 + KBLOCK : kfull;
+            for (int64_t m0 = 0; m0 < M;) {
+                /* Rows split evenly over the fewest passes: 8 rows -> 4 + 4 rather than 6 + 2. */
+                const int64_t passes = (M - m0 + $MAXMR - 1) / $MAXMR;
+                const int mr = (int)((M - m0 + passes - 1) / passes);
+                /* the first row tile also prefetches the next weight tile: the hardware prefetcher
+                 * needs a while to pick up 4 new rows, and the tiles' rows are short (6-35 KB) */
+                const char *next = m0 == 0 && t + 1 < end ? (const char *)(w + NR * K) : 0;
+                tiles$SFX$W[mr](job->x + m0 * K, w, saved + m0 * NR, k0, k1, K, next);
+                m0 += mr;
+            }
+            if (k1 >= kfull) break;
+        }
+        for (int64_t m = 0; m < M; m++)
+            for (int j = 0; j < NR; j++)
+                job->y[m * N + t * NR + j] = $HSUM(saved[m * NR + j]) + (job->b ? job->b[t * NR + j] : 0.0f);
+    }
+    if (saved != local) free(saved);
+}
 
-/* ---------------- driver ---------------- */
+"""
 
-int rowwise_isa(void)
+# Written once, instantiated per ISA by replacing the $NAMEs (longest first: $LOADN before $LOAD).
+_TEMPLATE = r"""
+/* ======== exp, for softmax and SiLU ========
+ * e^x = 2^n e^r with n = round(x / ln 2), r = x - n ln 2 (ln 2 split in two parts for precision)
+ * and e^r from a degree-6 polynomial on |r| <= ln2/2 (relative error ~1e-7). x is clamped to
+ * [-87.3, 88.3]: e^-87.3 ~ 1e-38 stands in for 0. Every lane runs the same operations, so an
+ * element's result never depends on its neighbours or its lane. */
+__attribute__((target($ISA))) static inline $VEC exp$SFX($VEC x)
+{
+    x = $MIN($MAX(x, $SET1(-87.3f)), $SET1(88.3f));
+    const $VEC n = $ROUND($MUL(x, $SET1(1.44269504088896341f)));
+    $VEC r = $FMA(n, $SET1(-0.693359375f), x);
+    r = $FMA(n, $SET1(2.12194440e-4f), r);
+    $VEC p = $SET1(1.9875691500e-4f);
+    p = $FMA(p, r, $SET1(1.3981999507e-3f));
+    p = $FMA(p, r, $SET1(8.3334519073e-3f));
+    p = $FMA(p, r, $SET1(4.1665795894e-2f));
+    p = $FMA(p, r, $SET1(1.6666665459e-1f));
+    p = $FMA(p, r, $SET1(5.0000001201e-1f));
+    p = $FMA(p, $MUL(r, r), $ADD(r, $SET1(1.0f)));
+    return $POW2MUL(p, n);
+}
+
+/* gate <- silu(gate) * up = gate / (1 + e^-gate) * up, elementwise over n floats. */
+__attribute__((target($ISA))) static void silu_mul$SFX(float *gate, const float *up, int64_t n)
+{
+    for (int64_t i = 0; i < n; i += $LANES) {
+        const int64_t left = n - i < $LANES ? n - i : $LANES;
+        const $VEC g = $LOADN(gate + i, left), u = $LOADN(up + i, left);
+        const $VEC silu = $DIV(g, $ADD($SET1(1.0f), exp$SFX($SUB($ZERO(), g))));
+        $STOREN(gate + i, $MUL(silu, u), left);
+    }
+}
+
+/* RMSNorm (Zhang & Sennrich 2019) of each row of x [M, D]: out = w * (x / sqrt(mean(x^2) + eps)).
+ * With delta, first x += delta (the residual connection), in place. Squares are summed in lanes
+ * d mod L along the row, then a fixed reduction: independent of M. */
+__attribute__((target($ISA))) static void rms_norm$SFX(float *x, const float *delta, const float *w, float *out,
+                                                      int64_t M, int64_t D, float eps)
+{
+    for (int64_t m = 0; m < M; m++) {
+        float *row = x + m * D;
+        if (delta)
+            for (int64_t d = 0; d < D; d++) row[d] = row[d] + delta[m * D + d];
+        $VEC acc = $ZERO();
+        for (int64_t d = 0; d < D; d += $LANES) {
+            const $VEC v = $LOADN(row + d, D - d < $LANES ? D - d : $LANES);
+            acc = $ADD(acc, $MUL(v, v));
+        }
+        const float scale = 1.0f / sqrtf($HSUM(acc) / (float)D + eps);
+        for (int64_t d = 0; d < D; d++) out[m * D + d] = w[d] * (row[d] * scale);
+    }
+}
+
+/* ======== attention of T new queries per row over the visible cache slots ========
+ * One (batch row, kv head): q [T, H, D] (query heads kvh*G .. kvh*G+G-1 share this kv head);
+ * keys kc [cap/16, D, 16] (blocks of 16 slots, d-major inside a block, so 16 slots are scored by
+ * a stream of contiguous loads), values vc [cap, D], vis [S] (S = start + T; the new tokens sit at
+ * slots start .. S-1). Query t sees slot s iff s <= start + t and vis[s].
+ * Exactness: each score is one chain of multiply-adds over d, whatever lane it sits in. A query's
+ * keys are the visible slots in slot order, compacted; its softmax sum runs over that compacted
+ * list in lanes j mod L, and its output sums p_j v_j in j order. Holes, padding, batch mates and
+ * later tokens of the same pass therefore change nothing in its result. A query that sees no slot
+ * (padding) gets zeros, never NaN. */
+__attribute__((target($ISA))) static void attend$SFX(
+    const float *q, const float *kc, const float *vc, const uint8_t *vis, float *out,
+    int64_t T, int64_t H, int64_t G, int64_t D, int64_t kvh, int64_t start, float scale,
+    float *scores, int64_t *idx)
+{
+    enum { QT = $QTILE, VB = SLOT_BLOCK / $LANES, DV = $DVECS };
+    const int64_t S = start + T, Q = T * G;
+    int64_t visible = 0;
+    for (int64_t s = 0; s < S; s++) if (vis[s]) idx[visible++] = s;
+
+    /* 1. scores[i, s] = (q_i . k_s) * scale for every slot: QT queries x one 16-slot block per tile */
+    for (int64_t i0 = 0; i0 < Q; i0 += QT) {
+        const int64_t count = Q - i0 < QT ? Q - i0 : QT;
+        const float *qp[QT];
+        for (int64_t j = 0; j < QT; j++) {
+            const int64_t i = i0 + (j < count ? j : 0);  /* spare tile rows recompute query i0, unused */
+            qp[j] = q + ((i / G) * H + kvh * G + i % G) * D;
+        }
+        for (int64_t s0 = 0; s0 < S; s0 += SLOT_BLOCK) {
+            const float *block = kc + (s0 / SLOT_BLOCK) * D * SLOT_BLOCK;
+            $VEC acc[QT][VB];
+            for (int j = 0; j < QT; j++) for (int v = 0; v < VB; v++) acc[j][v] = $ZERO();
+            for (int64_t d = 0; d < D; d++) {
+                _Pragma("GCC unroll 2") for (int v = 0; v < VB; v++) {
+                    const $VEC k = $LOAD(block + d * SLOT_BLOCK + v * $LANES);
+                    _Pragma("GCC unroll 8") for (int j = 0; j < QT; j++) acc[j][v] = $FMA($SET1(qp[j][d]), k, acc[j][v]);
+                }
+            }
+            for (int64_t j = 0; j < count; j++)
+                for (int v = 0; v < VB; v++) {
+                    const int64_t s = s0 + v * $LANES, left = S - s < $LANES ? S - s : $LANES;
+                    if (left > 0) $STOREN(scores + (i0 + j) * S + s, $MUL(acc[j][v], $SET1(scale)), left);
+                }
+        }
+    }
+    /* 2. per query: compact its visible causal scores in place (row[j] <- row[idx[j]], j <= idx[j]),
+     *    softmax them, keep the probabilities p_j in row[0 .. n) */
+    for (int64_t i = 0; i < Q; i++) {
+        const int64_t own = start + i / G;
+        float *row = scores + i * S;
+        int64_t n = visible;
+        while (n > 0 && idx[n - 1] > own) n--;
+        float top = -INFINITY;
+        for (int64_t j = 0; j < n; j++) {
+            row[j] = row[idx[j]];
+            if (row[j] > top) top = row[j];
+        }
+        $VEC sum = $ZERO();
+        for (int64_t j = 0; j < n; j += $LANES) {
+            const int64_t left = n - j < $LANES ? n - j : $LANES;
+            const $VEC e = $KEEPN(exp$SFX($SUB($LOADN(row + j, left), $SET1(top))), left);
+            $STOREN(row + j, e, left);
+            sum = $ADD(sum, e);
+        }
+        const float inv = n ? 1.0f / $HSUM(sum) : 0.0f;
+        for (int64_t j = 0; j < n; j++) row[j] = row[j] * inv;
+    }
+    /* 3. out_i = sum_j p_j v_idx[j] in j order; tiles of up to 4 query heads of one token (they
+     *    share the slot list) x DV vectors of d, so each value vector loaded serves 4 queries */
+    for (int64_t t = 0; t < T; t++) {
+        int64_t n = visible;
+        while (n > 0 && idx[n - 1] > start + t) n--;
+        for (int64_t g0 = 0; g0 < G; g0 += 4) {
+            const int64_t count = G - g0 < 4 ? G - g0 : 4;
+            const float *p[4];
+            for (int64_t j = 0; j < 4; j++) p[j] = scores + (t * G + g0 + (j < count ? j : 0)) * S;
+            for (int64_t d0 = 0; d0 < D; d0 += DV * $LANES) {
+                const int64_t chunks = (D - d0) / $LANES < DV ? (D - d0) / $LANES : DV;
+                $VEC acc[4][DV];
+                for (int j = 0; j < 4; j++) for (int c = 0; c < DV; c++) acc[j][c] = $ZERO();
+                for (int64_t j = 0; j < n; j++) {
+                    const float *v = vc + idx[j] * D + d0;
+                    if (chunks == DV) {
+                        _Pragma("GCC unroll 4") for (int c = 0; c < DV; c++) {
+                            const $VEC vv = $LOAD(v + c * $LANES);
+                            _Pragma("GCC unroll 4") for (int g = 0; g < 4; g++) acc[g][c] = $FMA($SET1(p[g][j]), vv, acc[g][c]);
+                        }
+                    } else {
+                        for (int64_t c = 0; c < chunks; c++) {
+                            const $VEC vv = $LOAD(v + c * $LANES);
+                            for (int g = 0; g < 4; g++) acc[g][c] = $FMA($SET1(p[g][j]), vv, acc[g][c]);
+                        }
+                    }
+                }
+                for (int64_t g = 0; g < count; g++) {
+                    float *o = out + (t * H + kvh * G + g0 + g) * D + d0;
+                    for (int64_t c = 0; c < chunks; c++) $STORE(o + c * $LANES, acc[g][c]);
+                }
+            }
+        }
+    }
+}
+"""
+
+_DRIVERS = r"""
+int kernels_isa(void)
 {
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx512f")) return 512;
@@ -184,140 +489,122 @@ int rowwise_isa(void)
     return 0;
 }
 
-/* isa: 512 or 256 (must be supported). Threads split the weight rows: each weight byte is read by
- * one thread, once per group of up to MR activation rows. */
-void rowwise_linear(const float *x, const float *w, const float *b, float *y,
-                    int64_t M, int64_t N, int64_t K, int isa)
+/* weights: 0 = float32, 1 = bfloat16 (stored as uint16; converted exactly, accumulated in float32) */
+void rowwise_linear(const float *x, const void *w, const float *b, float *y, int64_t M, int64_t N, int64_t K,
+                    int weights, int isa, int threads)
 {
-    const tile_fn *tiles = isa == 512 ? tiles512 : tiles256;
-    const int max_mr = isa == 512 ? 6 : 3;
-    const int64_t ntiles = N / NR;
-    /* Below ~64k multiply-adds a fork/join costs more than it saves. */
-    #pragma omp parallel for schedule(static) if (M * N * K > 65536)
-    for (int64_t t = 0; t < ntiles; t++) {
-        const int64_t n0 = t * NR;
-        for (int64_t m0 = 0; m0 < M;) {
-            /* Split rows evenly over the fewest passes: 8 rows -> 4 + 4 rather than 6 + 2. */
-            const int64_t passes = (M - m0 + max_mr - 1) / max_mr;
-            const int mr = (int)((M - m0 + passes - 1) / passes);
-            tiles[mr](x + m0 * K, w + n0 * K, b ? b + n0 : 0, y + m0 * N + n0, K, N);
-            m0 += mr;
-        }
-    }
-    for (int64_t n = ntiles * NR; n < N; n++) {
-        if (isa == 512) edge512(x, w + n * K, b ? b + n : 0, y + n, K, N, (int)M);
-        else edge256(x, w + n * K, b ? b + n : 0, y + n, K, N, (int)M);
+    const linear_job job = {x, w, b, y, M, N, K};
+    const int64_t tiles = N / NR;
+    /* ~64 chunks per call balance threads; below ~64k multiply-adds one thread is quicker than waking another */
+    const int64_t grain = M * N * K < 65536 ? tiles : (tiles + 63) / 64;
+    const range_fn ranges[2][2] = {{linear_range256f32, linear_range256bf16}, {linear_range512f32, linear_range512bf16}};
+    parallel_for(ranges[isa == 512][weights], &job, tiles, grain > 0 ? grain : 1, threads);
+    for (int64_t n = tiles * NR; n < N; n++) {
+        const float *bn = b ? b + n : 0;
+        if (weights) (isa == 512 ? edge512bf16 : edge256bf16)(x, (const uint16_t *)w + n * K, bn, y + n, M, N, K);
+        else (isa == 512 ? edge512f32 : edge256f32)(x, (const float *)w + n * K, bn, y + n, M, N, K);
     }
 }
-"""
 
-
-# Attention of a few new tokens over the slot cache, one template instantiated per vector ISA.
-# VEC/LOAD/FMA/... are replaced textually; see _instantiate.
-_ATTENTION_TEMPLATE = r"""
-/* Scaled dot-product attention of T new queries per batch row against the cache's visible slots.
- * q [B, T, H, D] and out [B, T, H, D] contiguous; kc/vc point at a layer's cache laid out
- * [B, capacity, KVH, D]; vis [B, vis_stride] (1 = visible) covers slots 0 .. start+T-1, the new
- * tokens sitting at slots start .. start+T-1. Query t of row b sees slot s iff s <= start+t and
- * vis[b, s]: causal, holes and left padding skipped outright.
- *
- * Exactness: invisible slots are skipped, not masked with -inf, so a query's result depends only on
- * the visible keys in slot order: the same with or without holes, batch mates, or later tokens of
- * the same pass. A query with no visible slot (padding) gets zeros, never NaN. */
-__attribute__((target(ISA_TARGET))) static void attend_one_SUFFIX(
-    const float *q, const float *kc, const float *vc, const uint8_t *vis, float *out,
-    int64_t T, int64_t H, int64_t KVH, int64_t D, int64_t kvh, int64_t start, float scale,
-    float *scores, float *acc)
+void silu_mul(float *gate, const float *up, int64_t n, int isa)
 {
-    const int64_t G = H / KVH, S = start + T, Q = T * G, slot = KVH * D;
-    /* 1. scores[i, s] = q_i . k_s * scale; each key read once for the G*T queries that share it */
-    for (int64_t s = 0; s < S; s++) {
-        if (!vis[s]) continue;
-        const float *k = kc + s * slot + kvh * D;
-        const int64_t first_t = s > start ? s - start : 0;
-        for (int64_t t = first_t; t < T; t++)
-            for (int64_t g = 0; g < G; g++) {
-                const float *qv = q + (t * H + kvh * G + g) * D;
-                VEC a = ZERO();
-                for (int64_t d = 0; d < D; d += LANES) a = FMA(LOAD(qv + d), LOAD(k + d), a);
-                scores[(t * G + g) * S + s] = HSUM(a) * scale;
+    if (isa == 512) silu_mul512(gate, up, n); else silu_mul256(gate, up, n);
+}
+
+void rms_norm(float *x, const float *delta, const float *w, float *out, int64_t M, int64_t D, float eps, int isa)
+{
+    if (isa == 512) rms_norm512(x, delta, w, out, M, D, eps); else rms_norm256(x, delta, w, out, M, D, eps);
+}
+
+/* Rotary embedding (Su et al. 2021), half-split layout as in transformers, in place on x [M, heads * D]
+ * (row stride ld): x*cos + rotate_half(x)*sin with cos/sin rows picked by position. Elementwise,
+ * rounded exactly as transformers' mul/neg/mul/add sequence. */
+void rope(float *x, int64_t M, int64_t ld, int64_t heads, int64_t D, const int64_t *positions,
+          const float *cos_table, const float *sin_table)
+{
+    const int64_t half = D / 2;
+    for (int64_t m = 0; m < M; m++) {
+        const float *c = cos_table + positions[m] * D, *s = sin_table + positions[m] * D;
+        for (int64_t h = 0; h < heads; h++) {
+            float *v = x + m * ld + h * D;
+            for (int64_t d = 0; d < half; d++) {
+                const float a = v[d], b = v[d + half];
+                v[d] = a * c[d] + (-b) * s[d];
+                v[d + half] = b * c[d + half] + a * s[d + half];
             }
-    }
-    /* 2. softmax over each query's visible slots, summed in slot order */
-    for (int64_t i = 0; i < Q; i++) {
-        const int64_t last = start + i / G;  /* the query's own slot */
-        float *row = scores + i * S, top = -INFINITY, total = 0.0f;
-        for (int64_t s = 0; s <= last; s++) if (vis[s] && row[s] > top) top = row[s];
-        for (int64_t s = 0; s <= last; s++) if (vis[s]) { row[s] = expf(row[s] - top); total += row[s]; }
-        const float inv = total > 0.0f ? 1.0f / total : 0.0f;
-        for (int64_t s = 0; s <= last; s++) if (vis[s]) row[s] *= inv;
-        for (int64_t d = 0; d < D; d++) acc[i * D + d] = 0.0f;
-    }
-    /* 3. out_i = sum_s p_i[s] v_s, in slot order; each value vector read once */
-    for (int64_t s = 0; s < S; s++) {
-        if (!vis[s]) continue;
-        const float *v = vc + s * slot + kvh * D;
-        const int64_t first_i = (s > start ? s - start : 0) * G;
-        for (int64_t i = first_i; i < Q; i++) {
-            const VEC p = SET1(scores[i * S + s]);
-            for (int64_t d = 0; d < D; d += LANES) STORE(acc + i * D + d, FMA(p, LOAD(v + d), LOAD(acc + i * D + d)));
         }
     }
-    for (int64_t i = 0; i < Q; i++) {
-        const int64_t t = i / G, g = i % G;
-        float *o = out + (t * H + kvh * G + g) * D;
-        for (int64_t d = 0; d < D; d++) o[d] = acc[i * D + d];
-    }
-}
-"""
-
-_ISAS = {
-    "512": {"ISA_TARGET": '"avx512f"', "SUFFIX": "512", "VEC": "__m512", "LANES": "16", "ZERO": "_mm512_setzero_ps",
-            "FMA": "_mm512_fmadd_ps", "LOAD": "_mm512_loadu_ps", "STORE": "_mm512_storeu_ps", "SET1": "_mm512_set1_ps",
-            "HSUM": "_mm512_reduce_add_ps"},
-    "256": {"ISA_TARGET": '"avx2,fma"', "SUFFIX": "256", "VEC": "__m256", "LANES": "8", "ZERO": "_mm256_setzero_ps",
-            "FMA": "_mm256_fmadd_ps", "LOAD": "_mm256_loadu_ps", "STORE": "_mm256_storeu_ps", "SET1": "_mm256_set1_ps",
-            "HSUM": "hsum256"},
 }
 
-
-def _instantiate(template: str, isa: str) -> str:
-    for placeholder, text in _ISAS[isa].items():
-        template = template.replace(placeholder, text)
-    return template
-
-
-_ATTENTION_DRIVER = r"""
-/* Returns 0, or -1 when scratch memory ran out. Threads split the (batch row, kv head) pairs. */
-int slot_attention(const float *q, const float *kc, const float *vc, const uint8_t *vis, float *out,
-                   int64_t B, int64_t T, int64_t H, int64_t KVH, int64_t D,
-                   int64_t cache_row_stride, int64_t vis_stride, int64_t start, float scale, int isa)
+/* New keys k [B, T, KVH, D] -> kc [B, KVH, cap/16, D, 16] at slots start..start+T-1 (16-slot
+ * blocks, d-major inside, for attention's slot-parallel scores); values v [B, T, KVH, D] ->
+ * vc [B, KVH, cap, D]. */
+void cache_write(const float *k, const float *v, float *kc, float *vc, int64_t B, int64_t T, int64_t KVH,
+                 int64_t D, int64_t cap, int64_t start)
 {
-    const int64_t G = H / KVH, S = start + T;
-    int failed = 0;
-    #pragma omp parallel for schedule(static) if (B * KVH > 1 && T * S * H * D > 65536)
-    for (int64_t job = 0; job < B * KVH; job++) {
-        const int64_t b = job / KVH, kvh = job % KVH;
-        float *scores = malloc(sizeof(float) * (size_t)(T * G) * (size_t)(S + D));
-        if (!scores) { failed = 1; continue; }
-        float *acc = scores + T * G * S;
-        const float *qb = q + b * T * H * D;
-        float *ob = out + b * T * H * D;
-        if (isa == 512)
-            attend_one_512(qb, kc + b * cache_row_stride, vc + b * cache_row_stride, vis + b * vis_stride, ob,
-                           T, H, KVH, D, kvh, start, scale, scores, acc);
-        else
-            attend_one_256(qb, kc + b * cache_row_stride, vc + b * cache_row_stride, vis + b * vis_stride, ob,
-                           T, H, KVH, D, kvh, start, scale, scores, acc);
-        free(scores);
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t t = 0; t < T; t++)
+            for (int64_t h = 0; h < KVH; h++) {
+                const int64_t s = start + t;
+                const float *ks = k + ((b * T + t) * KVH + h) * D, *vs = v + ((b * T + t) * KVH + h) * D;
+                float *kd = kc + (b * KVH + h) * D * cap + (s / SLOT_BLOCK) * D * SLOT_BLOCK + s % SLOT_BLOCK;
+                float *vd = vc + ((b * KVH + h) * cap + s) * D;
+                for (int64_t d = 0; d < D; d++) { kd[d * SLOT_BLOCK] = ks[d]; vd[d] = vs[d]; }
+            }
+}
+
+/* (batch row, kv head) pairs [begin, end) of an attention_job. */
+static void attention_range(const void *arg, int64_t begin, int64_t end, int isa)
+{
+    attention_job *job = (attention_job *)arg;
+    const int64_t T = job->T, H = job->H, KVH = job->KVH, D = job->D, G = H / KVH, S = job->start + T;
+    int64_t *idx = malloc(sizeof(int64_t) * (size_t)S + sizeof(float) * (size_t)(T * G * S));
+    if (!idx) { job->failed = 1; return; }
+    float *scores = (float *)(idx + S);
+    for (int64_t pair = begin; pair < end; pair++) {
+        const int64_t b = pair / KVH, kvh = pair % KVH;
+        (isa == 512 ? attend512 : attend256)(job->q + b * T * H * D, job->kc + pair * D * job->cap,
+                                             job->vc + pair * job->cap * D, job->vis + b * job->vis_stride,
+                                             job->out + b * T * H * D, T, H, G, D, kvh, job->start, job->scale, scores, idx);
     }
-    return failed ? -1 : 0;
+    free(idx);
+}
+static void attention_range512(const void *job, int64_t begin, int64_t end) { attention_range(job, begin, end, 512); }
+static void attention_range256(const void *job, int64_t begin, int64_t end) { attention_range(job, begin, end, 256); }
+
+/* q [B, T, H, D], out [B, T, H, D]; kc [B, KVH, cap/16, D, 16]; vc [B, KVH, cap, D]; vis [B, vis_stride].
+ * Returns 0, or -1 if scratch memory ran out. Threads split the (batch row, kv head) pairs. */
+int slot_attention(const float *q, const float *kc, const float *vc, const uint8_t *vis, float *out,
+                   int64_t B, int64_t T, int64_t H, int64_t KVH, int64_t D, int64_t cap,
+                   int64_t vis_stride, int64_t start, float scale, int isa, int threads)
+{
+    attention_job job = {q, kc, vc, vis, out, B, T, H, KVH, D, cap, vis_stride, start, scale, 0};
+    const int small = T * (start + T) * H * D < 65536;
+    parallel_for(isa == 512 ? attention_range512 : attention_range256, &job, B * KVH, 1, small ? 1 : threads);
+    return job.failed ? -1 : 0;
 }
 """
 
-_SOURCE += _instantiate(_ATTENTION_TEMPLATE, "512") + _instantiate(_ATTENTION_TEMPLATE, "256") + _ATTENTION_DRIVER
 
-_FLAGS = ["-O3", "-fPIC", "-shared", "-fopenmp", "-ffp-contract=off"]
+_WEIGHTS = {
+    "f32": {"$WT": "float", "$WLOADN": "$LOADN", "$WLOAD": "$LOAD"},
+    "bf16": {"$WT": "uint16_t", "$WLOADN": "bf16loadn$SFX", "$WLOAD": "bf16load$SFX"},
+}
+
+
+def _replace(text: str, table: dict[str, str]) -> str:
+    for placeholder in sorted(table, key=len, reverse=True):
+        text = text.replace(placeholder, table[placeholder])
+    return text
+
+
+def _instantiate(isa: str) -> str:
+    linear = "".join(_replace(_LINEAR_TEMPLATE, {**_WEIGHTS[w], "$W": w}) for w in _WEIGHTS)
+    return _replace(_ISA_HELPERS[isa] + linear + _TEMPLATE, _ISAS[isa])
+
+
+_SOURCE = _PREAMBLE + _instantiate("512") + _instantiate("256") + _DRIVERS
+_FLAGS = ["-O3", "-fPIC", "-shared", "-pthread", "-ffp-contract=off"]
 _LIBS = ["-lm"]
 
 _library: ctypes.CDLL | None = None
@@ -336,18 +623,32 @@ def _build() -> Path:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise OSError("no C compiler (cc/gcc) on PATH")
-    digest = hashlib.sha256((_SOURCE + " ".join(_FLAGS)).encode()).hexdigest()[:16]
-    target = _cache_dir() / f"rowwise_{digest}.so"
+    digest = hashlib.sha256((_SOURCE + " ".join(_FLAGS + _LIBS)).encode()).hexdigest()[:16]
+    target = _cache_dir() / f"kernels_{digest}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        source = Path(tmp) / "rowwise.c"
+        source = Path(tmp) / "kernels.c"
         source.write_text(_SOURCE)
         built = Path(tmp) / target.name
         subprocess.run([compiler, *_FLAGS, str(source), "-o", str(built), *_LIBS], check=True, capture_output=True, text=True)
         os.replace(built, target)  # atomic: a concurrent process sees the whole file or none
+    for stale in target.parent.glob("kernels_*.so"):  # builds of older sources (unlinking is safe if mapped)
+        if stale != target:
+            stale.unlink(missing_ok=True)
     return target
+
+
+_SIGNATURES = {
+    "kernels_isa": (ctypes.c_int, []),
+    "rowwise_linear": (None, [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int] * 3),
+    "silu_mul": (None, [ctypes.c_void_p] * 2 + [ctypes.c_int64, ctypes.c_int]),
+    "rms_norm": (None, [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_float, ctypes.c_int]),
+    "rope": (None, [ctypes.c_void_p] + [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 3),
+    "cache_write": (None, [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 6),
+    "slot_attention": (ctypes.c_int, [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 8 + [ctypes.c_float] + [ctypes.c_int] * 2),
+}
 
 
 def _load() -> None:
@@ -361,86 +662,118 @@ def _load() -> None:
         library = ctypes.CDLL(str(_build()))
     except (OSError, subprocess.CalledProcessError) as exc:
         detail = getattr(exc, "stderr", "") or str(exc)
-        log.warning("verispec: rowwise kernel unavailable, using torch.nn.functional.linear (%s)", detail.strip()[:300])
+        log.warning("verispec: C kernels unavailable, small passes use PyTorch (%s)", detail.strip()[:300])
         return
-    library.rowwise_isa.restype = ctypes.c_int
-    library.rowwise_linear.restype = None
-    library.rowwise_linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
-    library.slot_attention.restype = ctypes.c_int
-    library.slot_attention.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 8 + [ctypes.c_float, ctypes.c_int]
-    isa = library.rowwise_isa()
-    wanted = os.environ.get("VERISPEC_KERNEL_ISA")  # "256" forces the AVX2 path (tests, comparisons)
+    for name, (restype, argtypes) in _SIGNATURES.items():
+        getattr(library, name).restype = restype
+        getattr(library, name).argtypes = argtypes
+    isa = library.kernels_isa()
+    wanted = os.environ.get("VERISPEC_KERNEL_ISA")  # "256" forces the AVX2 variant (tests, comparisons)
     if wanted and int(wanted) <= isa:
         isa = int(wanted)
     _library, _isa = (library, isa) if isa else (None, 0)
 
 
 def available() -> bool:
-    """Whether `rowwise_linear` runs here (compiler present, CPU with AVX2+FMA or AVX-512)."""
+    """Whether the kernels run here (C compiler present, CPU with AVX2+FMA or AVX-512)."""
     _load()
     return _library is not None
 
 
 def isa() -> int:
-    """Vector width in bits the kernel uses: 512, 256, or 0 when unavailable."""
+    """Vector width in bits the kernels use: 512, 256, or 0 when unavailable."""
     _load()
     return _isa
 
 
+def lanes() -> int:
+    """Floats per vector: head sizes must be a multiple of this for `slot_attention`."""
+    return 16 if isa() == 512 else 8
+
+
+def _check(*tensors: torch.Tensor) -> None:
+    if _library is None and not available():
+        raise RuntimeError("verispec C kernels unavailable here: check kernels.available() and use PyTorch ops")
+    for t in tensors:
+        if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous():
+            raise ValueError("the kernels take contiguous float32 CPU tensors")
+
+
 def rowwise_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                    out: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] @ weight [N, K].T (+ bias [N]) -> [M, N], float32 CPU tensors.
+    """x [M, K] @ weight [N, K].T (+ bias [N]) -> out [M, N], float32. Each output row depends on its input row only, bitwise.
 
-    Each output row depends on its input row only, bitwise. Raises RuntimeError when unavailable;
-    check `available()` first.
+    weight may be float32, or bfloat16 (half the bytes to read; converted exactly and accumulated in
+    float32, but the rounded weights change the result: a draft-model option, not for a target).
     """
-    if not available():
-        raise RuntimeError("rowwise kernel unavailable: use torch.nn.functional.linear")
-    if x.dtype != torch.float32 or weight.dtype != torch.float32 or x.device.type != "cpu":
-        raise TypeError("rowwise_linear takes float32 CPU tensors")
-    x = x.contiguous()
     rows, k = x.shape
     n = weight.shape[0]
-    if weight.shape[1] != k or not weight.is_contiguous():
-        raise ValueError(f"weight must be a contiguous [N, {k}] matrix, got {tuple(weight.shape)}")
-    if bias is not None and not bias.is_contiguous():
-        bias = bias.contiguous()
+    if weight.shape[1] != k:
+        raise ValueError(f"weight must be [N, {k}], got {tuple(weight.shape)}")
     if out is None:
         out = torch.empty(rows, n, dtype=torch.float32)
-    _library.rowwise_linear(x.data_ptr(), weight.data_ptr(), bias.data_ptr() if bias is not None else None,
-                            out.data_ptr(), rows, n, k, _isa)
+    _check(x, out, *(() if bias is None else (bias,)))
+    if weight.dtype not in (torch.float32, torch.bfloat16) or not weight.is_contiguous() or weight.device.type != "cpu":
+        raise ValueError("weight must be a contiguous float32 or bfloat16 CPU matrix")
+    _library.rowwise_linear(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(),
+                            rows, n, k, int(weight.dtype == torch.bfloat16), _isa, torch.get_num_threads())
     return out
 
 
-def attention_supported(head_dim: int) -> bool:
-    """Whether `slot_attention` handles this head size (a whole number of vector lanes)."""
-    return available() and head_dim % (16 if _isa == 512 else 8) == 0
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor,
+             residual: torch.Tensor | None = None) -> torch.Tensor:
+    """out = RMSNorm(x) * weight per row of x [M, D]; with `residual` [M, D], first x += residual (in place)."""
+    _check(x, weight, out, *(() if residual is None else (residual,)))
+    _library.rms_norm(x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(),
+                      out.data_ptr(), x.shape[0], x.shape[1], eps, _isa)
+    return out
+
+
+def rope_(x: torch.Tensor, heads: int, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [M, heads * D] in place: row m by the angles of positions[m] (long [M]); cos/sin [P, D]."""
+    _check(x, cos, sin)
+    if positions.dtype != torch.long or not positions.is_contiguous():
+        raise ValueError("positions must be a contiguous long tensor")
+    _library.rope(x.data_ptr(), x.shape[0], x.shape[1], heads, cos.shape[1], positions.data_ptr(), cos.data_ptr(), sin.data_ptr())
+    return x
+
+
+def silu_mul_(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """gate <- silu(gate) * up, in place (the SwiGLU product of Shazeer 2020)."""
+    _check(gate, up)
+    _library.silu_mul(gate.data_ptr(), up.data_ptr(), gate.numel(), _isa)
+    return gate
+
+
+def cache_write(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: int) -> None:
+    """Store new keys/values [B, T, KVH, D] at slots start.. of k_cache [B, KVH, capacity/16, D, 16]
+    (`SLOT_BLOCK`-slot blocks) and v_cache [B, KVH, capacity, D]."""
+    _check(k, v, k_cache, v_cache)
+    batch, width, kv_heads, head_dim = k.shape
+    _library.cache_write(k.data_ptr(), v.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), batch, width, kv_heads,
+                         head_dim, v_cache.shape[2], start)
 
 
 def slot_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, visible: torch.Tensor,
                    start: int, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of T new tokens per row over the visible slots of a cache.
 
-    q [B, T, H, D] float32 (contiguous); k_cache, v_cache [B, capacity, KVH, D] with the new tokens'
-    keys/values already at slots start .. start+T-1 (rows may be strided, each row contiguous);
-    visible [B, >= start+T] bool. Query t of row b attends to slots s <= start+t with visible[b, s]
-    (a query that sees nothing, i.e. padding, gets zeros). Returns [B, T, H, D].
+    q [B, T, H, D]; k_cache [B, KVH, capacity/16, D, 16] and v_cache [B, KVH, capacity, D], with the
+    new tokens' keys/values already at slots start .. start+T-1; visible [B, >= start+T] bool (unit
+    column stride). Query t of row b attends to slots s <= start+t with visible[b, s]; a query that
+    sees nothing (padding) gets zeros. Returns out [B, T, H, D].
     """
-    if not attention_supported(q.shape[-1]):
-        raise RuntimeError("slot_attention unavailable for this head size: use scaled_dot_product_attention")
     batch, width, heads, head_dim = q.shape
-    kv_heads = k_cache.shape[2]
-    for cache in (k_cache, v_cache):
-        if cache.dtype != torch.float32 or cache[0].stride() != (kv_heads * head_dim, head_dim, 1):
-            raise ValueError("k_cache/v_cache must be float32 [B, capacity, KVH, D] with contiguous rows")
-    if k_cache.stride(0) != v_cache.stride(0) or visible.stride(-1) != 1 or visible.dtype != torch.bool:
-        raise ValueError("k_cache and v_cache must share a layout; visible must be a bool matrix with unit column stride")
-    q = q.contiguous()
+    if head_dim % lanes():
+        raise ValueError(f"head size {head_dim} is not a multiple of {lanes()}: use scaled_dot_product_attention")
     if out is None:
         out = torch.empty_like(q)
-    status = _library.slot_attention(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), visible.data_ptr(), out.data_ptr(),
-                                     batch, width, heads, kv_heads, head_dim, k_cache.stride(0), visible.stride(0),
-                                     start, scale, _isa)
+    _check(q, k_cache, v_cache, out)
+    if visible.dtype != torch.bool or visible.stride(-1) != 1:
+        raise ValueError("visible must be a bool matrix with unit column stride")
+    status = _library.slot_attention(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), visible.data_ptr(),
+                                     out.data_ptr(), batch, width, heads, k_cache.shape[1], head_dim,
+                                     v_cache.shape[2], visible.stride(0), start, scale, _isa, torch.get_num_threads())
     if status:
         raise MemoryError("slot_attention could not allocate its score buffer")
     return out

@@ -1,26 +1,26 @@
 """A plain-PyTorch forward pass for Llama / Qwen2 decoders, built for decoding and verifying on a CPU.
 
-`NativeCausalLM` runs the same weights as a `transformers` model (it borrows the tensors, no copy)
+`NativeCausalLM` runs the weights of a `transformers` model (it borrows the tensors, no copy)
 through a hand-written pass: RMSNorm, rotary embeddings from precomputed tables, grouped-query
 attention, SwiGLU MLP, Qwen2's q/k/v biases, tied or separate LM head. Keys and values live in a
 preallocated `NativeStore` on the shared slot axis of `SlotCache`; rollback only moves its length.
 
-Why not just `transformers`: a verify pass of k+1 tokens must cost about what one decode step
-costs, because both read every weight once. PyTorch's CPU GEMMs make a 5-row product cost 2-3x a
-1-row product, and they take different code paths for different row counts, so a token scored in a
-wide verify pass need not get bitwise the logits it gets alone. Small passes (at most
-`kernels.MAX_ROWS` rows) therefore go through `verispec.models.kernels`: a linear layer that reads
-the weights once per tile of rows and computes every row independently, and an attention that
-skips invisible slots instead of masking them. In that regime a row's logits are bitwise the same
-whatever the pass width, its batch mates, or the holes rollback left in its cache. Big passes
-(prefill) and non-CPU / non-float32 models use `F.linear` and `scaled_dot_product_attention`.
+Why not just `transformers`: a verify pass of k+1 tokens should cost about one decode step, since
+both read every weight once, but PyTorch's CPU GEMMs make a 5-row product cost 2-3x a 1-row one,
+and take different code paths for different row counts, so a token scored in a wide verify pass
+need not get bitwise the logits it gets alone. So a pass has two paths:
+- small passes (batch * width <= `kernels.MAX_ROWS`, float32 on a CPU with the C kernels): every
+  op runs in `verispec.models.kernels`, whose results are bitwise independent of the pass width,
+  the batch mates and the holes rollback left; plain decoding and verification see the same numbers;
+- big passes (prefill), other devices and dtypes: `F.linear` and `scaled_dot_product_attention`.
+Both compute the same function; they differ in float rounding only (~1e-6 relative), and never
+within one decode: prefill is the same call for plain and speculative decoding.
 
 The model knows nothing about drafting, verification or tokenization; logits come back float32.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -42,7 +42,7 @@ def _rope_type(config) -> str:
 
 
 def supports(hf_model) -> bool:
-    """Whether `NativeCausalLM.from_hf` can run this `transformers` model (or `HFCausalLM`) exactly."""
+    """Whether `NativeCausalLM.from_hf` can run this `transformers` model (or `HFCausalLM`) faithfully."""
     if hasattr(hf_model, "new_cache") and hasattr(hf_model, "model"):  # an HFCausalLM wrapper
         hf_model = hf_model.model
     config = getattr(hf_model, "config", None)
@@ -95,42 +95,65 @@ def _borrow(linear: torch.nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]
 
 
 class NativeStore:
-    """Keys and values of every layer: [layers, batch, capacity, kv_heads, head_dim] each.
+    """Keys and values of every layer on one slot axis of `capacity` slots.
 
-    Slots [0, length) hold data; capacity doubles when a pass needs more room, so appending never
-    reallocates per step, and trimming only moves `length`. Fresh memory is zeroed, so a slot that
-    was never written (padding after `concat`) holds finite values.
+    keys [layers, batch, kv_heads, capacity / 16, head_dim, 16]: blocks of `kernels.SLOT_BLOCK`
+    slots, d-major inside a block, so the attention kernel scores 16 slots per vector op from
+    contiguous memory; values [layers, batch, kv_heads, capacity, head_dim]. Slots [0, length) hold
+    data; capacity doubles when a pass needs room, so steps never reallocate, and trimming only
+    moves `length`. Fresh memory is zeroed, so never-written slots (padding after `concat`) hold
+    finite numbers that a masked matmul cannot turn into NaN.
     """
 
     def __init__(self, num_layers: int, batch_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
                  device: torch.device, capacity: int = 0):
-        shape = (num_layers, batch_size, capacity, kv_heads, head_dim)
-        self.keys = torch.zeros(shape, dtype=dtype, device=device)
-        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        blocks = -(-capacity // kernels.SLOT_BLOCK)
+        self.keys = torch.zeros(num_layers, batch_size, kv_heads, blocks, head_dim, kernels.SLOT_BLOCK, dtype=dtype, device=device)
+        self.values = torch.zeros(num_layers, batch_size, kv_heads, blocks * kernels.SLOT_BLOCK, head_dim, dtype=dtype, device=device)
         self.length = 0
 
     @property
     def capacity(self) -> int:
-        return self.keys.shape[2]
+        return self.values.shape[3]
 
     @property
     def batch_size(self) -> int:
-        return self.keys.shape[1]
+        return self.values.shape[1]
+
+    def write(self, layer: int, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Store keys/values [batch, kv_heads, T, head_dim] of one layer at slots start .. start+T-1."""
+        slots = torch.arange(start, start + keys.shape[2], device=keys.device)
+        # advanced indices on the block and lane axes (split by a slice) put the slot axis first
+        self.keys[layer][:, :, slots // kernels.SLOT_BLOCK, :, slots % kernels.SLOT_BLOCK] = keys.permute(2, 0, 1, 3)
+        self.values[layer, :, :, start : start + keys.shape[2]] = values
+
+    def key_view(self, layer: int, slots: int) -> torch.Tensor:
+        """[batch, kv_heads, slots, head_dim] keys of one layer (a copy out of the block layout)."""
+        blocks = self.keys[layer, :, :, : -(-slots // kernels.SLOT_BLOCK)]
+        return blocks.transpose(-1, -2).flatten(2, 3)[:, :, :slots]
+
+    def value_view(self, layer: int, slots: int) -> torch.Tensor:
+        """[batch, kv_heads, slots, head_dim] values of one layer (a view)."""
+        return self.values[layer, :, :, :slots]
 
     def reserve(self, needed: int) -> None:
         """Make room for `needed` slots, keeping slots [0, length)."""
-        if needed <= self.capacity:
-            return
-        capacity = max(needed, 2 * self.capacity, 64)
-        self.keys = self._regrow(self.keys, capacity)
-        self.values = self._regrow(self.values, capacity)
+        if needed > self.capacity:
+            self.keys, self.values = self._resized(self.batch_size, max(needed, 2 * self.capacity, 64), (self, 0))
 
-    def _regrow(self, tensor: torch.Tensor, capacity: int) -> torch.Tensor:
-        shape = list(tensor.shape)
-        shape[2] = capacity
-        grown = tensor.new_zeros(shape)
-        grown[:, :, : self.length] = tensor[:, :, : self.length]
-        return grown
+    def _resized(self, batch_size: int, capacity: int, *parts: tuple["NativeStore", int]):
+        """New zeroed (keys, values): `batch_size` rows, `capacity` slots, each (store, first row) copied in."""
+        blocks = -(-capacity // kernels.SLOT_BLOCK)
+        keys_shape, values_shape = list(self.keys.shape), list(self.values.shape)
+        keys_shape[1] = values_shape[1] = batch_size
+        keys_shape[3], values_shape[3] = blocks, blocks * kernels.SLOT_BLOCK
+        keys, values = self.keys.new_zeros(keys_shape), self.values.new_zeros(values_shape)
+        for store, row in parts:
+            rows = slice(row, row + store.batch_size)
+            used = -(-store.length // kernels.SLOT_BLOCK)
+            keys[:, rows, :, :used] = store.keys[:, :, :, :used]
+            values[:, rows, :, : store.length] = store.values[:, :, :, : store.length]
+        return keys, values
 
     def trim(self, length: int) -> None:
         self.length = min(self.length, length)
@@ -141,27 +164,18 @@ class NativeStore:
         self.values = self.values.index_select(1, index)
 
     def concat(self, other: "NativeStore", rows: int | None = None, other_rows: int | None = None) -> None:
-        """Append other's rows; `rows` / `other_rows` (the KVStore contract's batch sizes) are
-        implied by the tensors, which hold their rows even before any slot is written."""
+        """Append other's rows. `rows` / `other_rows` (batch sizes, in the KVStore contract) are implied by
+        the tensors here, which hold their rows even before any slot is written."""
         length = max(self.length, other.length)
-        capacity = max(self.capacity, other.capacity, length)
-        merged = []
-        for mine, theirs in ((self.keys, other.keys), (self.values, other.values)):
-            shape = list(mine.shape)
-            shape[1] += theirs.shape[1]
-            shape[2] = capacity
-            out = mine.new_zeros(shape)
-            out[:, : mine.shape[1], : self.length] = mine[:, :, : self.length]
-            out[:, mine.shape[1] :, : other.length] = theirs[:, :, : other.length]
-            merged.append(out)
-        self.keys, self.values = merged
+        self.keys, self.values = self._resized(self.batch_size + other.batch_size, max(self.capacity, other.capacity, length),
+                                               (self, 0), (other, self.batch_size))
         self.length = length
 
 
 class NativeCausalLM:
     """A Llama/Qwen2-family causal LM behind the verispec `CausalLM` contract; see the module docstring."""
 
-    def __init__(self, hf_model, tokenizer=None, name: str | None = None):
+    def __init__(self, hf_model, tokenizer=None, name: str | None = None, weight_dtype: torch.dtype | None = None):
         if not supports(hf_model):
             raise ValueError(
                 f"{type(hf_model).__name__} is not supported by NativeCausalLM (Llama/Qwen2 with SiLU MLP, static "
@@ -181,10 +195,10 @@ class NativeCausalLM:
         self.device = self.embed.device
         self.dtype = self.embed.dtype
         self.vocab_size = int(self.lm_head.shape[0])
-
+        self.hidden_size = int(config.hidden_size)
         self.num_heads = int(config.num_attention_heads)
         self.num_kv_heads = int(getattr(config, "num_key_value_heads", None) or self.num_heads)
-        self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // self.num_heads)
+        self.head_dim = int(getattr(config, "head_dim", None) or self.hidden_size // self.num_heads)
         self.eps = float(getattr(config, "rms_norm_eps", 1e-6))
         self.scale = self.head_dim ** -0.5
 
@@ -197,6 +211,10 @@ class NativeCausalLM:
                 *_borrow(mlp.gate_proj), *_borrow(mlp.up_proj), *_borrow(mlp.down_proj),
             ))
 
+        if weight_dtype is not None and weight_dtype != self.dtype:
+            self._store_matrices_as(weight_dtype)
+        self.weight_dtype = self.lm_head.dtype
+
         # RoPE frequencies as the HF model computed them (handles rope_theta and static scalings).
         rotary = decoder.rotary_emb
         self._inv_freq = rotary.inv_freq.detach().float().to(self.device)
@@ -204,77 +222,61 @@ class NativeCausalLM:
         self._cos = self._sin = torch.empty(0, self.head_dim, device=self.device)
         self._rope_tables(min(self.max_context, 4096))
 
-        # The exact small-pass kernels exist for float32 on the CPU only.
-        self._kernels = self.device.type == "cpu" and self.dtype == torch.float32 and kernels.available()
-        self._kernel_attention = self._kernels and kernels.attention_supported(self.head_dim)
+        # The exact small-pass kernels: float32 activations on the CPU (float32 or bfloat16 matrices),
+        # contiguous weights, whole vectors per head.
+        self._kernels = (
+            self.device.type == "cpu" and self.dtype == torch.float32 and kernels.available()
+            and self.weight_dtype in (torch.float32, torch.bfloat16)
+            and self.head_dim % kernels.lanes() == 0
+            and all(w.is_contiguous() for w in (self.embed, self.lm_head))
+            and all(t is None or t.is_contiguous() for layer in self.layers for t in vars(layer).values())
+        )
+        self._buffers: dict[str, torch.Tensor] | None = None
 
     @classmethod
-    def from_hf(cls, hf_model, tokenizer=None, name: str | None = None) -> "NativeCausalLM":
-        """Build from a `transformers` Llama/Qwen2 model, or from an `HFCausalLM` (its tokenizer and name
-        are reused unless given). The weights are shared with the HF model, not copied."""
+    def from_hf(cls, hf_model, tokenizer=None, name: str | None = None,
+                weight_dtype: torch.dtype | None = None) -> "NativeCausalLM":
+        """Build from a `transformers` Llama/Qwen2 model, or from an `HFCausalLM` (whose tokenizer and name
+        are reused unless given). The weights are shared with the HF model, not copied.
+
+        weight_dtype=torch.bfloat16 instead keeps bfloat16 copies of the matrices (activations and
+        accumulation stay float32): half the bytes per token, so about twice the decode speed on a
+        memory-bound CPU, but the logits move by ~1e-2. That is a fine *draft* model (the target
+        still decides every token) and never a target whose output must equal the float32 model's.
+        """
         if hasattr(hf_model, "new_cache") and hasattr(hf_model, "model"):  # an HFCausalLM wrapper
             tokenizer = tokenizer if tokenizer is not None else hf_model.tokenizer
             name = name or hf_model.name
             hf_model = hf_model.model
-        return cls(hf_model.eval(), tokenizer, name)
+        return cls(hf_model.eval(), tokenizer, name, weight_dtype)
+
+    def _store_matrices_as(self, dtype: torch.dtype) -> None:
+        """Replace the borrowed matrices (not norms, biases or the embedding) by `dtype` copies."""
+        for layer in self.layers:
+            for field in ("q", "k", "v", "o", "gate", "up", "down"):
+                setattr(layer, field, getattr(layer, field).to(dtype).contiguous())
+        self.lm_head = self.lm_head.to(dtype).contiguous()
+        self.name = f"{self.name}-{str(dtype).removeprefix('torch.')}"
 
     supports = staticmethod(supports)
 
     def __repr__(self) -> str:
-        path = "exact kernels" if self._kernels else "torch"
-        return f"NativeCausalLM({self.name!r}, vocab={self.vocab_size}, device={self.device}, small passes: {path})"
+        path = f"C kernels up to {kernels.MAX_ROWS} rows" if self._kernels else "PyTorch only"
+        return f"NativeCausalLM({self.name!r}, vocab={self.vocab_size}, device={self.device}, {path})"
 
     def new_cache(self, batch_size: int) -> ModelCache:
         store = NativeStore(len(self.layers), batch_size, self.num_kv_heads, self.head_dim, self.dtype, self.device)
         return ModelCache(slots=SlotCache(batch_size, self.device), store=store)
 
-    # --- building blocks ---------------------------------------------------------------------
-
     def _rope_tables(self, positions: int) -> None:
-        """cos/sin [positions, head_dim] computed like transformers' rotary embedding, once per size."""
+        """cos/sin [positions, head_dim] computed like transformers' rotary embedding; grown by doubling."""
         if positions <= self._cos.shape[0]:
             return
+        positions = max(positions, 2 * self._cos.shape[0])
         freqs = torch.arange(positions, device=self.device).float()[:, None] * self._inv_freq[None, :]
         angles = torch.cat((freqs, freqs), dim=-1)
-        self._cos = (angles.cos() * self._rope_scaling).to(self.dtype)
-        self._sin = (angles.sin() * self._rope_scaling).to(self.dtype)
-
-    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        # Same op sequence as transformers' LlamaRMSNorm / Qwen2RMSNorm: statistics in float32.
-        hidden = x.float()
-        variance = hidden.pow(2).mean(-1, keepdim=True)
-        return weight * (hidden * torch.rsqrt(variance + self.eps)).to(x.dtype)
-
-    @staticmethod
-    def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        # RoPE (Su et al. 2021) in the half-split layout of transformers: x*cos + rotate_half(x)*sin.
-        half = x.shape[-1] // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return (x * cos) + (rotated * sin)
-
-    def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, exact: bool) -> torch.Tensor:
-        """x [..., in] -> [..., out]; `exact` routes through the row-independent kernel."""
-        if exact:
-            rows = x.reshape(-1, x.shape[-1])
-            return kernels.rowwise_linear(rows, weight, bias).view(*x.shape[:-1], weight.shape[0])
-        return F.linear(x, weight, bias)
-
-    def _attention(self, q: torch.Tensor, store: NativeStore, layer: int, visible: torch.Tensor, start: int,
-                   exact: bool) -> torch.Tensor:
-        """q [B, T, H, D] of tokens at slots start..start+T-1 -> [B, T, H, D]."""
-        if exact and self._kernel_attention:
-            return kernels.slot_attention(q, store.keys[layer], store.values[layer], visible, start, self.scale)
-        width, slots = q.shape[1], start + q.shape[1]
-        keys = store.keys[layer, :, :slots].transpose(1, 2)  # [B, KVH, S, D]
-        values = store.values[layer, :, :slots].transpose(1, 2)
-        slot = torch.arange(slots, device=q.device)
-        own = start + torch.arange(width, device=q.device)
-        # Causal over slots, holes and padding masked; every query also sees its own slot, so a
-        # padding query (nothing visible) gets a finite result instead of a NaN from an empty softmax.
-        allowed = (visible[:, None, :slots] & (slot[None, None, :] <= own[None, :, None])) | (slot == own[:, None])
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=allowed[:, None],
-                                             scale=self.scale, enable_gqa=self.num_kv_heads != self.num_heads)
-        return out.transpose(1, 2)
+        self._cos = (angles.cos() * self._rope_scaling).to(self.dtype).contiguous()
+        self._sin = (angles.sin() * self._rope_scaling).to(self.dtype).contiguous()
 
     # --- the contract ---------------------------------------------------------------------------
 
@@ -291,32 +293,108 @@ class NativeCausalLM:
         if store.length != start:
             raise RuntimeError(f"cache out of step: {store.length} stored slots, {start} in the slot bookkeeping")
         _, position_ids = cache.slots.extend(visible.to(self.device))
-        slots_visible = cache.slots.visible  # [B, start + T], row stride = slot capacity
         store.reserve(start + width)
         self._rope_tables(int(position_ids.max()) + 1)
-        cos = self._cos[position_ids][:, :, None]  # [B, T, 1, D], broadcast over heads
-        sin = self._sin[position_ids][:, :, None]
-        exact = self._kernels and batch * width <= kernels.MAX_ROWS
-        end = start + width
+        if self._kernels and batch * width <= kernels.MAX_ROWS:
+            hidden = self._small_pass(tokens, position_ids, cache.slots.visible, store, start)
+        else:
+            hidden = self._big_pass(tokens, position_ids, cache.slots.visible, store, start)
+        store.length = start + width
+        if last_only:
+            hidden = hidden[:, -1:]  # the LM head is the biggest matrix: score only what the caller reads
+        rows = hidden.reshape(-1, self.hidden_size)
+        if self._kernels and rows.shape[0] <= kernels.MAX_ROWS:
+            logits = kernels.rowwise_linear(rows.contiguous(), self.lm_head, self.lm_head_bias)
+        else:
+            logits = self._linear(rows, self.lm_head, self.lm_head_bias)
+        return logits.view(batch, -1, self.vocab_size).float()
 
+    # --- small passes: the exact C kernels --------------------------------------------------------
+
+    def _buffers_for(self, rows: int) -> dict[str, torch.Tensor]:
+        """Activation buffers [rows, ...]: views of storage kept for the widest pass so far, reused by every
+        layer and step (so one model runs one pass at a time)."""
+        if self._buffers is None or self._buffers["normed"].shape[0] < rows:
+            heads, kv, inter = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.layers[0].gate.shape[0]
+            widths = {"normed": self.hidden_size, "delta": self.hidden_size, "q": heads, "k": kv, "v": kv,
+                      "attended": heads, "gate": inter, "up": inter}
+            self._buffers = {name: torch.empty(rows, width, dtype=torch.float32) for name, width in widths.items()}
+        return {name: buffer[:rows] for name, buffer in self._buffers.items()}
+
+    def _small_pass(self, tokens, position_ids, visible, store: NativeStore, start: int) -> torch.Tensor:
+        """Hidden states [B, T, hidden] after the final norm, every op a row-exact kernel."""
+        batch, width = tokens.shape
+        rows = batch * width
+        buf = self._buffers_for(rows)
+        positions = position_ids.reshape(-1).contiguous()
+        x = F.embedding(tokens.reshape(-1), self.embed)  # the residual stream [rows, hidden], a fresh copy
+        residual = None  # the last sublayer's output, added to x inside the next rms_norm
+        for index, layer in enumerate(self.layers):
+            kernels.rms_norm(x, layer.attn_norm, self.eps, buf["normed"], residual)
+            kernels.rowwise_linear(buf["normed"], layer.q, layer.q_bias, buf["q"])
+            kernels.rowwise_linear(buf["normed"], layer.k, layer.k_bias, buf["k"])
+            kernels.rowwise_linear(buf["normed"], layer.v, layer.v_bias, buf["v"])
+            kernels.rope_(buf["q"], self.num_heads, positions, self._cos, self._sin)
+            kernels.rope_(buf["k"], self.num_kv_heads, positions, self._cos, self._sin)
+            shape = (batch, width, self.num_kv_heads, self.head_dim)
+            kernels.cache_write(buf["k"].view(shape), buf["v"].view(shape), store.keys[index], store.values[index], start)
+            kernels.slot_attention(buf["q"].view(batch, width, self.num_heads, self.head_dim), store.keys[index],
+                                   store.values[index], visible, start, self.scale,
+                                   out=buf["attended"].view(batch, width, self.num_heads, self.head_dim))
+            kernels.rowwise_linear(buf["attended"], layer.o, layer.o_bias, buf["delta"])
+            kernels.rms_norm(x, layer.mlp_norm, self.eps, buf["normed"], buf["delta"])
+            kernels.rowwise_linear(buf["normed"], layer.gate, layer.gate_bias, buf["gate"])
+            kernels.rowwise_linear(buf["normed"], layer.up, layer.up_bias, buf["up"])
+            kernels.silu_mul_(buf["gate"], buf["up"])
+            residual = kernels.rowwise_linear(buf["gate"], layer.down, layer.down_bias, buf["delta"])
+        out = torch.empty(rows, self.hidden_size)  # returned to the caller: not a reused buffer
+        kernels.rms_norm(x, self.final_norm, self.eps, out, residual)
+        return out.view(batch, width, self.hidden_size)
+
+    # --- big passes (prefill) and other devices: PyTorch ops ---------------------------------------
+
+    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        # Same op sequence as transformers' LlamaRMSNorm / Qwen2RMSNorm: statistics in float32.
+        hidden = x.float()
+        variance = hidden.pow(2).mean(-1, keepdim=True)
+        return weight * (hidden * torch.rsqrt(variance + self.eps)).to(x.dtype)
+
+    @staticmethod
+    def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        # RoPE (Su et al. 2021) in transformers' half-split layout: x*cos + rotate_half(x)*sin.
+        half = x.shape[-1] // 2
+        return (x * cos) + (torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin)
+
+    def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if weight.dtype == x.dtype:
+            return F.linear(x, weight, bias)
+        # lower-precision matrices (a draft): multiply in their dtype, return to the activations' dtype
+        out = F.linear(x.to(weight.dtype), weight).to(x.dtype)
+        return out if bias is None else out + bias
+
+    def _big_pass(self, tokens, position_ids, visible, store: NativeStore, start: int) -> torch.Tensor:
+        """Hidden states [B, T, hidden] after the final norm, with PyTorch's kernels."""
+        batch, width = tokens.shape
+        end = start + width
+        cos = self._cos[position_ids][:, None]  # [B, 1, T, D], broadcast over heads
+        sin = self._sin[position_ids][:, None]
+        slot = torch.arange(end, device=self.device)
+        own = start + torch.arange(width, device=self.device)
+        # Causal over slots with holes and padding masked; every query also sees its own slot, so a
+        # padding query (nothing visible) gets a finite result instead of the NaN of an empty softmax.
+        allowed = ((visible[:, None, :end] & (slot <= own[:, None])) | (slot == own[:, None]))[:, None]
         x = F.embedding(tokens, self.embed)
         for index, layer in enumerate(self.layers):
             h = self._rms_norm(x, layer.attn_norm)
-            q = self._linear(h, layer.q, layer.q_bias, exact).view(batch, width, self.num_heads, self.head_dim)
-            k = self._linear(h, layer.k, layer.k_bias, exact).view(batch, width, self.num_kv_heads, self.head_dim)
-            v = self._linear(h, layer.v, layer.v_bias, exact).view(batch, width, self.num_kv_heads, self.head_dim)
-            store.keys[index, :, start:end] = self._rotate(k, cos, sin)
-            store.values[index, :, start:end] = v
-            attended = self._attention(self._rotate(q, cos, sin), store, index, slots_visible, start, exact)
-            x = x + self._linear(attended.reshape(batch, width, -1), layer.o, layer.o_bias, exact)
+            q = self._linear(h, layer.q, layer.q_bias).view(batch, width, -1, self.head_dim).transpose(1, 2)
+            k = self._linear(h, layer.k, layer.k_bias).view(batch, width, -1, self.head_dim).transpose(1, 2)
+            v = self._linear(h, layer.v, layer.v_bias).view(batch, width, -1, self.head_dim).transpose(1, 2)
+            store.write(index, start, self._rotate(k, cos, sin), v)
+            attended = F.scaled_dot_product_attention(
+                self._rotate(q, cos, sin), store.key_view(index, end), store.value_view(index, end),
+                attn_mask=allowed, scale=self.scale, enable_gqa=self.num_kv_heads != self.num_heads)
+            x = x + self._linear(attended.transpose(1, 2).reshape(batch, width, -1), layer.o, layer.o_bias)
             h = self._rms_norm(x, layer.mlp_norm)
-            gate = self._linear(h, layer.gate, layer.gate_bias, exact)
-            up = self._linear(h, layer.up, layer.up_bias, exact)
-            x = x + self._linear(F.silu(gate) * up, layer.down, layer.down_bias, exact)
-        store.length = end
-
-        if last_only:
-            x = x[:, -1:]  # the LM head is the biggest matrix: score only what the caller reads
-        x = self._rms_norm(x, self.final_norm)
-        exact_head = self._kernels and x.shape[0] * x.shape[1] <= kernels.MAX_ROWS
-        return self._linear(x, self.lm_head, self.lm_head_bias, exact_head).float()
+            gate = self._linear(h, layer.gate, layer.gate_bias)
+            x = x + self._linear(F.silu(gate) * self._linear(h, layer.up, layer.up_bias), layer.down, layer.down_bias)
+        return self._rms_norm(x, self.final_norm)
