@@ -263,16 +263,17 @@ def test_batch_mates_do_not_change_a_row(pair):
 
 @needs_kernels
 @pytest.mark.parametrize("isa", [512, 256])
-def test_rowwise_linear_rows_are_independent(isa, monkeypatch):
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
+def test_rowwise_linear_rows_are_independent(isa, weight_dtype, monkeypatch):
     if isa > kernels.isa():
         pytest.skip(f"CPU lacks the {isa}-bit kernel")
     monkeypatch.setattr(kernels, "_isa", isa)
     torch.manual_seed(0)
-    for out_features, in_features in ((97, 70), (64, 128), (8, 33)):
-        weight, bias = torch.randn(out_features, in_features), torch.randn(out_features)
+    for out_features, in_features in ((97, 70), (64, 128), (8, 33), (20, 1100)):  # tails in k and n; k > KBLOCK
+        weight, bias = torch.randn(out_features, in_features).to(weight_dtype), torch.randn(out_features)
         x = torch.randn(13, in_features)
         full = kernels.rowwise_linear(x, weight, bias)
-        torch.testing.assert_close(full, torch.nn.functional.linear(x, weight, bias), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(full, torch.nn.functional.linear(x, weight.float(), bias), atol=1e-4, rtol=1e-4)
         for lo in range(13):
             for hi in range(lo + 1, 14):
                 assert torch.equal(kernels.rowwise_linear(x[lo:hi], weight, bias), full[lo:hi])

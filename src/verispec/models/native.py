@@ -1,9 +1,10 @@
-"""A plain-PyTorch forward pass for Llama / Qwen2 decoders, built for decoding and verifying on a CPU.
+"""verispec's own forward pass for Llama / Qwen2 decoders, built for decoding and verifying on a CPU.
 
 `NativeCausalLM` runs the weights of a `transformers` model (it borrows the tensors, no copy)
 through a hand-written pass: RMSNorm, rotary embeddings from precomputed tables, grouped-query
 attention, SwiGLU MLP, Qwen2's q/k/v biases, tied or separate LM head. Keys and values live in a
 preallocated `NativeStore` on the shared slot axis of `SlotCache`; rollback only moves its length.
+Its logits match the `transformers` model's to float32 rounding (~1e-6 relative), not bitwise.
 
 Why not just `transformers`: a verify pass of k+1 tokens should cost about one decode step, since
 both read every weight once, but PyTorch's CPU GEMMs make a 5-row product cost 2-3x a 1-row one,
@@ -15,6 +16,9 @@ need not get bitwise the logits it gets alone. So a pass has two paths:
 - big passes (prefill), other devices and dtypes: `F.linear` and `scaled_dot_product_attention`.
 Both compute the same function; they differ in float rounding only (~1e-6 relative), and never
 within one decode: prefill is the same call for plain and speculative decoding.
+
+A bfloat16 copy of the matrices (`weight_dtype=torch.bfloat16`) halves the bytes per token: a
+cheaper *draft* model, whose logits are no longer the float32 model's.
 
 The model knows nothing about drafting, verification or tokenization; logits come back float32.
 """
