@@ -1,21 +1,25 @@
 """What a target forward of width w costs relative to width 1: the c(w) behind speculative speedup.
 
 Speculative decoding pays off only if verifying k+1 tokens in one pass costs about one decode step.
-This script measures, for each backend over the same weights (transformers `HFCausalLM`, and
-`NativeCausalLM` with its row-exact small-batch kernels), the median seconds of a forward of width
-w on a warm cache of ~200 tokens, the ratio cost(w)/cost(1), and the tokens/s of plain decoding.
-With `--kernels` it instead times the candidate small-M linear kernels on the model's shapes.
+This script measures, for each backend over the same weights (transformers `HFCausalLM`;
+`NativeCausalLM` with its row-exact small-batch kernels; the same with bfloat16 matrices, a draft
+option), the median seconds of a forward of width w on a warm cache of ~200 tokens, the ratio
+cost(w)/cost(1), and the tokens/s of plain decoding. `--compare-threads` times thread counts
+instead, `--kernels` the candidate small-M linear kernels on the model's shapes.
 
-Timings on a shared machine are noisy: every measurement interleaves the backends and widths
-round-robin and reports medians, so ratios within one run are fair even when absolute numbers drift.
+Timings on a shared machine are noisy: every measurement interleaves backends, widths and thread
+counts round-robin and reports medians, so ratios within one run are fair even when absolute
+numbers drift. `--threads 1 --cpu-clock` counts CPU time instead of wall time: immune to other
+processes taking the core (not to their memory traffic).
 
-    python bench/verify_width.py --model qwen2.5-coder-1.5b [--backend native|hf|both]
+    python bench/verify_width.py --model qwen2.5-coder-1.5b [--backend hf,native,native-bf16]
                                  [--widths 1,2,4,5,6,8,16] [--repeats 5] [--threads 2]
+    python bench/verify_width.py --model qwen2.5-coder-1.5b --compare-threads 1,2 --widths 1,5
     python bench/verify_width.py --model qwen2.5-coder-1.5b --kernels [--rows 1,2,4,5,6,8,9,16]
 
-The measuring functions (`measure_width_costs`, `plain_decode_tokens_per_second`,
-`measure_linear_kernels`) are importable for the benchmark harness. This file knows nothing about
-drafters or acceptance rates: it measures the target alone.
+The measuring functions (`measure_width_costs`, `measure_thread_counts`,
+`plain_decode_tokens_per_second`, `measure_linear_kernels`) are importable for the benchmark
+harness. This file knows nothing about drafters or acceptance rates: it measures the target alone.
 """
 
 from __future__ import annotations
@@ -34,82 +38,9 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 
-CODE = '''def merge_sort(items):
-    """Sort a list with merge sort and return a new list."""
-    if len(items) <= 1:
-        return list(items)
-    middle = len(items) // 2
-    left = merge_sort(items[:middle])
-    right = merge_sort(items[middle:])
-    merged = []
-    i = j = 0
-    while i < len(left) and j < len(right):
-        if left[i] <= right[j]:
-            merged.append(left[i])
-            i += 1
-        else:
-            merged.append(right[j])
-            j += 1
-    merged.extend(left[i:])
-    merged.extend(right[j:])
-    return merged
-
-
-class LRUCache:
-    def __init__(self, capacity: int):
-        self.capacity = capacity
-        self.items = {}
-
-    def get(self, key):
-'''
-
-
-def context_tokens(model, length: int = 200) -> list[int]:
-    """~`length` token ids of Python code (repeated if the tokenizer makes fewer), or a fixed id ramp."""
-    if model.tokenizer is None:
-        return [(17 * i + 5) % model.vocab_size for i in range(length)]
-    ids = model.tokenizer(CODE)["input_ids"]
-    while len(ids) < length:
-        ids = ids + ids
-    return ids[:length]
-
-
-@torch.inference_mode()
-def measure_width_costs(model, widths: list[int], repeats: int = 5, context: int = 200,
-                        clock: Callable[[], float] = time.perf_counter) -> dict[int, float]:
-    """Median seconds of one `model.forward` of w new tokens on a warm cache of `context` tokens.
-
-    Each repeat runs every width once (round-robin, so slow phases of a shared machine hit all
-    widths alike) and rolls the cache back afterwards, so every pass sees the same context.
-    clock: wall time by default; `time.thread_time` counts only this thread's CPU time, which
-    ignores time stolen by other processes but is only meaningful with torch.set_num_threads(1).
-    Returns {width: median seconds}.
-    """
-    return measure_width_costs_interleaved([model], widths, repeats, context, clock)[0]
-
-
-@torch.inference_mode()
-def measure_width_costs_interleaved(models: list, widths: list[int], repeats: int = 5, context: int = 200,
-                                    clock: Callable[[], float] = time.perf_counter) -> list[dict[int, float]]:
-    """`measure_width_costs` for several models at once, interleaved pass by pass (fair ratios)."""
-    caches, tails = [], []
-    for model in models:
-        ids = context_tokens(model, context + max(widths))
-        cache = model.new_cache(1)
-        model.forward(torch.tensor([ids[:context]]), cache, last_only=True)
-        caches.append(cache)
-        tails.append(torch.tensor([ids[context:]]))
-    times = [{w: [] for w in widths} for _ in models]
-    for repeat in range(repeats + 1):  # the first round warms allocators and kernel caches
-        for w in widths:
-            for m, model in enumerate(models):
-                started = clock()
-                model.forward(tails[m][:, :w], caches[m])
-                elapsed = clock() - started
-                caches[m].truncate(torch.tensor([context]))
-                if repeat:
-                    times[m][w].append(elapsed)
-    return [{w: statistics.median(t) for w, t in per_model.items()} for per_model in times]
+from verispec.costs import (  # the shared measurements; re-exported for callers of this script
+    CODE, context_tokens, measure_width_costs, measure_width_costs_interleaved, plain_decode_tokens_per_second,
+)
 
 
 @torch.inference_mode()
@@ -136,15 +67,6 @@ def measure_thread_counts(model, thread_counts: list[int], widths: list[int], re
     finally:
         torch.set_num_threads(saved)
     return {key: statistics.median(t) for key, t in times.items()}
-
-
-def plain_decode_tokens_per_second(model, new_tokens: int = 32, context: int = 200) -> float:
-    """Tokens/s of plain greedy decoding (the engine with drafter='none'), prefill excluded."""
-    import verispec
-
-    result = verispec.generate(model, context_tokens(model, context), drafter="none", max_new_tokens=new_tokens)
-    stats = result.stats
-    return len(result.token_ids) / max(stats.total_seconds - stats.prefill_seconds, 1e-9)
 
 
 # --- candidate small-M linear kernels ------------------------------------------------------------
