@@ -225,10 +225,10 @@ def test_stop_sequence(server):
 
 
 def test_concurrent_streams_are_not_mixed_and_memory_is_stable(server):
-    """16 concurrent streaming clients, 3 rounds: every response equals its prompt's single-request output."""
+    """16 concurrent streaming clients, 4 rounds: every response equals its prompt's single-request output."""
     client = server.client()
     rss = []
-    for _ in range(3):
+    for _ in range(4):
         results: dict[str, str] = {}
         errors: list[BaseException] = []
 
@@ -249,10 +249,11 @@ def test_concurrent_streams_are_not_mixed_and_memory_is_stable(server):
             assert results[prompt] == server.plain[(prompt, LOAD_TOKENS, False)], prompt
         server.wait_idle()
         rss.append(server.rss_kb())
-    # The first round warms up allocators and caches; after it, memory must not keep growing.
-    assert rss[2] - rss[0] < 50 * 1024, f"server RSS grew across rounds: {[r // 1024 for r in rss]} MB"
+    # The first rounds warm up allocators and the native KV store, whose capacity doubles as the batch
+    # fills; after them, memory must not keep growing.
+    assert rss[3] - rss[1] < 50 * 1024, f"server RSS grew across rounds: {[r // 1024 for r in rss]} MB"
     metrics = server.metrics()
-    assert metrics["verispec_time_to_first_token_seconds_count{endpoint=\"/v1/completions\"}"] >= 3 * len(LOAD_PROMPTS)
+    assert metrics["verispec_time_to_first_token_seconds_count{endpoint=\"/v1/completions\"}"] >= 4 * len(LOAD_PROMPTS)
 
 
 def test_disconnect_mid_stream_frees_the_slot(server):

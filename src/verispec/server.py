@@ -707,13 +707,18 @@ class Generation:
         """(choice, new visible text) per step, until every choice has finished. Raises ApiError if one fails.
 
         is_disconnected: polled while waiting (for responses that cannot notice a disconnect by writing)."""
+        last_check = time.monotonic()
         while not self.finished:
+            # Check the client every poll interval whether or not events keep arriving: a fast model
+            # may never leave the queue empty for a whole interval.
+            if is_disconnected and time.monotonic() - last_check >= DISCONNECT_POLL_SECONDS:
+                last_check = time.monotonic()
+                if await is_disconnected():
+                    raise ApiError(499, "the client disconnected", code="client_disconnected")
             try:
                 timeout = DISCONNECT_POLL_SECONDS if is_disconnected else None
                 index, item = await asyncio.wait_for(self.events.get(), timeout)
             except asyncio.TimeoutError:
-                if await is_disconnected():
-                    raise ApiError(499, "the client disconnected", code="client_disconnected")
                 continue
             choice = self.choices[index]
             if isinstance(item, JobFailed):
