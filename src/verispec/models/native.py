@@ -112,8 +112,9 @@ class NativeStore:
     def __init__(self, num_layers: int, batch_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
                  device: torch.device, capacity: int = 0):
         blocks = -(-capacity // kernels.SLOT_BLOCK)
-        self.keys = torch.zeros(num_layers, batch_size, kv_heads, blocks, head_dim, kernels.SLOT_BLOCK, dtype=dtype, device=device)
-        self.values = torch.zeros(num_layers, batch_size, kv_heads, blocks * kernels.SLOT_BLOCK, head_dim, dtype=dtype, device=device)
+        zeros = lambda *shape: torch.zeros(*shape, dtype=dtype, device=device)  # noqa: E731
+        self.keys = zeros(num_layers, batch_size, kv_heads, blocks, head_dim, kernels.SLOT_BLOCK)
+        self.values = zeros(num_layers, batch_size, kv_heads, blocks * kernels.SLOT_BLOCK, head_dim)
         self.length = 0
 
     @property
