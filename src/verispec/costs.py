@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from typing import Callable
 
 import torch
 
