@@ -165,6 +165,54 @@ def test_bf16_draft_is_close_and_output_stays_the_targets(pair, native):
         assert verispec.generate(native, prompt, draft=draft, draft_len=4, max_new_tokens=30).token_ids == expected
 
 
+def test_int8_matrix_rounds_each_row_to_its_own_scale():
+    torch.manual_seed(0)
+    dense = torch.randn(50, 70) * torch.logspace(-3, 1, 50)[:, None]  # rows of very different magnitude
+    matrix = kernels.Int8Matrix.quantize(dense)
+    assert matrix.values.dtype == torch.int8 and matrix.shape == dense.shape
+    assert int(matrix.values.abs().max()) == 127
+    error = (matrix.dequantize() - dense).abs().amax(1)
+    assert (error <= matrix.scale / 2 + 1e-7).all()  # round to nearest: at most half a step per row
+    assert torch.equal(matrix[torch.tensor([3, 7])].values, matrix.values[[3, 7]])
+
+
+@pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.int8])
+@pytest.mark.parametrize("vocab", [None, 48])
+def test_cheap_native_drafts_keep_the_targets_output(pair, native, weight_dtype, vocab):
+    """int8 / bf16 matrices and a restricted head make cheaper drafts: the target's greedy tokens do not move,
+    and a restricted draft scores (so proposes) only its own tokens."""
+    from verispec.models.draft_variants import restrict_vocabulary
+
+    hf, _ = pair
+    draft = NativeCausalLM.from_hf(hf, weight_dtype=weight_dtype)
+    if vocab:
+        draft = restrict_vocabulary(draft, vocab)
+        cache = draft.new_cache(1)
+        logits = draft.forward(torch.tensor([[1, 5, 6, 7]]), cache)
+        outside = torch.ones(draft.vocab_size, dtype=torch.bool)
+        outside[draft.output_ids] = False
+        assert logits.shape[-1] == native.vocab_size and torch.isinf(logits[..., outside]).all()
+        assert torch.isfinite(logits[..., ~outside]).all()
+    proposed = 0
+    for prompt in PROMPTS:
+        expected = verispec.generate(native, prompt, drafter="none", max_new_tokens=24).token_ids
+        result = verispec.generate(native, prompt, draft=draft, draft_len=4, max_new_tokens=24)
+        assert result.token_ids == expected
+        proposed += result.stats.accepted_tokens
+    assert proposed > 0  # the cheap draft still gets tokens accepted: the comparison is not vacuous
+
+
+def test_restricted_head_cannot_be_restricted_again(pair):
+    from verispec.errors import VerispecError
+    from verispec.models.draft_variants import restrict_vocabulary
+
+    hf, model = pair
+    draft = restrict_vocabulary(model, 40)
+    assert draft.lm_head.shape[0] < model.lm_head.shape[0] and model.output_ids is None  # the original is untouched
+    with pytest.raises(VerispecError, match="already"):
+        restrict_vocabulary(draft, 20)
+
+
 # --- rollback, select, concat ---------------------------------------------------------------------
 
 def test_rollback_then_reforward_equals_fresh_cache(pair, native):
@@ -263,17 +311,19 @@ def test_batch_mates_do_not_change_a_row(pair):
 
 @needs_kernels
 @pytest.mark.parametrize("isa", [512, 256])
-@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16, torch.int8])
 def test_rowwise_linear_rows_are_independent(isa, weight_dtype, monkeypatch):
     if isa > kernels.isa():
         pytest.skip(f"CPU lacks the {isa}-bit kernel")
     monkeypatch.setattr(kernels, "_isa", isa)
     torch.manual_seed(0)
     for out_features, in_features in ((97, 70), (64, 128), (8, 33), (20, 1100)):  # tails in k and n; k > KBLOCK
-        weight, bias = torch.randn(out_features, in_features).to(weight_dtype), torch.randn(out_features)
+        dense, bias = torch.randn(out_features, in_features), torch.randn(out_features)
+        weight = kernels.Int8Matrix.quantize(dense) if weight_dtype == torch.int8 else dense.to(weight_dtype)
+        reference = weight.dequantize() if weight_dtype == torch.int8 else weight.float()
         x = torch.randn(13, in_features)
         full = kernels.rowwise_linear(x, weight, bias)
-        torch.testing.assert_close(full, torch.nn.functional.linear(x, weight.float(), bias), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(full, torch.nn.functional.linear(x, reference, bias), atol=1e-4, rtol=1e-4)
         for lo in range(13):
             for hi in range(lo + 1, 14):
                 assert torch.equal(kernels.rowwise_linear(x[lo:hi], weight, bias), full[lo:hi])

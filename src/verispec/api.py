@@ -27,45 +27,68 @@ BACKENDS = ("auto", "native", "hf")
 
 
 def load(name_or_path: Any, dtype: torch.dtype | str | None = None, device: str | torch.device | None = None, tokenizer=None,
-         backend: str = "auto") -> CausalLM:
+         backend: str = "auto", weight_dtype: torch.dtype | str | None = None) -> CausalLM:
     """A model ready for `generate`: a zoo name (`smollm2-135m`), a local directory, a `.gguf` file,
     a hub id, or a `transformers` model object. Loaded once per process and reused.
 
     backend: "native" runs Llama/Qwen2-family weights through verispec's own forward pass (fast,
     row-exact small-batch kernels on CPU); "hf" through `transformers`; "auto" picks native when the
     architecture is supported. Both backends give the same tokens.
+
+    weight_dtype (native backend only): keep the matrices as "bf16" (half the bytes per token) or
+    "int8" (weight-only, one scale per output row: a quarter). Activations stay float32, but the
+    logits move: meant for *draft* models, whose output the target checks, never for a target.
     """
     if backend not in BACKENDS:
         raise VerispecError(f"unknown backend {backend!r}: use one of {', '.join(BACKENDS)}")
+    weight_dtype = _parse_weight_dtype(weight_dtype)
+    if weight_dtype is not None and backend == "hf":
+        raise VerispecError("weight_dtype needs the native backend: drop backend='hf' or weight_dtype")
     if hasattr(name_or_path, "new_cache"):  # already a verispec model
         return name_or_path
     if hasattr(name_or_path, "config") and hasattr(name_or_path, "forward"):  # a transformers model object
-        return _wrap(HFCausalLM(name_or_path, tokenizer), backend)
+        return _wrap(HFCausalLM(name_or_path, tokenizer), backend, weight_dtype)
     if not isinstance(name_or_path, str) or not name_or_path:
         raise VerispecError(f"a model must be a zoo name, a path, a hub id or a loaded model, got {name_or_path!r}")
     dtype = _parse_dtype(dtype)
     key = (name_or_path, dtype, str(device))
     if key not in _LOADED:
         _LOADED[key] = _load_uncached(name_or_path, dtype, pick_device(device))
-    return _wrap(_LOADED[key], backend)
+    return _wrap(_LOADED[key], backend, weight_dtype)
 
 
-_NATIVE: dict[int, CausalLM] = {}
+_NATIVE: dict[tuple[int, torch.dtype | None], CausalLM] = {}
 
 
-def _wrap(model: HFCausalLM, backend: str) -> CausalLM:
-    """The model on the requested backend; the native one shares the transformers model's weights."""
+def _wrap(model: HFCausalLM, backend: str, weight_dtype: torch.dtype | None = None) -> CausalLM:
+    """The model on the requested backend; the native one shares the transformers model's weights
+    (or keeps `weight_dtype` copies of its matrices)."""
     from verispec.models.native import NativeCausalLM, supports
 
-    if backend == "hf" or (backend == "auto" and not supports(model.model)):
+    native_ok = supports(model.model)
+    if weight_dtype is not None and not native_ok:
+        raise VerispecError(f"weight_dtype needs the native backend, which {model.name!r} ({model.config.model_type}) "
+                            "does not have: drop weight_dtype")
+    if backend == "hf" or (backend == "auto" and not native_ok):
         return model
-    if backend == "native" and not supports(model.model):
+    if backend == "native" and not native_ok:
         raise VerispecError(f"{model.name!r} ({model.config.model_type}) has no native forward: use backend='hf'")
-    if id(model) not in _NATIVE:
-        native = NativeCausalLM.from_hf(model)
+    key = (id(model), weight_dtype)
+    if key not in _NATIVE:
+        native = NativeCausalLM.from_hf(model, weight_dtype=weight_dtype)
         native.hf_model = model.model  # for comparisons against transformers' own generate()
-        _NATIVE[id(model)] = native
-    return _NATIVE[id(model)]
+        _NATIVE[key] = native
+    return _NATIVE[key]
+
+
+def _parse_weight_dtype(dtype) -> torch.dtype | None:
+    if dtype is None or dtype in ("fp32", "float32", torch.float32):
+        return None
+    if dtype in ("int8", torch.int8):
+        return torch.int8
+    if _parse_dtype(dtype) != torch.bfloat16:
+        raise VerispecError(f"weight_dtype must be fp32, bf16 or int8, got {dtype!r}")
+    return torch.bfloat16
 
 
 def _parse_dtype(dtype) -> torch.dtype:

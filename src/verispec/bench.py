@@ -30,7 +30,8 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", default="qwen2.5-coder-0.5b", help="draft model; 'none' for n-gram only")
     p.add_argument("--drafter", default="auto", help="auto | model | ngram")
     p.add_argument("--draft-len", default="auto", help="int, or 'auto' (adaptive)")
-    p.add_argument("--draft-int8", action="store_true", help="int8 weights for the draft model")
+    p.add_argument("--draft-dtype", default="bf16", help="matrix dtype of a native-backend draft: fp32, bf16 (default: half the bytes) or int8 (weight-only, a quarter)")
+    p.add_argument("--draft-int8", action="store_true", help="PyTorch dynamic int8 for the draft model (transformers backend; see --draft-dtype int8 for the native one)")
     p.add_argument("--draft-vocab", type=int, default=None, help="the draft scores only the first N token ids (+ specials)")
     p.add_argument("--draft-confidence", type=float, default=0.0, help="stop drafting at a token the draft gives less than this")
     p.add_argument("--per-category", type=int, default=2, help="prompts per category (fixed sample: the first N)")
@@ -101,8 +102,10 @@ def run_bench(args) -> dict:
     prompts = read_prompts(args.prompts, args.per_category)
     target = verispec.load(args.target)
     # The cheap draft variants rewrite transformers modules, so such a draft runs on that backend.
-    draft_backend = "hf" if (args.draft_int8 or args.draft_vocab) else "auto"
-    draft = verispec.load(args.draft, backend=draft_backend) if args.draft and args.draft != "none" else None
+    draft = None
+    if args.draft and args.draft != "none":
+        draft = verispec.load(args.draft, backend="hf" if args.draft_int8 else "auto",
+                              weight_dtype=None if args.draft_int8 else args.draft_dtype)
     hf_draft = (getattr(draft, "hf_model", None) or getattr(draft, "model", None)) if draft is not None else None
     draft = cheap_draft(draft, args)
     hf_target = getattr(target, "hf_model", None) or getattr(target, "model", None)
@@ -283,6 +286,11 @@ def summarize(results: list[Measurement], args) -> dict:
     }
 
 
+def _draft_variant(settings: dict) -> str:
+    kind = "transformers dynamic int8" if settings.get("draft_int8") else f"{settings.get('draft_dtype', 'fp32')} matrices"
+    return kind + (f", head restricted to {settings['draft_vocab']} tokens" if settings.get("draft_vocab") else "")
+
+
 def _fmt(x, suffix="x"):
     return "–" if x is None else f"{x:.2f}{suffix}"
 
@@ -308,7 +316,7 @@ def write_reports(report: dict, results: list[Measurement], args) -> None:
     stem = args.name or Path(args.prompts).stem + ("_t%g" % args.temperature if args.temperature else "")
     (out / f"{stem}.json").write_text(json.dumps(report, indent=2))
     s = report["settings"]
-    header = (f"verispec bench: `{s['prompts']}`, target `{s['target']}`, draft `{s['draft']}`, drafter {s['drafter']}, "
+    header = (f"verispec bench: `{s['prompts']}`, target `{s['target']}`, draft `{s['draft']}` ({_draft_variant(s)}), drafter {s['drafter']}, "
               f"draft_len {s['draft_len']}, {s['max_new_tokens']} new tokens, temperature {s['temperature']}, "
               f"machine: {report['machine']['processor']}, {report['machine']['cpus']} threads, torch {report['machine']['torch']}. "
               "Speedups are medians of per-prompt tokens/s ratios measured in the same run.")

@@ -8,7 +8,9 @@ approximate: what these buy is speed, at some cost in acceptance (measure both w
   Byte-level BPE vocabularies are numbered in merge order, so low ids are the frequent tokens. The
   output layer is sliced accordingly (for Qwen2.5-0.5B the 151,936-row output layer is a quarter of
   the model's weights); q is zero elsewhere, which the exact acceptance rule handles.
-Both work on the `transformers` backend (`HFCausalLM`).
+`quantize_int8` works on the `transformers` backend (`HFCausalLM`); the native backend has its own,
+row-exact weight-only int8 (`verispec.load(name, weight_dtype="int8")`). `restrict_vocabulary` works
+on both.
 """
 
 from __future__ import annotations
@@ -39,21 +41,31 @@ def quantize_int8(model: HFCausalLM) -> HFCausalLM:
     return out
 
 
-def restrict_vocabulary(model: HFCausalLM, size: int) -> HFCausalLM:
-    """A copy of `model` whose output layer scores only token ids [0, size) and the special tokens.
-
-    The copy shares every weight but the (sliced) output layer; its logits still span the full
-    vocabulary, -inf outside `output_ids` [n].
-    """
-    model = _hf(model)
-    if not isinstance(size, int) or size < 1:
+def draft_vocabulary(model, size: int) -> torch.Tensor:
+    """Token ids a restricted draft head keeps: [0, size) plus the special tokens, sorted."""
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
         raise VerispecError(f"a draft vocabulary size must be a positive integer, got {size!r}")
     full = model.vocab_size
     special = set(model.eos_token_ids)
     if model.tokenizer is not None:
         special.update(i for i in model.tokenizer.all_special_ids if i is not None)
-    keep = sorted(set(range(min(size, full))) | {i for i in special if i < full})
-    output_ids = torch.tensor(keep, dtype=torch.long)
+    return torch.tensor(sorted(set(range(min(size, full))) | {i for i in special if i < full}), dtype=torch.long)
+
+
+def restrict_vocabulary(model, size: int):
+    """A copy of `model` whose output layer scores only token ids [0, size) and the special tokens.
+
+    The copy shares every weight but the (sliced) output layer; its logits still span the full
+    vocabulary, -inf outside `output_ids` [n]. Either backend.
+    """
+    if hasattr(model, "with_output_ids"):  # the native backend slices its own head
+        if model.output_ids is not None:
+            raise VerispecError(f"{model.name!r} already scores a restricted vocabulary")
+        return model.with_output_ids(draft_vocabulary(model, size))
+    model = _hf(model)
+    output_ids = draft_vocabulary(model, size)
+    keep = output_ids.tolist()
+    full = model.vocab_size
     head = model.model.get_output_embeddings()
     if not isinstance(head.weight, torch.Tensor):
         raise VerispecError("restrict the vocabulary before quantizing: the output layer is already packed")

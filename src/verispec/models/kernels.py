@@ -16,7 +16,8 @@ These kernels fix both in the decode regime:
   dozen calls per layer instead of ~40 PyTorch ops.
 Every row's output is thus bitwise independent of how many rows share the pass: a width-k verify
 pass sees exactly the numbers of k single-token steps. Activations and accumulation are float32;
-`rowwise_linear` also takes bfloat16 weights (half the bytes, for draft models).
+`rowwise_linear` also takes bfloat16 weights (half the bytes) and weight-only int8 (`Int8Matrix`,
+a quarter), both for draft models.
 
 The C source has AVX-512 and AVX2+FMA variants, picked by what the CPU supports. It is compiled
 once with the system C compiler into the verispec cache and called through ctypes. It runs on
@@ -144,7 +145,8 @@ static void parallel_for(range_fn fn, const void *job, int64_t total, int64_t gr
     atomic_store(&pool_busy, 0);
 }
 
-typedef struct { const float *x; const void *w; const float *b; float *y; int64_t M, N, K; } linear_job;
+/* s: one scale per weight row for int8 weights (w[n, k] = q[n, k] * s[n]), else unused */
+typedef struct { const float *x; const void *w; const float *s; const float *b; float *y; int64_t M, N, K; } linear_job;
 typedef struct {
     const float *q, *kc, *vc; const uint8_t *vis; float *out;
     int64_t B, T, H, KVH, D, cap, vis_stride, start; float scale; _Atomic int failed;
@@ -154,6 +156,8 @@ typedef struct {
 #define SLOT_BLOCK 16  /* slots per key block: keys are [capacity / 16, D, 16] per (row, kv head) */
 /* tiles take (x, w, saved accumulators, k0, k1, K); declared per vector type in the templates */
 #define KBLOCK 512  /* k per pass of the row tiles: 4 weight rows + 6 activation rows = 20 KB, in L1 */
+#define _unscaled(sum, scale) (sum)
+#define _scaled(sum, scale) ((sum) * (scale))
 """
 
 # Per-ISA helpers that the shared templates below call as $NAME.
@@ -175,6 +179,17 @@ __attribute__((target("avx512f"))) static inline __m512 bf16loadn512(const uint1
     uint16_t part[16] = {0};
     for (int64_t i = 0; i < n; i++) part[i] = p[i];
     return bf16load512(part);
+}
+/* int8 -> float32 is exact; the row's scale is applied once, to the finished sum */
+__attribute__((target("avx512f"))) static inline __m512 i8load512(const int8_t *p)
+{
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+__attribute__((target("avx512f"))) static inline __m512 i8loadn512(const int8_t *p, int64_t n)
+{
+    int8_t part[16] = {0};
+    for (int64_t i = 0; i < n; i++) part[i] = p[i];
+    return i8load512(part);
 }
 """,
     "256": r"""
@@ -201,6 +216,16 @@ __attribute__((target("avx2,fma"))) static inline __m256 bf16loadn256(const uint
     for (int64_t i = 0; i < n; i++) part[i] = p[i];
     return bf16load256(part);
 }
+__attribute__((target("avx2,fma"))) static inline __m256 i8load256(const int8_t *p)
+{
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+__attribute__((target("avx2,fma"))) static inline __m256 i8loadn256(const int8_t *p, int64_t n)
+{
+    int8_t part[8] = {0};
+    for (int64_t i = 0; i < n; i++) part[i] = p[i];
+    return i8load256(part);
+}
 __attribute__((target("avx2,fma"))) static inline float hsum256(__m256 v)
 {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -226,7 +251,7 @@ _ISAS = {
             "$POW2MUL": "pow2mul256"},
 }
 
-# The linear layer, instantiated per ISA and per weight storage type ($W: f32 or bf16).
+# The linear layer, instantiated per ISA and per weight storage type ($W: f32, bf16 or i8).
 _LINEAR_TEMPLATE = r"""
 /* ======== linear: y[m, n] = sum_k x[m, k] w[n, k] (+ b[n]); x [M, K], w [N, K], y [M, N] ========
  * Exactness: every y[m, n] owns one accumulator vector, fed x[m, k:k+L] * w[n, k:k+L] by one fused
@@ -275,15 +300,15 @@ static const tile$SFX$W_fn tiles$SFX$W[4] = {0, tile$SFX$W_1, tile$SFX$W_2, tile
 #endif
 
 /* The last N % 4 weight rows: one weight row at a time, the same per-element arithmetic. */
-__attribute__((target($ISA))) static void edge$SFX$W(const float *x, const $WT *w, const float *b, float *y,
-                                                  int64_t M, int64_t N, int64_t K)
+__attribute__((target($ISA))) static void edge$SFX$W(const float *x, const $WT *w, const float *s, const float *b,
+                                                  float *y, int64_t M, int64_t N, int64_t K)
 {
     const int64_t kfull = K - K % $LANES;
     for (int64_t i = 0; i < M; i++) {
         $VEC acc = $ZERO();
         for (int64_t k = 0; k < kfull; k += $LANES) acc = $FMA($LOAD(x + i * K + k), $WLOAD(w + k), acc);
         if (K > kfull) acc = $FMA($LOADN(x + i * K + kfull, K - kfull), $WLOADN(w + kfull, K - kfull), acc);
-        y[i * N] = $HSUM(acc) + (b ? b[0] : 0.0f);
+        y[i * N] = $WSCALE($HSUM(acc), s[0]) + (b ? b[0] : 0.0f);
     }
 }
 
@@ -315,7 +340,7 @@ __attribute__((target($ISA))) static void linear_range$SFX$W(const void *arg, in
         }
         for (int64_t m = 0; m < M; m++)
             for (int j = 0; j < NR; j++)
-                job->y[m * N + t * NR + j] = $HSUM(saved[m * NR + j]) + (job->b ? job->b[t * NR + j] : 0.0f);
+                job->y[m * N + t * NR + j] = $WSCALE($HSUM(saved[m * NR + j]), job->s[t * NR + j]) + (job->b ? job->b[t * NR + j] : 0.0f);
     }
     if (saved != local) free(saved);
 }
@@ -489,20 +514,23 @@ int kernels_isa(void)
     return 0;
 }
 
-/* weights: 0 = float32, 1 = bfloat16 (stored as uint16; converted exactly, accumulated in float32) */
-void rowwise_linear(const float *x, const void *w, const float *b, float *y, int64_t M, int64_t N, int64_t K,
-                    int weights, int isa, int threads)
+/* weights: 0 = float32, 1 = bfloat16 (stored as uint16; converted exactly, accumulated in float32),
+ * 2 = int8 with a float32 scale per row in s (accumulated in float32, scaled once at the end) */
+void rowwise_linear(const float *x, const void *w, const float *s, const float *b, float *y, int64_t M, int64_t N,
+                    int64_t K, int weights, int isa, int threads)
 {
-    const linear_job job = {x, w, b, y, M, N, K};
+    const linear_job job = {x, w, s, b, y, M, N, K};
     const int64_t tiles = N / NR;
     /* ~64 chunks per call balance threads; below ~64k multiply-adds one thread is quicker than waking another */
     const int64_t grain = M * N * K < 65536 ? tiles : (tiles + 63) / 64;
-    const range_fn ranges[2][2] = {{linear_range256f32, linear_range256bf16}, {linear_range512f32, linear_range512bf16}};
+    const range_fn ranges[2][3] = {{linear_range256f32, linear_range256bf16, linear_range256i8},
+                                   {linear_range512f32, linear_range512bf16, linear_range512i8}};
     parallel_for(ranges[isa == 512][weights], &job, tiles, grain > 0 ? grain : 1, threads);
     for (int64_t n = tiles * NR; n < N; n++) {
-        const float *bn = b ? b + n : 0;
-        if (weights) (isa == 512 ? edge512bf16 : edge256bf16)(x, (const uint16_t *)w + n * K, bn, y + n, M, N, K);
-        else (isa == 512 ? edge512f32 : edge256f32)(x, (const float *)w + n * K, bn, y + n, M, N, K);
+        const float *bn = b ? b + n : 0, *sn = s ? s + n : 0;
+        if (weights == 2) (isa == 512 ? edge512i8 : edge256i8)(x, (const int8_t *)w + n * K, sn, bn, y + n, M, N, K);
+        else if (weights == 1) (isa == 512 ? edge512bf16 : edge256bf16)(x, (const uint16_t *)w + n * K, sn, bn, y + n, M, N, K);
+        else (isa == 512 ? edge512f32 : edge256f32)(x, (const float *)w + n * K, sn, bn, y + n, M, N, K);
     }
 }
 
@@ -587,8 +615,9 @@ int slot_attention(const float *q, const float *kc, const float *vc, const uint8
 
 
 _WEIGHTS = {
-    "f32": {"$WT": "float", "$WLOADN": "$LOADN", "$WLOAD": "$LOAD"},
-    "bf16": {"$WT": "uint16_t", "$WLOADN": "bf16loadn$SFX", "$WLOAD": "bf16load$SFX"},
+    "f32": {"$WT": "float", "$WLOADN": "$LOADN", "$WLOAD": "$LOAD", "$WSCALE": "_unscaled"},
+    "bf16": {"$WT": "uint16_t", "$WLOADN": "bf16loadn$SFX", "$WLOAD": "bf16load$SFX", "$WSCALE": "_unscaled"},
+    "i8": {"$WT": "int8_t", "$WLOADN": "i8loadn$SFX", "$WLOAD": "i8load$SFX", "$WSCALE": "_scaled"},
 }
 
 
@@ -642,7 +671,7 @@ def _build() -> Path:
 
 _SIGNATURES = {
     "kernels_isa": (ctypes.c_int, []),
-    "rowwise_linear": (None, [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int] * 3),
+    "rowwise_linear": (None, [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_int] * 3),
     "silu_mul": (None, [ctypes.c_void_p] * 2 + [ctypes.c_int64, ctypes.c_int]),
     "rms_norm": (None, [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_float, ctypes.c_int]),
     "rope": (None, [ctypes.c_void_p] + [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 3),
@@ -699,12 +728,53 @@ def _check(*tensors: torch.Tensor) -> None:
             raise ValueError("the kernels take contiguous float32 CPU tensors")
 
 
-def rowwise_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+class Int8Matrix:
+    """Weight-only int8 storage: w[n, k] ~ values[n, k] * scale[n], symmetric, one scale per output row.
+
+    A quarter of float32's bytes. Only the weights are rounded (once, at load); activations stay
+    float32 and are never quantized, so each output row still depends on its own input row alone.
+    """
+
+    def __init__(self, values: torch.Tensor, scale: torch.Tensor):
+        self.values, self.scale = values, scale  # [N, K] int8, [N] float32
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor) -> "Int8Matrix":
+        w = weight.detach().float()
+        scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
+        values = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+        return cls(values.contiguous(), scale.contiguous())
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.values.shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.int8
+
+    @property
+    def device(self) -> torch.device:
+        return self.values.device
+
+    def is_contiguous(self) -> bool:
+        return self.values.is_contiguous() and self.scale.is_contiguous()
+
+    def __getitem__(self, rows) -> "Int8Matrix":
+        """A subset of output rows (e.g. a restricted vocabulary), as a new matrix."""
+        return Int8Matrix(self.values[rows].contiguous(), self.scale[rows].contiguous())
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return self.values.to(dtype) * self.scale[:, None].to(dtype)
+
+
+def rowwise_linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None,
                    out: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ weight [N, K].T (+ bias [N]) -> out [M, N], float32. Each output row depends on its input row only, bitwise.
 
-    weight may be float32, or bfloat16 (half the bytes to read; converted exactly and accumulated in
-    float32, but the rounded weights change the result: a draft-model option, not for a target).
+    weight may be float32, bfloat16 (half the bytes) or an `Int8Matrix` (a quarter): the narrower
+    formats are converted exactly and accumulated in float32, but their rounded weights change the
+    result: a draft-model option, not for a target.
     """
     rows, k = x.shape
     n = weight.shape[0]
@@ -713,10 +783,17 @@ def rowwise_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     if out is None:
         out = torch.empty(rows, n, dtype=torch.float32)
     _check(x, out, *(() if bias is None else (bias,)))
-    if weight.dtype not in (torch.float32, torch.bfloat16) or not weight.is_contiguous() or weight.device.type != "cpu":
-        raise ValueError("weight must be a contiguous float32 or bfloat16 CPU matrix")
-    _library.rowwise_linear(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(),
-                            rows, n, k, int(weight.dtype == torch.bfloat16), _isa, torch.get_num_threads())
+    if isinstance(weight, Int8Matrix):
+        _check(weight.scale)
+        matrix, scale, kind = weight.values, weight.scale.data_ptr(), 2
+    else:
+        matrix, scale, kind = weight, None, int(weight.dtype == torch.bfloat16)
+        if weight.dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError("weight must be a float32 or bfloat16 matrix, or an Int8Matrix")
+    if not matrix.is_contiguous() or matrix.device.type != "cpu":
+        raise ValueError("weight must be a contiguous CPU matrix")
+    _library.rowwise_linear(x.data_ptr(), matrix.data_ptr(), scale, None if bias is None else bias.data_ptr(), out.data_ptr(),
+                            rows, n, k, kind, _isa, torch.get_num_threads())
     return out
 
 

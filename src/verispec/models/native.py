@@ -17,14 +17,17 @@ need not get bitwise the logits it gets alone. So a pass has two paths:
 Both compute the same function; they differ in float rounding only (~1e-6 relative), and never
 within one decode: prefill is the same call for plain and speculative decoding.
 
-A bfloat16 copy of the matrices (`weight_dtype=torch.bfloat16`) halves the bytes per token: a
-cheaper *draft* model, whose logits are no longer the float32 model's.
+A bfloat16 copy of the matrices (`weight_dtype=torch.bfloat16`) halves the bytes per token, and
+weight-only int8 (`weight_dtype=torch.int8`, one scale per output row) quarters them: cheaper *draft*
+models, whose logits are no longer the float32 model's. `with_output_ids` gives a draft that scores
+only part of the vocabulary (a smaller LM head).
 
 The model knows nothing about drafting, verification or tokenization; logits come back float32.
 """
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -216,6 +219,7 @@ class NativeCausalLM:
                 *_borrow(mlp.gate_proj), *_borrow(mlp.up_proj), *_borrow(mlp.down_proj),
             ))
 
+        self.output_ids: torch.Tensor | None = None  # set when the LM head scores only these token ids
         if weight_dtype is not None and weight_dtype != self.dtype:
             self._store_matrices_as(weight_dtype)
         self.weight_dtype = self.lm_head.dtype
@@ -231,7 +235,7 @@ class NativeCausalLM:
         # contiguous weights, whole vectors per head.
         self._kernels = (
             self.device.type == "cpu" and self.dtype == torch.float32 and kernels.available()
-            and self.weight_dtype in (torch.float32, torch.bfloat16)
+            and self.weight_dtype in (torch.float32, torch.bfloat16, torch.int8)
             and self.head_dim % kernels.lanes() == 0
             and all(w.is_contiguous() for w in (self.embed, self.lm_head))
             and all(t is None or t.is_contiguous() for layer in self.layers for t in vars(layer).values())
@@ -248,6 +252,8 @@ class NativeCausalLM:
         accumulation stay float32): half the bytes per token, so about twice the decode speed on a
         memory-bound CPU, but the logits move by ~1e-2. That is a fine *draft* model (the target
         still decides every token) and never a target whose output must equal the float32 model's.
+        weight_dtype=torch.int8 keeps weight-only int8 copies with one scale per output row: a
+        quarter of the bytes, the logits move further (~1e-1), still a draft only.
         """
         if hasattr(hf_model, "new_cache") and hasattr(hf_model, "model"):  # an HFCausalLM wrapper
             tokenizer = tokenizer if tokenizer is not None else hf_model.tokenizer
@@ -257,11 +263,36 @@ class NativeCausalLM:
 
     def _store_matrices_as(self, dtype: torch.dtype) -> None:
         """Replace the borrowed matrices (not norms, biases or the embedding) by `dtype` copies."""
+        if dtype not in (torch.bfloat16, torch.int8):
+            raise ValueError(f"matrices can be stored as bfloat16 or int8, not {dtype}")
+
+        def convert(w: torch.Tensor):
+            return kernels.Int8Matrix.quantize(w) if dtype == torch.int8 else w.to(dtype).contiguous()
+
         for layer in self.layers:
             for field in ("q", "k", "v", "o", "gate", "up", "down"):
-                setattr(layer, field, getattr(layer, field).to(dtype).contiguous())
-        self.lm_head = self.lm_head.to(dtype).contiguous()
+                setattr(layer, field, convert(getattr(layer, field)))
+        self.lm_head = convert(self.lm_head)
         self.name = f"{self.name}-{str(dtype).removeprefix('torch.')}"
+
+    def with_output_ids(self, output_ids: torch.Tensor) -> "NativeCausalLM":
+        """A copy sharing every weight whose LM head scores only `output_ids` [n] (the rest get -inf).
+
+        For a draft: a 152k-token head is a quarter of a 0.5B model's bytes per token, and most of
+        those tokens are rarely the next one. Logits still span the full vocabulary.
+        """
+        output_ids = torch.as_tensor(output_ids, dtype=torch.long).to(self.device)
+        if output_ids.ndim != 1 or not len(output_ids) or int(output_ids.min()) < 0 or int(output_ids.max()) >= self.vocab_size:
+            raise ValueError(f"output_ids must be a non-empty 1-D list of token ids below {self.vocab_size}")
+        if self.output_ids is not None:
+            raise ValueError("this model's head is already restricted: restrict the full model instead")
+        clone = copy.copy(self)
+        clone.lm_head = self.lm_head[output_ids] if isinstance(self.lm_head, kernels.Int8Matrix) else self.lm_head[output_ids].contiguous()
+        clone.lm_head_bias = None if self.lm_head_bias is None else self.lm_head_bias[output_ids].contiguous()
+        clone.output_ids = output_ids
+        clone.name = f"{self.name}-vocab{len(output_ids)}"
+        clone._buffers = None  # activation buffers are per model object
+        return clone
 
     supports = staticmethod(supports)
 
@@ -312,6 +343,9 @@ class NativeCausalLM:
             logits = kernels.rowwise_linear(rows.contiguous(), self.lm_head, self.lm_head_bias)
         else:
             logits = self._linear(rows, self.lm_head, self.lm_head_bias)
+        if self.output_ids is not None:  # a restricted head: every other token gets probability 0
+            full = logits.new_full((logits.shape[0], self.vocab_size), float("-inf"))
+            logits = full.index_copy_(1, self.output_ids, logits.to(full.dtype))
         return logits.view(batch, -1, self.vocab_size).float()
 
     # --- small passes: the exact C kernels --------------------------------------------------------
@@ -370,7 +404,11 @@ class NativeCausalLM:
         half = x.shape[-1] // 2
         return (x * cos) + (torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin)
 
-    def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def _linear(self, x: torch.Tensor, weight, bias: torch.Tensor | None) -> torch.Tensor:
+        if isinstance(weight, kernels.Int8Matrix):
+            # weight-only int8 (a draft): widen the matrix for this pass; a big pass is compute-bound
+            # anyway, and PyTorch's own int8-weight matmul is ~100x slower on a CPU without AMX
+            weight = weight.dequantize(x.dtype)
         if weight.dtype == x.dtype:
             return F.linear(x, weight, bias)
         # lower-precision matrices (a draft): multiply in their dtype, return to the activations' dtype
