@@ -134,7 +134,14 @@ class DecodeBatch:
         # Draft no more than any row can still use, and keep every verified position inside the context.
         most_needed = max(row.remaining for row in self.rows) - 1
         context_room = min(self.target.max_context - len(row.sequence) for row in self.rows)
-        return max(0, min(self.policy.choose(len(self.rows)), most_needed, context_room))
+        limits = [self.policy.choose(len(self.rows)), most_needed, context_room]
+        # A target whose passes are row-exact only up to some number of token rows (the native CPU
+        # kernels) must verify within that many, or a verify pass could round differently from the
+        # plain steps it stands for. Plain decoding of a batch already past the limit is not capped.
+        exact_rows = getattr(self.target, "max_exact_rows", None)
+        if exact_rows and len(self.rows) <= exact_rows:
+            limits.append(exact_rows // len(self.rows) - 1)
+        return max(0, min(limits))
 
     @torch.inference_mode()
     def step(self) -> list[TokenEvent]:
@@ -160,7 +167,8 @@ class DecodeBatch:
         self.cache.truncate(start + 1 + verdict.num_accepted)
         self.drafter.commit(verdict)
         t3 = time.perf_counter()
-        self.policy.observe(len(self.rows), k, width + 1, draft.num_drafted, verdict.num_accepted, t1 - t0, t2 - t1)
+        # The target's share of a step is its pass plus verification and rollback: what a wider pass adds to.
+        self.policy.observe(len(self.rows), k, width + 1, draft.num_drafted, verdict.num_accepted, t1 - t0, t3 - t1)
 
         # 4. Hand out the new tokens; cut at max_new_tokens, EOS and stop sequences.
         events, running = [], []

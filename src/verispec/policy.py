@@ -3,18 +3,22 @@
 The adaptive policy maximises predicted tokens per second (Leviathan et al. 2023, Sec. 3.4, with the
 verify pass's real cost instead of "free"):
 
-    rate(k) = E(k) / (k * t_draft + t_verify(k + 1)),   E(k) = 1 + sum_{i<=k} prod_{j<=i} a_j
+    rate(k) = E(k) / (k * t_draft(b) + t_target(b * (k + 1))),   E(k) = 1 + sum_{i<=k} prod_{j<=i} a_j
 
-where a_j is the measured probability that draft position j is accepted given j - 1 was, t_draft
-the measured seconds per drafted token, and t_verify(w) the measured seconds of a target pass of
-width w at the current batch size (on a CPU a wider pass is *not* free). k = 0 is plain decoding:
-when no k beats it, the engine does not speculate, and it probes now and then so the estimates can
-recover. Knows nothing about models or tokens: only numbers the engine reports.
+where a_j is the measured probability that draft position j is accepted given j - 1 was, t_draft(b)
+the measured seconds per drafted token at batch size b, and t_target(r) the measured seconds of a
+target step (forward pass plus verification) over r token rows. On a CPU a wider pass is *not*
+free; on any device its cost depends on the rows it carries (batch x width) far more than on how they
+split, so one cost curve over rows serves every batch size: a batch size seen for the first time is
+priced from the others instead of explored from scratch. k = 0 is plain decoding: when no k beats
+it, the engine does not speculate, and it probes now and then so the estimates can recover.
+Knows nothing about models or tokens: only numbers the engine reports.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
+import statistics
+from collections import defaultdict, deque
 from typing import Protocol
 
 import torch
@@ -27,7 +31,7 @@ class DraftPolicy(Protocol):
 
     def observe(self, batch_size: int, draft_len: int, width: int, num_drafted: torch.Tensor, num_accepted: torch.Tensor,
                 draft_seconds: float, target_seconds: float) -> None:
-        """Learn from one step: num_drafted, num_accepted [batch] long; width = tokens in the target pass."""
+        """Learn from one step: num_drafted, num_accepted [batch] long; width = tokens per row in the target pass."""
         ...
 
 
@@ -42,29 +46,60 @@ class FixedDraftLen:
         pass
 
 
-class _Ema:
-    """Exponentially weighted mean that starts at the first observation."""
+class CostCurve:
+    """Seconds of a pass as a non-decreasing function of its size, from recent measurements.
 
-    def __init__(self, decay: float):
-        self.decay, self.value = decay, None
+    Each size keeps the median of its last `window` measurements, so one step slowed by a noisy
+    neighbour does not move the estimate. A size costs no more than the cheapest larger one (a pass
+    never gets cheaper by adding rows; this also discounts a small size whose median is inflated).
+    An unmeasured size is priced on the line between its measured neighbours, below the smallest at
+    the smallest's cost, and beyond the largest by extending the slope of the last two (flat with one).
+    """
 
-    def update(self, x: float) -> None:
-        self.value = x if self.value is None else self.decay * self.value + (1 - self.decay) * x
+    def __init__(self, window: int = 9):
+        self.samples: dict[int, deque] = defaultdict(lambda: deque(maxlen=window))
+
+    def observe(self, size: int, seconds: float) -> None:
+        self.samples[size].append(seconds)
+
+    def count(self, size: int) -> int:
+        return len(self.samples.get(size, ()))
+
+    def __call__(self, size: int) -> float | None:
+        points = sorted((s, statistics.median(v)) for s, v in self.samples.items() if v)
+        if not points:
+            return None
+        sizes = [s for s, _ in points]
+        cost, cheapest = [], float("inf")
+        for _, m in reversed(points):  # a pass never gets cheaper by adding rows: the running minimum from above
+            cheapest = min(cheapest, m)
+            cost.append(cheapest)
+        cost.reverse()
+        if size <= sizes[0]:
+            return cost[0]
+        for i in range(1, len(sizes)):
+            if size <= sizes[i]:  # between two measured sizes: on the line joining them
+                return cost[i - 1] + (cost[i] - cost[i - 1]) * (size - sizes[i - 1]) / (sizes[i] - sizes[i - 1])
+        slope = (cost[-1] - cost[-2]) / (sizes[-1] - sizes[-2]) if len(sizes) > 1 else 0.0
+        return cost[-1] + slope * (size - sizes[-1])
 
 
 class AdaptiveDraftLen:
     """Chooses k from running estimates of acceptance and costs; see the module docstring."""
 
-    def __init__(self, max_draft_len: int = 8, decay: float = 0.9, probe_every: int = 16, prior_acceptance: float = 0.6):
+    def __init__(self, max_draft_len: int = 8, decay: float = 0.95, probe_every: int = 16, prior_acceptance: float = 0.7,
+                 prior_weight: float = 2.0, first_draft_len: int = 4):
         self.max_draft_len = max_draft_len
-        self.decay = decay
+        self.decay = decay  # per step, on the acceptance counts: ~20 steps of memory
         self.probe_every = probe_every
-        # Conditional acceptance per draft position as decayed counts, with a weak prior.
-        self.accepted = torch.full((max_draft_len,), prior_acceptance)
-        self.reached = torch.ones(max_draft_len)
-        self.draft_cost: dict[int, _Ema] = defaultdict(lambda: _Ema(decay))  # batch size -> s per drafted token
-        self.verify_cost: dict[tuple[int, int], _Ema] = defaultdict(lambda: _Ema(decay))  # (batch, width) -> s
-        self.steps_without_drafting = 0
+        self.first_draft_len = min(first_draft_len, max_draft_len)
+        # Conditional acceptance per draft position as decayed counts over a prior of `prior_weight` steps.
+        self.prior = (prior_acceptance, prior_weight)
+        self.accepted = torch.full((max_draft_len,), prior_acceptance * prior_weight)
+        self.reached = torch.full((max_draft_len,), prior_weight)
+        self.target_cost = CostCurve()  # token rows in the pass -> seconds of the target step
+        self.draft_cost = CostCurve()  # batch size -> seconds per drafted token
+        self.steps = 0
         self.last_rates: dict[int, float] = {}
 
     def acceptance(self) -> torch.Tensor:
@@ -75,55 +110,46 @@ class AdaptiveDraftLen:
         """E(k) = 1 + sum_{i<=k} prod_{j<=i} a_j."""
         return 1.0 + float(self.acceptance()[:k].cumprod(0).sum())
 
-    def _verify_seconds(self, batch_size: int, width: int) -> float | None:
-        measured = {w: e.value for (b, w), e in self.verify_cost.items() if b == batch_size and e.value is not None}
-        if width in measured:
-            return measured[width]
-        narrower = [w for w in measured if w < width]
-        # Unmeasured width: assume it costs what the widest narrower one does (optimistic, so it gets tried once).
-        return measured[max(narrower)] if narrower else None
-
     def predicted_rates(self, batch_size: int) -> dict[int, float]:
         """k -> predicted tokens per second per sequence, for every k we can price."""
-        plain = self._verify_seconds(batch_size, 1)
-        draft = self.draft_cost[batch_size].value
-        rates = {0: 1.0 / plain} if plain else {}
-        for k in range(1, self.max_draft_len + 1):
-            verify = self._verify_seconds(batch_size, k + 1)
-            if verify is None:
-                continue
-            rates[k] = self.expected_tokens(k) / (k * (draft or 0.0) + verify)
+        draft = self.draft_cost(batch_size) or 0.0
+        rates = {}
+        for k in range(self.max_draft_len + 1):
+            target = self.target_cost(batch_size * (k + 1))
+            if target is not None:
+                rates[k] = self.expected_tokens(k) / (k * draft + target)
         return rates
 
     def choose(self, batch_size: int) -> int:
-        if self.verify_cost[(batch_size, 1)].value is None:
-            return 0  # measure plain decoding at this batch size first: it is what every k must beat
-        if self.draft_cost[batch_size].value is None:
-            return min(4, self.max_draft_len)  # and what a drafted token costs
+        self.steps += 1
+        if self.draft_cost(batch_size) is None:
+            return self.first_draft_len  # a guess from the prior, which also measures what drafting costs
+        if self.target_cost.count(batch_size) == 0:
+            return 0  # and plain decoding at this batch size: what every k must beat
         self.last_rates = self.predicted_rates(batch_size)
         best = max(self.last_rates, key=self.last_rates.get)
-        if best == 0:
-            self.steps_without_drafting += 1
-            if self.steps_without_drafting % self.probe_every == 0:
-                return 1  # probe, so acceptance and draft cost estimates can recover
-        else:
-            self.steps_without_drafting = 0
+        if self.steps % self.probe_every == 0:
+            # Re-measure a neighbour of the best k (when not speculating, k = 1), so stale or unlucky
+            # estimates can recover; the cost is at most one step at a near-optimal length.
+            return min(best + 1, self.max_draft_len) if best == 0 or (self.steps // self.probe_every) % 2 else best - 1
         return best
 
     def observe(self, batch_size: int, draft_len: int, width: int, num_drafted: torch.Tensor, num_accepted: torch.Tensor,
                 draft_seconds: float, target_seconds: float) -> None:
-        self.verify_cost[(batch_size, width)].update(target_seconds)
-        if draft_len == 0:
-            return
-        self.draft_cost[batch_size].update(draft_seconds / draft_len)
-        positions = torch.arange(1, draft_len + 1)
+        self.target_cost.observe(batch_size * width, target_seconds)
+        if width <= 1:
+            return  # nothing was drafted (k = 0, or every row stopped at once): no acceptance to learn
+        self.draft_cost.observe(batch_size, draft_seconds / (width - 1))
+        positions = torch.arange(1, width)
         # Position j was judged if it was proposed and every earlier position was accepted.
         reached = (num_drafted[:, None] >= positions) & (num_accepted[:, None] >= positions - 1)
         accepted = num_accepted[:, None] >= positions
-        self.reached *= self.decay
-        self.accepted *= self.decay
-        self.reached[:draft_len] += reached.sum(0).float()
-        self.accepted[:draft_len] += (accepted & reached).sum(0).float()
+        prior_acceptance, prior_weight = self.prior
+        # Decay toward the prior, not toward nothing: a position unseen for long returns to the prior.
+        self.reached = self.decay * self.reached + (1 - self.decay) * prior_weight
+        self.accepted = self.decay * self.accepted + (1 - self.decay) * prior_weight * prior_acceptance
+        self.reached[: width - 1] += reached.sum(0).float()
+        self.accepted[: width - 1] += (accepted & reached).sum(0).float()
 
 
 def make_policy(draft_len: int | str | None) -> DraftPolicy:

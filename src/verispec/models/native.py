@@ -241,6 +241,8 @@ class NativeCausalLM:
             and all(t is None or t.is_contiguous() for layer in self.layers for t in vars(layer).values())
         )
         self._buffers: dict[str, torch.Tensor] | None = None
+        # Token rows a pass may carry and still be bitwise row-exact (the engine keeps verify passes within).
+        self.max_exact_rows = kernels.MAX_ROWS if self._kernels else None
 
     @classmethod
     def from_hf(cls, hf_model, tokenizer=None, name: str | None = None,

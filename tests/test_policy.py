@@ -1,0 +1,133 @@
+"""The adaptive draft length against a simulated engine whose costs and acceptance we set.
+
+The simulation draws each drafted token's acceptance independently with probability `alpha` and
+charges `target(rows)` seconds per target step and `draft` seconds per drafted token; the policy only
+sees what a real engine would report. Its choices are compared with the k that maximises the true
+rate E(k) / (k * draft + target(k + 1)).
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+import torch
+
+from conftest import perturbed_copy, tiny_llama
+from verispec.drafters import ModelDrafter
+from verispec.engine import DecodeBatch, Request
+from verispec.errors import VerispecError
+from verispec.policy import AdaptiveDraftLen, CostCurve, FixedDraftLen, make_policy
+
+
+def true_rate(k: int, alpha: float, draft: float, target) -> float:
+    expected = sum(alpha ** i for i in range(k + 1))
+    return expected / (k * draft + target(k + 1))
+
+
+def simulate(policy, alpha: float, draft: float, target, steps: int = 400, batch_size: int = 1, seed: int = 0,
+             noise: float = 0.05) -> Counter:
+    rng = random.Random(seed)
+    chosen = Counter()
+    for _ in range(steps):
+        k = policy.choose(batch_size)
+        chosen[k] += 1
+        accepted = []
+        for _ in range(batch_size):
+            n = 0
+            while n < k and rng.random() < alpha:
+                n += 1
+            accepted.append(n)
+        jitter = lambda: 1 + rng.uniform(-noise, noise)
+        policy.observe(batch_size, k, k + 1, torch.full((batch_size,), k), torch.tensor(accepted),
+                       k * draft * jitter(), target(batch_size * (k + 1)) * jitter())
+    return chosen
+
+
+def cpu_like(rows: int) -> float:
+    """A memory-bound target: flat up to ~8 rows, then compute starts to show."""
+    return 0.3 * (1 + 0.02 * rows + max(0, rows - 8) * 0.08)
+
+
+@pytest.mark.parametrize("alpha,draft", [(0.85, 0.06), (0.6, 0.06), (0.9, 0.02)])
+def test_settles_near_the_best_draft_length(alpha, draft):
+    policy = AdaptiveDraftLen()
+    chosen = simulate(policy, alpha, draft, cpu_like)
+    best = max(range(9), key=lambda k: true_rate(k, alpha, draft, cpu_like))
+    settled, _ = chosen.most_common(1)[0]
+    # Within one of the optimum, and at a rate within 5% of the best achievable.
+    assert abs(settled - best) <= 1
+    assert true_rate(settled, alpha, draft, cpu_like) >= 0.95 * true_rate(best, alpha, draft, cpu_like)
+
+
+def test_stops_speculating_when_drafting_does_not_pay():
+    policy = AdaptiveDraftLen()
+    chosen = simulate(policy, alpha=0.3, draft=0.3, target=cpu_like)  # a draft as slow as the target, rarely right
+    assert chosen[0] / sum(chosen.values()) > 0.85
+    assert chosen[1] > 0  # but it keeps probing, so it would notice if that changed
+
+
+def test_recovers_when_acceptance_changes():
+    """A prompt whose second half is easy (e.g. code that repeats the prompt) should win back long drafts."""
+    policy = AdaptiveDraftLen()
+    simulate(policy, alpha=0.2, draft=0.06, target=cpu_like, steps=200)
+    assert policy.choose(1) <= 1
+    later = simulate(policy, alpha=0.9, draft=0.06, target=cpu_like, steps=200, seed=1)
+    assert later.most_common(1)[0][0] >= 4
+
+
+def test_one_slow_step_does_not_move_the_choice():
+    curve = CostCurve()
+    for _ in range(5):
+        curve.observe(5, 0.3)
+    curve.observe(5, 3.0)  # a neighbour took the core for one step
+    assert curve(5) == pytest.approx(0.3)
+
+
+def test_cost_curve_prices_unmeasured_sizes_from_measured_ones():
+    curve = CostCurve()
+    assert curve(3) is None
+    curve.observe(2, 1.0)
+    assert curve(9) == 1.0  # one point: flat
+    curve.observe(6, 2.0)
+    assert curve(1) == 1.0  # below: the smallest measured size's cost
+    assert curve(4) == pytest.approx(1.5)  # between: on the line
+    assert curve(10) == pytest.approx(3.0)  # beyond: the last slope, 0.25 s per row
+    curve.observe(8, 1.5)  # a cheaper larger size caps the smaller one (never cheaper with more rows)
+    assert curve(6) == 1.5
+
+
+def test_estimates_carry_over_to_a_new_batch_size():
+    """Costs are learned per token row, so batch 4 is priced from batch 1's steps instead of re-explored."""
+    policy = AdaptiveDraftLen()
+    simulate(policy, alpha=0.8, draft=0.05, target=cpu_like, steps=100)
+    rates = policy.predicted_rates(2)
+    assert set(rates) >= {0, 1, 2, 3}
+    # Wider passes at batch 2 cost what batch 1 measured for the same number of rows.
+    assert policy.target_cost(2 * 4) == pytest.approx(cpu_like(8), rel=0.1)
+
+
+def test_fixed_and_validation():
+    assert isinstance(make_policy(3), FixedDraftLen) and make_policy(3).choose(7) == 3
+    assert isinstance(make_policy("auto"), AdaptiveDraftLen)
+    for bad in (0, -1, 2.5, "four", True):
+        with pytest.raises(VerispecError, match="draft_len"):
+            make_policy(bad)
+
+
+def test_engine_keeps_verify_passes_within_the_targets_exact_rows():
+    """With a target that is row-exact up to 8 rows, a batch of 3 never verifies more than 2 drafts."""
+    target = tiny_llama(seed=0)
+    draft = perturbed_copy(target, scale=0.05)
+
+    target.max_exact_rows = 8
+    try:
+        batch = DecodeBatch(target, ModelDrafter(draft, target.vocab_size), FixedDraftLen(6))
+        batch.add([Request(prompt=[1, 2, 3 + i], max_new_tokens=20, id=i) for i in range(3)])
+        assert batch.next_draft_len() == 8 // 3 - 1
+        batch.remove(0)
+        batch.remove(1)
+        assert batch.next_draft_len() == 6  # one row: 7 rows fit
+    finally:
+        del target.max_exact_rows
