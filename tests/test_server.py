@@ -7,13 +7,9 @@ in this process. The worker's fault handling is tested in-process on tiny random
 
 from __future__ import annotations
 
+import contextlib
 import json
-import os
 import queue
-import socket
-import subprocess
-import sys
-import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -28,13 +24,16 @@ from verispec import zoo
 from verispec.api import make_drafter
 from verispec.engine import DecodeBatch, Request, TokenEvent
 from verispec.sampling import SamplingParams
-from verispec.server import Job, JobFailed, Scheduler
+from verispec.errors import VerispecError
+from verispec.server import Job, JobFailed, Scheduler, ServerProcess, build_app
+from verispec.server.process import ServerStartError
 
 from conftest import perturbed_copy, tiny_llama
 
 API_KEY = "test-key"
 MODEL = "smollm2-135m"
 MAX_BATCH = 8
+MAX_QUEUE = 8  # the load test's 16 clients fill the batch and the queue exactly
 LOAD_TOKENS = 10  # max_tokens for the load test's requests
 # Distinct prompts for the load test, one per concurrent client.
 LOAD_PROMPTS = [f"Question {i}: what is {i} plus {i + 3}? Answer:" for i in range(8)] + [
@@ -46,10 +45,12 @@ CHAT = "Name two planets."
 
 @dataclass
 class Server:
-    url: str
-    proc: subprocess.Popen
-    log_path: str
+    process: ServerProcess
     plain: dict  # (prompt, max_tokens, chat) -> text from plain single-request decoding in this process
+
+    @property
+    def url(self) -> str:
+        return self.process.url
 
     def client(self, **kwargs) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120, **kwargs)
@@ -62,7 +63,7 @@ class Server:
         return parse_prometheus(httpx.get(self.url + "/metrics", timeout=30).text)
 
     def rss_kb(self) -> int:
-        with open(f"/proc/{self.proc.pid}/status") as f:
+        with open(f"/proc/{self.process.proc.pid}/status") as f:
             return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
 
     def wait_idle(self, timeout: float = 20.0) -> None:
@@ -73,12 +74,6 @@ class Server:
                 return
             time.sleep(0.2)
         raise AssertionError(f"the server still has work in flight after {timeout}s: {self.metrics()['verispec_batch_size']} rows")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def parse_prometheus(text: str) -> dict[str, float]:
@@ -96,15 +91,10 @@ def parse_prometheus(text: str) -> dict[str, float]:
 @pytest.fixture(scope="module")
 def server():
     zoo.pull("smollm2-135m")
-    port = free_port()
-    log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
-    # One thread each for the server and this process: the machine has two cores.
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "verispec.server", "--target", "smollm2-135m", "--draft", "smollm2-135m", "--draft-len", "4",
-         "--port", str(port), "--api-key", API_KEY, "--max-batch", str(MAX_BATCH)],
-        stdout=log, stderr=subprocess.STDOUT, env=env,
-    )
+    # The model drafts for itself from a bf16 copy of its matrices. One thread each for the server
+    # and this process: the machine has two cores.
+    process = ServerProcess(["--target", "smollm2-135m", "--draft", "smollm2-135m", "--draft-dtype", "bf16", "--draft-len", "4",
+                             "--api-key", API_KEY, "--max-batch", str(MAX_BATCH), "--max-queue", str(MAX_QUEUE)], threads=1).start()
     try:
         # While the server loads: the reference outputs, plain decoding one request at a time.
         torch.set_num_threads(1)
@@ -113,30 +103,13 @@ def server():
                  for p in LOAD_PROMPTS}
         plain[(PROMPT, 24, False)] = verispec.generate(model, PROMPT, drafter="none", max_new_tokens=24).text
         plain[(CHAT, 24, True)] = verispec.generate(model, CHAT, drafter="none", max_new_tokens=24, chat=True).text
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 180
-        while True:
-            if proc.poll() is not None:
-                log.seek(0)
-                pytest.fail(f"the server exited with {proc.returncode}:\n{log.read()[-3000:]}")
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail("the server did not answer /health within 180 s")
-            time.sleep(0.25)
-        yield Server(url, proc, log.name, plain)
-    finally:
-        proc.terminate()
         try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
-        os.unlink(log.name)
+            process.wait_ready(timeout=180)
+        except ServerStartError as exc:
+            pytest.fail(str(exc))
+        yield Server(process, plain)
+    finally:
+        process.stop()
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -279,6 +252,46 @@ def test_disconnect_while_waiting_for_a_non_streamed_answer(server):
     server.wait_idle(timeout=10)
 
 
+def test_a_full_queue_answers_503_and_the_server_keeps_serving(server):
+    """max_batch rows decoding and max_queue requests waiting: one more gets an OpenAI-style 503 at once."""
+    server.wait_idle()
+    body = {"prompt": "Once upon a time, in a land far away,", "max_tokens": 4000, "temperature": 0, "stream": True}
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    with contextlib.ExitStack() as streams:
+        for _ in range(MAX_BATCH + MAX_QUEUE):
+            response = streams.enter_context(httpx.stream("POST", server.url + "/v1/completions", json=body, headers=headers, timeout=60))
+            assert response.status_code == 200
+        deadline = time.monotonic() + 30
+        while server.metrics()["verispec_batch_size"] < MAX_BATCH and time.monotonic() < deadline:
+            time.sleep(0.1)
+        metrics = server.metrics()
+        assert metrics["verispec_batch_size"] == MAX_BATCH and metrics["verispec_queue_depth"] == MAX_QUEUE
+        started = time.monotonic()
+        refused = server.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 4})
+        assert time.monotonic() - started < 5  # answered at once, not after waiting
+        assert refused.status_code == 503 and int(refused.headers["retry-after"]) >= 1
+        error = refused.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"}
+        assert error["type"] == "server_error" and error["code"] == "server_busy"
+        assert "busy" in error["message"] and "retry" in error["message"].lower()
+        with pytest.raises(openai.InternalServerError):  # the official client sees it as a 503 (and would retry)
+            server.client().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": CHAT}], max_tokens=4, stream=True)
+        assert server.metrics()["verispec_queue_rejected_total"] >= 2
+    # The clients left: their rows and queue places are freed, and the server serves again.
+    server.wait_idle(timeout=30)
+    good = server.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 24, "temperature": 0})
+    assert good.status_code == 200 and good.json()["choices"][0]["text"] == server.plain[(PROMPT, 24, False)]
+
+
+def test_server_options_are_checked_before_loading():
+    with pytest.raises(VerispecError, match="max_queue"):
+        build_app("smollm2-135m", max_queue=-1)
+    with pytest.raises(VerispecError, match="draft_dtype"):
+        build_app("smollm2-135m", draft="smollm2-135m", draft_dtype="fp16")
+    with pytest.raises(VerispecError, match="--draft"):
+        build_app("smollm2-135m", drafter="ngram", draft_dtype="bf16")
+
+
 # ---------------------------------------------------------------------------------------------------
 # Bad input: an OpenAI-style 4xx each, and the server keeps serving
 
@@ -386,8 +399,7 @@ def test_metrics_count_requests_and_speculation(server):
 def test_no_step_failed_and_the_log_is_clean(server):
     """Runs after the others: no request above was failed by an engine fault the tests did not see."""
     assert server.metrics()["verispec_step_failures_total"] == 0
-    with open(server.log_path) as f:
-        log = f.read()
+    log = server.process.log_text()
     assert "Traceback" not in log, log[-4000:]
 
 

@@ -1,0 +1,5 @@
+"""`python -m verispec.server`: the same as `verispec serve`."""
+
+from verispec.server.app import main
+
+main()

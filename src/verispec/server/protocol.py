@@ -1,0 +1,281 @@
+"""Reading OpenAI request bodies: every field is honoured or refused with a 400 that names it.
+
+Errors take OpenAI's shape, {"error": {"message", "type", "param", "code"}}. Turns a body into a
+checked `Spec` (token ids, sampling, stop sequences, draft setting); knows nothing about decoding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from verispec.errors import VerispecError
+from verispec.models.base import CausalLM
+from verispec.sampling import SamplingParams
+from verispec.server.scheduler import DraftSetting
+from verispec.text import encode_chat
+
+MAX_DRAFT_LEN = 16  # largest per-request draft_len: each distinct value is a lane of its own
+MAX_CHOICES = 16  # most sequences (prompts x n) one HTTP request may ask for
+MAX_STOP = 4  # stop sequences per request, as in OpenAI's API
+
+
+class ApiError(Exception):
+    """An HTTP error with an OpenAI-style body; 4xx are the caller's, 5xx the server's."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    @property
+    def type(self) -> str:
+        return "invalid_request_error" if self.status < 500 else "server_error"
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class Fields:
+    """An OpenAI request body, read one field at a time."""
+
+    def __init__(self, body: Any, allowed: set[str]):
+        if not isinstance(body, dict):
+            raise ApiError(400, f"the request body must be a JSON object, got {type(body).__name__}", code="invalid_body")
+        unknown = sorted(set(body) - allowed)
+        if unknown:
+            raise ApiError(400, f"unknown parameter {unknown[0]!r}: this server accepts {', '.join(sorted(allowed))}",
+                           param=unknown[0], code="unknown_parameter")
+        self.body = body
+
+    def get(self, name: str, default=None):
+        value = self.body.get(name)
+        return default if value is None else value
+
+    def integer(self, name: str, default: int | None, low: int, high: int | None = None) -> int | None:
+        value = self.get(name, default)
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ApiError(400, f"{name} must be an integer, got {value!r}", param=name, code="invalid_type")
+        if value < low or (high is not None and value > high):
+            bounds = f">= {low}" if high is None else f"between {low} and {high}"
+            raise ApiError(400, f"{name} must be {bounds}, got {value}", param=name, code="invalid_value")
+        return value
+
+    def number(self, name: str, default: float, low: float, high: float, low_open: bool = False) -> float:
+        value = self.get(name, default)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ApiError(400, f"{name} must be a number, got {value!r}", param=name, code="invalid_type")
+        if not (low < value if low_open else low <= value) or not value <= high:
+            bounds = f"in ({low}, {high}]" if low_open else f"between {low} and {high}"
+            raise ApiError(400, f"{name} must be {bounds}, got {value}", param=name, code="invalid_value")
+        return float(value)
+
+    def boolean(self, name: str, default: bool) -> bool:
+        value = self.get(name, default)
+        if not isinstance(value, bool):
+            raise ApiError(400, f"{name} must be true or false, got {value!r}", param=name, code="invalid_type")
+        return value
+
+    def only_default(self, name: str, *defaults, why: str = "is not supported by this server") -> None:
+        """Refuse any value but the defaults (the feature is not implemented, so it must not be asked for)."""
+        value = self.body.get(name)
+        if value is None or any(type(value) is type(d) and value == d for d in defaults):
+            return
+        raise ApiError(400, f"{name}={value!r} {why}", param=name, code="unsupported_parameter")
+
+
+COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "n", "stream", "stream_options", "stop", "seed",
+                 "user", "presence_penalty", "frequency_penalty", "logit_bias", "logprobs", "draft_len", "speculate"}
+COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "suffix", "best_of"}
+CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "functions",
+                               "function_call", "response_format", "parallel_tool_calls"}
+
+
+@dataclass
+class Spec:
+    """A checked generation request: what to decode and how to answer."""
+
+    prompts: list[list[int]]  # token ids per prompt
+    max_tokens: list[int]  # per prompt
+    n: int
+    sampling: SamplingParams
+    stop: list[str]
+    draft: DraftSetting
+    stream: bool
+    include_usage: bool
+
+
+@dataclass
+class ServerConfig:
+    target: CausalLM
+    model_name: str
+    draft_len: DraftSetting  # the server's own setting; None when it was started without a drafter
+
+
+def parse_common(fields: Fields, config: ServerConfig, prompts: list[list[int]], prompt_param: str,
+                 max_tokens: int | None, default_max_tokens: int | None) -> Spec:
+    """Everything the two endpoints share. default_max_tokens None = up to the context."""
+    model = fields.body.get("model")
+    if model is not None and model != config.model_name:
+        raise ApiError(404, f"the model {model!r} does not exist: this server serves {config.model_name!r}",
+                       param="model", code="model_not_found")
+    fields.only_default("presence_penalty", 0, 0.0)
+    fields.only_default("frequency_penalty", 0, 0.0)
+    fields.only_default("logit_bias", {})
+
+    stream = fields.boolean("stream", False)
+    options = fields.body.get("stream_options")
+    include_usage = False
+    if options is not None:
+        if not stream:
+            raise ApiError(400, "stream_options is only allowed when stream is true", param="stream_options", code="invalid_value")
+        if not isinstance(options, dict) or set(options) - {"include_usage"}:
+            raise ApiError(400, 'stream_options must be {"include_usage": true|false}', param="stream_options", code="invalid_value")
+        include_usage = Fields(options, {"include_usage"}).boolean("include_usage", False)
+
+    n = fields.integer("n", 1, 1, MAX_CHOICES)
+    if n * len(prompts) > MAX_CHOICES:
+        raise ApiError(400, f"{len(prompts)} prompts x n={n} is more than {MAX_CHOICES} sequences in one request", param="n", code="invalid_value")
+    seed = fields.integer("seed", None, 0, 2**63 - 1 - MAX_CHOICES)
+    try:
+        sampling = SamplingParams(
+            temperature=fields.number("temperature", 1.0, 0.0, 2.0),  # OpenAI's default is 1
+            top_p=fields.number("top_p", 1.0, 0.0, 1.0, low_open=True),
+            top_k=fields.integer("top_k", 0, 0),
+            seed=seed,
+        )
+    except VerispecError as exc:
+        raise ApiError(400, str(exc), code="invalid_value") from exc
+
+    stop = fields.body.get("stop")
+    if isinstance(stop, str):
+        stop = [stop]
+    if stop is not None and (not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop)):
+        raise ApiError(400, f"stop must be a non-empty string or a list of them, got {stop!r}", param="stop", code="invalid_value")
+    if stop is not None and len(stop) > MAX_STOP:
+        raise ApiError(400, f"stop takes at most {MAX_STOP} sequences, got {len(stop)}", param="stop", code="invalid_value")
+
+    context = config.target.max_context
+    for ids in prompts:
+        if not ids:
+            raise ApiError(400, "the prompt is empty: give at least one token", param=prompt_param, code="invalid_value")
+        if len(ids) >= context:
+            raise ApiError(400, f"the prompt has {len(ids)} tokens but the model's context window is {context}: shorten it",
+                           param=prompt_param, code="context_length_exceeded")
+        bad = [t for t in ids if not 0 <= t < config.target.vocab_size]
+        if bad:
+            raise ApiError(400, f"the prompt has token ids outside the vocabulary [0, {config.target.vocab_size}): {bad[:5]}",
+                           param=prompt_param, code="invalid_value")
+    budgets = []
+    for ids in prompts:
+        budget = max_tokens if max_tokens is not None else default_max_tokens or context - len(ids)
+        if len(ids) + budget > context:
+            raise ApiError(400, f"the model's context window is {context} tokens, but {len(ids)} prompt tokens + max_tokens "
+                                f"{budget} exceed it: lower max_tokens or shorten the prompt",
+                           param="max_tokens", code="context_length_exceeded")
+        budgets.append(budget)
+
+    return Spec(prompts, budgets, n, sampling, stop or [], parse_draft(fields, config), stream, include_usage)
+
+
+def parse_draft(fields: Fields, config: ServerConfig) -> DraftSetting:
+    """Per-request speculation: "speculate": false decodes plainly; "draft_len": k (or "auto") drafts k tokens a step."""
+    speculate = fields.boolean("speculate", True)
+    draft_len = fields.body.get("draft_len")
+    if draft_len is not None and draft_len != "auto":
+        draft_len = fields.integer("draft_len", None, 1, MAX_DRAFT_LEN)
+    if config.draft_len is None:
+        if fields.body.get("speculate") is True or draft_len is not None:
+            param = "draft_len" if draft_len is not None else "speculate"
+            raise ApiError(400, "this server was started with --drafter none: it cannot speculate", param=param, code="unsupported_parameter")
+        return None
+    if not speculate:
+        if draft_len is not None:
+            raise ApiError(400, "draft_len needs speculation: drop it, or drop speculate=false", param="draft_len", code="invalid_value")
+        return None
+    return draft_len if draft_len is not None else config.draft_len
+
+
+def parse_completion(body: Any, config: ServerConfig, tokenizer) -> Spec:
+    fields = Fields(body, COMPLETION_FIELDS)
+    fields.only_default("logprobs", why="(log probabilities) is not supported by this server")
+    fields.only_default("echo", False)
+    fields.only_default("suffix", "")
+    fields.only_default("best_of", 1)
+    prompts = completion_prompts(fields.body.get("prompt"), tokenizer)
+    max_tokens = fields.integer("max_tokens", None, 1)
+    return parse_common(fields, config, prompts, "prompt", max_tokens, default_max_tokens=16)
+
+
+def completion_prompts(prompt: Any, tokenizer) -> list[list[int]]:
+    """prompt: text, token ids, or a list of either -> token ids per prompt."""
+    def is_ids(x):
+        return isinstance(x, list) and x and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+    if prompt is None:
+        raise ApiError(400, "prompt is required", param="prompt", code="missing_parameter")
+    if isinstance(prompt, str) or is_ids(prompt):
+        prompt = [prompt]
+    if not isinstance(prompt, list) or not prompt or not all(isinstance(p, str) or is_ids(p) for p in prompt):
+        raise ApiError(400, "prompt must be text, a list of token ids, or a non-empty list of either", param="prompt", code="invalid_type")
+    if len(prompt) > MAX_CHOICES:
+        raise ApiError(400, f"at most {MAX_CHOICES} prompts per request", param="prompt", code="invalid_value")
+    out = []
+    for p in prompt:
+        if isinstance(p, str):
+            if not p:
+                raise ApiError(400, "the prompt is empty text", param="prompt", code="invalid_value")
+            p = list(tokenizer(p)["input_ids"])
+        out.append(p)
+    return out
+
+
+def parse_chat(body: Any, config: ServerConfig, tokenizer) -> Spec:
+    fields = Fields(body, CHAT_FIELDS)
+    fields.only_default("logprobs", False, why="(log probabilities) is not supported by this server")
+    fields.only_default("top_logprobs", 0, why="(log probabilities) is not supported by this server")
+    fields.only_default("tools", [], why="(tool calling) is not supported by this server")
+    fields.only_default("tool_choice", "none", why="(tool calling) is not supported by this server")
+    fields.only_default("functions", [], why="(function calling) is not supported by this server")
+    fields.only_default("function_call", "none", why="(function calling) is not supported by this server")
+    fields.only_default("response_format", {"type": "text"}, why="(structured output) is not supported by this server")
+    fields.boolean("parallel_tool_calls", True)  # meaningless without tools, which are refused above
+    if fields.body.get("max_tokens") is not None and fields.body.get("max_completion_tokens") is not None:
+        raise ApiError(400, "give max_tokens or max_completion_tokens, not both", param="max_tokens", code="invalid_value")
+    max_tokens = fields.integer("max_tokens", None, 1)
+    if max_tokens is None:
+        max_tokens = fields.integer("max_completion_tokens", None, 1)
+    if not getattr(tokenizer, "chat_template", None):
+        raise ApiError(400, f"{config.model_name} has no chat template: use /v1/completions", param="messages", code="unsupported_model")
+    ids = encode_chat(tokenizer, chat_messages(fields.body.get("messages")))
+    return parse_common(fields, config, [ids], "messages", max_tokens, default_max_tokens=None)
+
+
+def chat_messages(messages: Any) -> list[dict]:
+    """OpenAI messages -> [{"role", "content": str}] for the chat template; text parts only."""
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "messages must be a non-empty list of {role, content} objects", param="messages",
+                       code="missing_parameter" if messages is None else "invalid_type")
+    out = []
+    for i, message in enumerate(messages):
+        param = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise ApiError(400, f"{param} must be an object with role and content", param=param, code="invalid_type")
+        role, content = message.get("role"), message.get("content")
+        role = "system" if role == "developer" else role
+        if role not in ("system", "user", "assistant"):
+            raise ApiError(400, f"{param}.role must be system, developer, user or assistant, got {role!r}", param=f"{param}.role", code="invalid_value")
+        if isinstance(content, list):
+            if not all(isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str) for part in content):
+                raise ApiError(400, f"{param}.content: only text parts are supported", param=f"{param}.content", code="invalid_value")
+            content = "".join(part["text"] for part in content)
+        if not isinstance(content, str):
+            raise ApiError(400, f"{param}.content must be a string or a list of text parts", param=f"{param}.content", code="invalid_type")
+        extra = set(message) - {"role", "content", "name"}
+        if extra:
+            raise ApiError(400, f"{param} has fields this server does not support: {sorted(extra)}", param=param, code="unsupported_parameter")
+        out.append({"role": role, "content": content})
+    return out
+
+

@@ -1,0 +1,321 @@
+"""Continuous batching on one worker thread: the models and every `DecodeBatch` belong to it.
+
+Between steps the worker takes new jobs and cancellations from its inbox, admits waiting jobs (at
+most `max_batch` rows in flight), steps every lane once and hands each job its `TokenEvent`s through
+a callback. `submit` refuses jobs beyond `max_batch` running plus `max_queue` waiting (`QueueFull`),
+so a burst cannot pile up unbounded work.
+
+Jobs are grouped into *lanes* by how they are decoded: the server's draft length, a per-request
+`draft_len`, or plain decoding. Each lane is a `DecodeBatch` with its own drafter. A lane stops
+taking new rows once its shared slot axis carries too many slots no live row can see, and is dropped
+when its last row leaves, so a long-running server does not drag dead cache slots along for ever.
+
+The scheduler knows nothing about HTTP or text, nor about how tokens are drafted or verified.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Callable
+
+from verispec.drafters.base import Drafter
+from verispec.engine import DecodeBatch, Request as EngineRequest, TokenEvent
+from verispec.errors import VerispecError
+from verispec.models.base import CausalLM
+from verispec.policy import DraftPolicy, make_policy
+from verispec.stats import SpecStats
+
+log = logging.getLogger("verispec.server")
+
+MAX_WASTED_SLOTS = 256  # a lane stops admitting rows once its slot axis is this much longer than its longest row
+
+# How a lane decodes: None = plain decoding, an int = fixed draft length, "auto" = adaptive draft length.
+DraftSetting = int | str | None
+
+
+@dataclass
+class JobFailed:
+    """Delivered instead of TokenEvents when a job cannot finish."""
+
+    status: int  # 400: the engine refused the request; 500: the engine failed; 503: the server is stopping
+    message: str
+
+
+@dataclass
+class Job:
+    """One sequence for the worker: an engine request, how to decode it, and where its events go."""
+
+    request: EngineRequest  # request.id is the job id
+    draft: DraftSetting
+    deliver: Callable[[TokenEvent | JobFailed], None]  # called on the worker thread; must not block
+
+    @property
+    def id(self) -> int:
+        return self.request.id
+
+
+class QueueFull(Exception):
+    """submit() refused: the jobs would not fit in the running batch plus the waiting queue."""
+
+    def __init__(self, in_flight: int, capacity: int):
+        super().__init__(f"{in_flight} sequences are already running or waiting (the limit is {capacity})")
+        self.in_flight, self.capacity = in_flight, capacity
+
+
+@dataclass
+class Lane:
+    """A DecodeBatch for jobs that share a draft setting."""
+
+    draft: DraftSetting
+    batch: DecodeBatch
+    open: bool = True  # still admitting rows
+    jobs: dict[int, Job] = field(default_factory=dict)
+
+
+class WorkerClock:
+    """Where the worker's time goes, for /metrics. Updated on the worker, read from any thread.
+
+    Phases: "prefill" (admitting: the prompt pass), and per decoding step "draft", "target" (the
+    target's forward pass), "verify" (acceptance and rollback) and "other" (the rest of the step:
+    cutting at stop/length, per-request stats, routing events)."""
+
+    PHASES = ("prefill", "draft", "target", "verify", "other")
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.seconds = dict.fromkeys(self.PHASES, 0.0)
+        self.passes_by_width: dict[int, int] = defaultdict(int)  # target pass width (1 + draft tokens) -> passes
+        self.seconds_by_width: dict[int, float] = defaultdict(float)  # ... -> seconds in the target pass
+        self.rows_by_width: dict[int, int] = defaultdict(int)  # ... -> sum of batch sizes (mean batch = rows / passes)
+
+    def add_prefill(self, seconds: float) -> None:
+        with self._lock:
+            self.seconds["prefill"] += seconds
+
+    def add_step(self, rows: int, width: int, draft: float, target: float, verify: float, other: float) -> None:
+        with self._lock:
+            for phase, seconds in (("draft", draft), ("target", target), ("verify", verify), ("other", other)):
+                self.seconds[phase] += seconds
+            self.passes_by_width[width] += 1
+            self.seconds_by_width[width] += target
+            self.rows_by_width[width] += rows
+
+    def snapshot(self) -> tuple[dict[str, float], dict[int, tuple[int, float, int]]]:
+        """(seconds by phase, width -> (passes, target seconds, rows))."""
+        with self._lock:
+            widths = {w: (n, self.seconds_by_width[w], self.rows_by_width[w]) for w, n in self.passes_by_width.items()}
+            return dict(self.seconds), widths
+
+
+class Scheduler:
+    """Continuous batching on a worker thread: admit between steps, step every lane, route events.
+
+    submit() and cancel() may be called from any thread; everything else runs on the worker.
+    max_queue: most jobs waiting for a row beyond the `max_batch` running ones.
+    """
+
+    def __init__(self, target: CausalLM, new_drafter: Callable[[bool], Drafter], max_batch: int, max_queue: int = 256,
+                 stats: SpecStats | None = None, on_admit: Callable[[Job], None] | None = None):
+        self.target = target
+        self.new_drafter = new_drafter  # speculate? -> a fresh drafter (a DecodeBatch needs its own)
+        self.max_batch = max_batch
+        self.max_queue = max_queue
+        self.stats = stats if stats is not None else SpecStats()  # every lane's steps, server-wide
+        self.clock = WorkerClock()
+        self.on_admit = on_admit
+        self.policies: dict[DraftSetting, DraftPolicy] = {}  # kept across lanes, so adaptive estimates survive
+        self.inbox: queue.Queue = queue.Queue()
+        self.waiting: list[Job] = []
+        self.lanes: list[Lane] = []
+        self.step_failures = 0
+        self.rejected = 0  # jobs refused by submit() because the queue was full
+        self._in_flight: set[int] = set()  # ids of jobs submitted and not yet finished, failed or cancelled
+        self._in_flight_lock = threading.Lock()
+        self.thread = threading.Thread(target=self._run, name="verispec-worker", daemon=True)
+
+    # -- any thread --
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self.inbox.put(("stop", None))
+        self.thread.join(timeout)
+
+    def submit(self, jobs: list[Job]) -> None:
+        """Queue jobs for decoding, all or none: raises QueueFull when they do not fit."""
+        capacity = self.max_batch + self.max_queue
+        with self._in_flight_lock:
+            if len(self._in_flight) + len(jobs) > capacity:
+                self.rejected += len(jobs)
+                raise QueueFull(len(self._in_flight), capacity)
+            self._in_flight.update(job.id for job in jobs)
+        self.inbox.put(("submit", jobs))
+
+    def cancel(self, job_ids: list[int]) -> None:
+        self.inbox.put(("cancel", job_ids))
+
+    @property
+    def running(self) -> int:
+        return sum(len(lane.jobs) for lane in list(self.lanes))
+
+    @property
+    def in_flight(self) -> int:
+        """Jobs submitted and not yet finished: running plus waiting."""
+        return len(self._in_flight)
+
+    @property
+    def queue_depth(self) -> int:
+        """Jobs waiting for a row."""
+        return max(0, self.in_flight - self.running)
+
+    # -- worker thread --
+
+    def _run(self) -> None:
+        while True:
+            try:
+                if not self._take_messages(block=not self.waiting and not self.lanes):
+                    break
+                self._admit()
+                for lane in list(self.lanes):
+                    self._step(lane)
+                self.lanes = [lane for lane in self.lanes if lane.jobs]
+            except Exception:  # a bug in the loop itself: fail everything in flight, keep serving
+                log.exception("worker loop failed; failing the requests in flight")
+                for lane in self.lanes:
+                    self._fail_lane(lane, "internal error in the decoding loop")
+                self.lanes = []
+        for job in self.waiting + [job for lane in self.lanes for job in lane.jobs.values()]:
+            self._finish(job, JobFailed(503, "the server is shutting down"))
+
+    def _finish(self, job: Job, item: TokenEvent | JobFailed) -> None:
+        """Deliver a job's last item; it no longer counts against the queue limit."""
+        self._release([job.id])
+        job.deliver(item)
+
+    def _release(self, job_ids) -> None:
+        with self._in_flight_lock:
+            self._in_flight.difference_update(job_ids)
+
+    def _take_messages(self, block: bool) -> bool:
+        """Apply every message in the inbox (waiting for one if `block`). False once told to stop."""
+        while True:
+            try:
+                kind, payload = self.inbox.get(block=block)
+            except queue.Empty:
+                return True
+            block = False
+            if kind == "stop":
+                return False
+            if kind == "submit":
+                self.waiting.extend(payload)
+            elif kind == "cancel":
+                self._cancel(set(payload))
+
+    def _cancel(self, job_ids: set[int]) -> None:
+        self._release(job_ids)
+        self.waiting = [job for job in self.waiting if job.id not in job_ids]
+        for lane in self.lanes:
+            for job_id in job_ids & lane.jobs.keys():
+                lane.batch.remove(job_id)  # frees the row's slot now, not when it would have finished
+                del lane.jobs[job_id]
+        # An emptied DecodeBatch keeps stale slot bookkeeping (its KV store forgets its slots, the SlotCache
+        # does not), so a request must never join one: drop empty lanes before the next admission.
+        self.lanes = [lane for lane in self.lanes if lane.jobs]
+
+    def _admit(self) -> None:
+        room = self.max_batch - self.running
+        if room <= 0 or not self.waiting:
+            return
+        admitted, self.waiting = self.waiting[:room], self.waiting[room:]
+        by_setting: dict[DraftSetting, list[Job]] = defaultdict(list)
+        for job in admitted:
+            by_setting[job.draft].append(job)
+        for setting, jobs in by_setting.items():
+            lane = self._open_lane(setting)
+            accepted = []
+            for job in jobs:
+                try:
+                    lane.batch.check(job.request)
+                except VerispecError as exc:  # this request alone is bad
+                    self._finish(job, JobFailed(400, str(exc)))
+                    continue
+                accepted.append(job)
+            if not accepted:
+                continue
+            started = time.perf_counter()
+            try:
+                lane.batch.add([job.request for job in accepted])
+            except Exception:
+                # The batch may be half-updated: drop it with everything in it.
+                log.exception("admitting %d requests failed", len(accepted))
+                self.step_failures += 1
+                for job in accepted:
+                    self._finish(job, JobFailed(500, "internal error while reading the prompt"))
+                self._fail_lane(lane, "internal error while admitting another request into this batch")
+                self.lanes.remove(lane)
+                continue
+            finally:
+                self.clock.add_prefill(time.perf_counter() - started)
+            for job in accepted:
+                lane.jobs[job.id] = job
+                if self.on_admit is not None:
+                    self.on_admit(job)
+
+    def _open_lane(self, setting: DraftSetting) -> Lane:
+        for lane in self.lanes:
+            if lane.open and lane.draft == setting and len(lane.batch):
+                return lane
+        if setting is None:
+            drafter, policy = self.new_drafter(False), 1  # no drafter: k is never used
+        else:
+            drafter = self.new_drafter(True)
+            policy = self.policies.setdefault(setting, make_policy(setting))
+        lane = Lane(setting, DecodeBatch(self.target, drafter, policy, stats=self.stats))
+        self.lanes.append(lane)
+        return lane
+
+    def _step(self, lane: Lane) -> None:
+        if not lane.jobs:
+            return
+        stats, rows = lane.batch.stats, len(lane.batch)
+        before = (stats.draft_seconds, stats.target_seconds, stats.overhead_seconds, stats.draft_len_sum)
+        started = time.perf_counter()
+        try:
+            events = lane.batch.step()
+        except Exception:
+            # The batch's caches may be inconsistent now: fail its rows, and the lane is dropped.
+            log.exception("decoding step failed for a batch of %d", len(lane.jobs))
+            self.step_failures += 1
+            self._fail_lane(lane, "internal error in the decoding step")
+            return
+        for event in events:
+            job = lane.jobs.get(event.request_id)
+            if job is None:
+                continue
+            if event.finish_reason is not None:
+                del lane.jobs[event.request_id]
+                self._finish(job, event)
+            else:
+                job.deliver(event)
+        if lane.open and lane.jobs and self._wasted_slots(lane.batch) > MAX_WASTED_SLOTS:
+            lane.open = False  # new rows go to a fresh lane; this one drains
+        draft, target, verify = (stats.draft_seconds - before[0], stats.target_seconds - before[1],
+                                 stats.overhead_seconds - before[2])
+        width = 1 + stats.draft_len_sum - before[3]  # the step records its draft width in draft_len_sum
+        self.clock.add_step(rows, width, draft, target, verify, time.perf_counter() - started - draft - target - verify)
+
+    @staticmethod
+    def _wasted_slots(batch: DecodeBatch) -> int:
+        """Cache slots past what the longest row needs: holes and left padding of rows long gone."""
+        return batch.cache.slots.length - max((len(row.sequence) for row in batch.rows), default=0)
+
+    def _fail_lane(self, lane: Lane, message: str) -> None:
+        for job in list(lane.jobs.values()):
+            self._finish(job, JobFailed(500, message))
+        lane.jobs.clear()
