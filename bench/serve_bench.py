@@ -55,6 +55,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--port", type=int, default=None, help="default: a free port")
     p.add_argument("--out", default="bench/reports")
     p.add_argument("--name", default=None, help="report file stem (default: serve-<target>)")
+    p.add_argument("--merge", action="store_true",
+                   help="keep the levels of an existing report with the same settings that this run does not measure "
+                        "(to measure a level at a time on a shared machine)")
     return p.parse_args(argv)
 
 
@@ -210,13 +213,18 @@ def summarize(runs: list[dict]) -> dict:
     }
 
 
+def dates(report: dict) -> str:
+    measured = sorted({level.get("date", report["config"]["date"]) for level in report["levels"]})
+    return measured[0] if len(measured) == 1 else "levels measured " + ", ".join(measured)
+
+
 def markdown(report: dict) -> str:
     c = report["config"]
     lines = [
         f"# verispec serve: {c['target']} ({c['drafter_description']}, draft_len {c['draft_len']})",
         "",
         f"{c['num_prompts']} Spec-Bench prompts (chat, greedy, {c['max_tokens']} max tokens), max batch {c['max_batch']}, "
-        f"{c['machine']}, {c['date']}. Plain decoding is the same server with `\"speculate\": false`. Each concurrency level "
+        f"{c['machine']}, {dates(report)}. Plain decoding is the same server with `\"speculate\": false`. Each concurrency level "
         f"ran {c['rounds']} rounds; a round runs plain and speculative decoding back to back, alternating which goes first. "
         "**Speedup is the median over rounds of the per-round ratio** speculative tokens/s / plain tokens/s (its range in "
         "brackets); tokens/s, latency and TTFT are medians over rounds. Tokens/s = completion tokens / wall time of a run.",
@@ -256,11 +264,35 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+SAME_SETTINGS = ("target", "draft", "drafter", "draft_len", "max_tokens", "max_batch", "rounds", "prompts", "machine")
+
+
+def earlier_levels(path: Path, config: dict) -> list[dict]:
+    """The levels of the report at `path`, which must have been measured with the same settings (for --merge)."""
+    if not path.exists():
+        return []
+    old = json.loads(path.read_text())
+    differ = [k for k in SAME_SETTINGS if old["config"].get(k) != config[k]]
+    if differ:
+        sys.exit(f"--merge: {path} was measured with other settings ({', '.join(differ)}): use another --name")
+    return old["levels"]
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     prompts = read_prompts(args.prompts, args.num_prompts)
     drafter = args.drafter if args.drafter != "auto" else ("model" if args.draft else "ngram")
     description = f"draft {args.draft}" if drafter == "model" else f"{drafter} drafting"
+    config = {
+        "target": args.target, "draft": args.draft, "drafter": drafter, "drafter_description": description,
+        "draft_len": args.draft_len, "max_tokens": args.max_tokens, "max_batch": args.max_batch, "rounds": args.rounds,
+        "num_prompts": len(prompts), "prompts": [{k: p[k] for k in ("category", "id")} for p in prompts],
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, server threads {args.threads or 'default'}",
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+    }
+    out = Path(args.out)
+    stem = args.name or f"serve-{args.target}"
+    earlier = earlier_levels(out / f"{stem}.json", config) if args.merge else []  # checked before measuring
     server = ServerProcess(server_args(args), threads=args.threads, port=args.port).start()
     try:
         try:
@@ -289,6 +321,7 @@ def main(argv: list[str] | None = None) -> dict:
             reference = rounds[0]["plain"]["texts"]
             levels.append({
                 "concurrency": concurrency,
+                "date": time.strftime("%Y-%m-%d %H:%M"),
                 "speedup": round(statistics.median(ratios), 4),
                 "speedup_range": [min(ratios), max(ratios)],
                 "identical": all(run[mode]["texts"] == reference for run in rounds for mode in ("plain", "speculative")),
@@ -298,19 +331,11 @@ def main(argv: list[str] | None = None) -> dict:
             })
     finally:
         server.stop()
-    report = {
-        "config": {
-            "target": args.target, "draft": args.draft, "drafter": drafter, "drafter_description": description,
-            "draft_len": args.draft_len, "max_tokens": args.max_tokens, "max_batch": args.max_batch, "rounds": args.rounds,
-            "num_prompts": len(prompts), "prompts": [{k: p[k] for k in ("category", "id")} for p in prompts],
-            "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, server threads {args.threads or 'default'}",
-            "date": time.strftime("%Y-%m-%d %H:%M"),
-        },
-        "levels": levels,
-    }
-    out = Path(args.out)
+    measured = {level["concurrency"] for level in levels}
+    levels = sorted([level for level in earlier if level["concurrency"] not in measured] + levels,
+                    key=lambda level: level["concurrency"])
+    report = {"config": config, "levels": levels}
     out.mkdir(parents=True, exist_ok=True)
-    stem = args.name or f"serve-{args.target}"
     (out / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
     table = markdown(report)
     (out / f"{stem}.md").write_text(table)

@@ -500,3 +500,50 @@ def test_lanes_and_cancellation(tiny_scheduler):
     while not long_result.items.empty():  # the cancelled job never finished
         item = long_result.items.get()
         assert isinstance(item, TokenEvent) and item.finish_reason is None
+
+
+def test_admission_prefills_similar_lengths_together_and_bounds_the_stall(monkeypatch):
+    """Prompts are prefilled in groups of similar length; while rows decode, a few new prompts are read
+    a bounded number of tokens per step, and a burst that outnumbers the running rows at once."""
+    from verispec.engine import prefill_groups
+
+    assert prefill_groups([52, 209, 60, 55, 200]) == [[1, 4], [2, 3, 0]]
+    assert prefill_groups([]) == [] and prefill_groups([0, 0]) == [[0, 1]]
+
+    torch.set_num_threads(1)
+    target = tiny_llama(seed=0)
+    target.eos_token_ids = frozenset()  # the long rows must still be decoding when the newcomers arrive
+    admitted: list[int] = []
+    real_add = DecodeBatch.add
+
+    def add(self, requests):
+        if threading.current_thread() is scheduler.thread:  # not the reference decoding in this thread
+            admitted.append(len(requests))
+        return real_add(self, requests)
+
+    monkeypatch.setattr(DecodeBatch, "add", add)
+    scheduler = Scheduler(target, lambda speculate: make_drafter(target, None, "none"), max_batch=8, prefill_tokens=4)
+    scheduler.start()
+    try:
+        runners = [job([20 + i, 21], max_new_tokens=400, draft=None) for i in range(4)]
+        scheduler.submit([j for j, _ in runners])
+        for _, collector in runners:
+            assert isinstance(collector.items.get(timeout=30), TokenEvent)
+        # 4 rows decoding, 2 new 4-token prompts: budget 4 tokens a step, so one prompt per admission.
+        newcomers = [job([5, 6, 7, 8]), job([9, 10, 11, 12])]
+        scheduler.submit([j for j, _ in newcomers])
+        for (_, collector), (j, _) in zip(newcomers, newcomers):
+            assert collector.result() == plain_tokens(target, j.request.prompt)
+        assert admitted == [4, 1, 1]
+        # With no row decoding, nobody waits for the prefill: a burst is read at once.
+        scheduler.cancel([j.id for j, _ in runners])
+        burst = [job([30 + i, 31, 32, 33]) for i in range(4)]
+        deadline = time.monotonic() + 10
+        while scheduler.running and time.monotonic() < deadline:
+            time.sleep(0.05)
+        scheduler.submit([j for j, _ in burst])
+        for j, collector in burst:
+            assert collector.result() == plain_tokens(target, j.request.prompt)
+        assert admitted == [4, 1, 1, 4]
+    finally:
+        scheduler.stop()

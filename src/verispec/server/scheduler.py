@@ -3,7 +3,11 @@
 Between steps the worker takes new jobs and cancellations from its inbox, admits waiting jobs (at
 most `max_batch` rows in flight), steps every lane once and hands each job its `TokenEvent`s through
 a callback. `submit` refuses jobs beyond `max_batch` running plus `max_queue` waiting (`QueueFull`),
-so a burst cannot pile up unbounded work.
+so a burst cannot pile up unbounded work. Admitting reads prompts (prefill) while the running rows
+wait, so between two steps it reads at most `prefill_tokens` prompt tokens (always at least one
+job), scaled up by the ratio of admissible jobs to running rows where they outnumber them: a few
+prompts joining many decoding rows delay them by a bounded prefill per step, while a burst that
+outnumbers the running rows is read at once (the few rows it delays gain more from a full batch).
 
 Jobs are grouped into *lanes* by how they are decoded: the server's draft length, a per-request
 `draft_len`, or plain decoding. Each lane is a `DecodeBatch` with its own drafter. A lane stops
@@ -33,6 +37,7 @@ from verispec.stats import SpecStats
 log = logging.getLogger("verispec.server")
 
 MAX_WASTED_SLOTS = 256  # a lane stops admitting rows once its slot axis is this much longer than its longest row
+PREFILL_TOKENS_PER_STEP = 512  # prompt tokens admitted between two steps while rows are decoding
 
 # How a lane decodes: None = plain decoding, an int = fixed draft length, "auto" = adaptive draft length.
 DraftSetting = int | str | None
@@ -116,15 +121,18 @@ class Scheduler:
     """Continuous batching on a worker thread: admit between steps, step every lane, route events.
 
     submit() and cancel() may be called from any thread; everything else runs on the worker.
-    max_queue: most jobs waiting for a row beyond the `max_batch` running ones.
+    max_queue: most jobs waiting for a row beyond the `max_batch` running ones. prefill_tokens: most
+    prompt tokens admitted between two steps while rows are decoding (scaled as the module says).
     """
 
     def __init__(self, target: CausalLM, new_drafter: Callable[[bool], Drafter], max_batch: int, max_queue: int = 256,
-                 stats: SpecStats | None = None, on_admit: Callable[[Job], None] | None = None):
+                 stats: SpecStats | None = None, on_admit: Callable[[Job], None] | None = None,
+                 prefill_tokens: int = PREFILL_TOKENS_PER_STEP):
         self.target = target
         self.new_drafter = new_drafter  # speculate? -> a fresh drafter (a DecodeBatch needs its own)
         self.max_batch = max_batch
         self.max_queue = max_queue
+        self.prefill_tokens = prefill_tokens
         self.stats = stats if stats is not None else SpecStats()  # every lane's steps, server-wide
         self.clock = WorkerClock()
         self.on_admit = on_admit
@@ -232,7 +240,17 @@ class Scheduler:
         room = self.max_batch - self.running
         if room <= 0 or not self.waiting:
             return
-        admitted, self.waiting = self.waiting[:room], self.waiting[room:]
+        # First come, first served, within the room and (while rows decode) the prefill budget.
+        candidates = self.waiting[:room]
+        running = self.running
+        budget = self.prefill_tokens * max(1.0, len(candidates) / running) if running else float("inf")
+        count, tokens = 0, 0
+        for job in candidates:
+            tokens += len(job.request.prompt)
+            if count and tokens > budget:
+                break
+            count += 1
+        admitted, self.waiting = self.waiting[:count], self.waiting[count:]
         by_setting: dict[DraftSetting, list[Job]] = defaultdict(list)
         for job in admitted:
             by_setting[job.draft].append(job)
