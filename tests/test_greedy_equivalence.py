@@ -35,7 +35,7 @@ def test_plain_engine_matches_transformers_generate(tiny_pair):
         assert plain(target, prompt, 48) == hf_greedy(target, prompt, 48)
 
 
-@pytest.mark.parametrize("drafter", ["model", "ngram"])
+@pytest.mark.parametrize("drafter", ["model", "ngram", "hybrid"])
 @pytest.mark.parametrize("draft_len", range(1, 9))
 def test_speculative_equals_plain_batch1(tiny_pair, drafter, draft_len):
     target, draft = tiny_pair
@@ -45,7 +45,7 @@ def test_speculative_equals_plain_batch1(tiny_pair, drafter, draft_len):
         assert got.token_ids == expected, f"prompt {prompt}"
 
 
-@pytest.mark.parametrize("drafter", ["model", "ngram"])
+@pytest.mark.parametrize("drafter", ["model", "ngram", "hybrid"])
 @pytest.mark.parametrize("draft_len", [1, 3, 5, 8])
 def test_speculative_batch_equals_each_alone(tiny_pair, drafter, draft_len):
     """Rows of different lengths accept different counts per step; each must decode as if alone."""
@@ -79,7 +79,7 @@ def test_max_new_tokens_is_exact(tiny_pair, max_new_tokens, draft_len):
         assert result.finish_reason == "length"
 
 
-@pytest.mark.parametrize("drafter", ["model", "ngram"])
+@pytest.mark.parametrize("drafter", ["model", "ngram", "hybrid"])
 def test_stops_at_eos_inside_an_accepted_draft(tiny_pair, drafter):
     """Make a token that plain decoding emits mid-sequence the EOS: both must stop right after it."""
     target, draft = tiny_pair
@@ -147,3 +147,25 @@ def test_batch_reused_after_it_emptied(tiny_pair, drafter):
     while len(batch):
         tokens += [t for e in batch.step() for t in e.tokens]
     assert tokens == plain(target, PROMPTS[1], 20)
+
+
+def test_hybrid_uses_lookup_and_model_and_stays_exact(tiny_pair):
+    """On text that repeats itself the hybrid drafts by lookup; elsewhere with the model, which then
+    catches up on what it skipped. Both kinds of step must leave the output unchanged."""
+    from verispec.drafters import HybridDrafter, ModelDrafter
+    from verispec.engine import Request, SpeculativeEngine
+
+    target, draft = tiny_pair
+    opening = [1, 5, 6, 7]
+    prompt = opening + plain(target, opening, 12) + opening  # the target will continue as it did before
+    drafters = []
+
+    def make():
+        drafters.append(HybridDrafter(ModelDrafter(draft, target.vocab_size), max_lag=8))
+        return drafters[-1]
+
+    engine = SpeculativeEngine(target, make, draft_len=3)
+    tokens = [t for e in engine.stream([Request(prompt=prompt, max_new_tokens=40, id=0)]) for t in e.tokens]
+    assert tokens == plain(target, prompt, 40)
+    hybrid = drafters[0]
+    assert hybrid.lookup_steps > 0 and hybrid.model_steps > 0

@@ -180,7 +180,7 @@ def test_negative_control_wrong_bonus_is_caught():
 
 
 @pytest.mark.parametrize("params", [SamplingParams(temperature=0.8, seed=11), SamplingParams(temperature=1.2, top_k=12, top_p=0.9, seed=5)], ids=str)
-@pytest.mark.parametrize("drafter", ["model", "ngram"])
+@pytest.mark.parametrize("drafter", ["model", "ngram", "hybrid"])
 def test_engine_samples_target_distribution_on_tiny_model(params, drafter):
     """End to end on a tiny Llama: the first two generated tokens, over 2000 seeded rows, follow the
     target's exact joint distribution p(t1) p(t2 | t1)."""

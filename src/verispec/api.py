@@ -10,7 +10,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from verispec.drafters import ModelDrafter, NgramDrafter, NoDrafter
+from verispec.drafters import HybridDrafter, ModelDrafter, NgramDrafter, NoDrafter
 from verispec.drafters.base import Drafter
 from verispec.engine import Request, SpeculativeEngine, TokenEvent
 from verispec.errors import VerispecError
@@ -126,6 +126,7 @@ def _load_uncached(name: str, dtype: torch.dtype, device: torch.device) -> HFCau
 # How each drafter is built, chosen once per call: (target, draft model or None, draft_confidence) -> Drafter.
 DRAFTERS: dict[str, Callable[[CausalLM, CausalLM | None, float], Drafter]] = {
     "model": lambda target, draft, confidence: ModelDrafter(draft, target.vocab_size, min_confidence=confidence),
+    "hybrid": lambda target, draft, confidence: HybridDrafter(ModelDrafter(draft, target.vocab_size, min_confidence=confidence)),
     "ngram": lambda target, draft, confidence: NgramDrafter(),
     "none": lambda target, draft, confidence: NoDrafter(),
 }
@@ -163,9 +164,9 @@ def make_drafter(target: CausalLM, draft: CausalLM | None, drafter: str, draft_c
         drafter = "model" if draft is not None else "ngram"
     if drafter not in DRAFTERS:
         raise VerispecError(f"unknown drafter {drafter!r}: use one of auto, {', '.join(DRAFTERS)}")
-    if drafter == "model":
+    if drafter in ("model", "hybrid"):
         if draft is None:
-            raise VerispecError("drafter='model' needs a draft model: pass draft=NAME_OR_PATH")
+            raise VerispecError(f"drafter={drafter!r} needs a draft model: pass draft=NAME_OR_PATH")
         check_compatible(target, draft)
     if not isinstance(draft_confidence, (int, float)) or not 0.0 <= draft_confidence < 1.0:
         raise VerispecError(f"draft_confidence must be in [0, 1) (0 drafts every position), got {draft_confidence!r}")
@@ -251,7 +252,8 @@ def generate(target, prompt, *, draft=None, drafter: str = "auto", draft_len: in
 
     target / draft: zoo name, path, hub id or loaded model. prompt: text, token ids, or a list of
     either (a batch: returns a list). drafter: "auto" (the draft model if given, else n-gram),
-    "model", "ngram", or "none" (plain decoding). draft_len: tokens drafted per step, or "auto" to
+    "model", "hybrid" (prompt lookup when it finds a match, else the draft model), "ngram", or
+    "none" (plain decoding). draft_len: tokens drafted per step, or "auto" to
     choose it each step from measured acceptance and costs. draft_confidence: a draft model stops
     drafting a row at a token it gives less than this probability. temperature 0 is greedy.
     """

@@ -1,8 +1,9 @@
 """Ways of proposing tokens, one per file, registered in one table and chosen once."""
 
 from verispec.drafters.base import Draft, Drafter, Verdict
+from verispec.drafters.hybrid import HybridDrafter
 from verispec.drafters.model import ModelDrafter
 from verispec.drafters.ngram import NgramDrafter
 from verispec.drafters.none import NoDrafter
 
-__all__ = ["Draft", "Drafter", "Verdict", "ModelDrafter", "NgramDrafter", "NoDrafter"]
+__all__ = ["Draft", "Drafter", "Verdict", "HybridDrafter", "ModelDrafter", "NgramDrafter", "NoDrafter"]
