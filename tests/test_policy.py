@@ -131,3 +131,14 @@ def test_engine_keeps_verify_passes_within_the_targets_exact_rows():
         assert batch.next_draft_len() == 6  # one row: 7 rows fit
     finally:
         del target.max_exact_rows
+
+
+def test_rows_without_a_draft_count_against_acceptance():
+    """An n-gram drafter that finds nothing for half the rows: those rows still ride the wider pass
+    and gain nothing, so E(k) must not count only the rows that drafted."""
+    policy = AdaptiveDraftLen()
+    for _ in range(50):
+        policy.observe(4, 1, 2, torch.tensor([1, 1, 0, 0]), torch.tensor([1, 0, 0, 0]), 0.001, 0.1)
+    assert policy.acceptance()[0] == pytest.approx(0.25, abs=0.03)
+    # A position never reached is priced like the last one measured, not like the optimistic prior.
+    assert policy.acceptance()[1] == pytest.approx(0.25, abs=0.03)

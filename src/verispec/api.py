@@ -161,7 +161,7 @@ def check_compatible(target: CausalLM, draft: CausalLM) -> None:
 
 def make_drafter(target: CausalLM, draft: CausalLM | None, drafter: str, draft_confidence: float = 0.0) -> Drafter:
     if drafter == "auto":
-        drafter = "model" if draft is not None else "ngram"
+        drafter = "hybrid" if draft is not None else "ngram"
     if drafter not in DRAFTERS:
         raise VerispecError(f"unknown drafter {drafter!r}: use one of auto, {', '.join(DRAFTERS)}")
     if drafter in ("model", "hybrid"):
@@ -251,7 +251,7 @@ def generate(target, prompt, *, draft=None, drafter: str = "auto", draft_len: in
     """Generate from `prompt` with speculative decoding; the output is what the target alone would give.
 
     target / draft: zoo name, path, hub id or loaded model. prompt: text, token ids, or a list of
-    either (a batch: returns a list). drafter: "auto" (the draft model if given, else n-gram),
+    either (a batch: returns a list). drafter: "auto" ("hybrid" if a draft model is given, else n-gram),
     "model", "hybrid" (prompt lookup when it finds a match, else the draft model), "ngram", or
     "none" (plain decoding). draft_len: tokens drafted per step, or "auto" to
     choose it each step from measured acceptance and costs. draft_confidence: a draft model stops

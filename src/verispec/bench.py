@@ -28,7 +28,7 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("prompts", nargs="?", default=DEFAULT_PROMPTS, help="JSONL in Spec-Bench ({category, turns}) or HumanEval ({task_id, prompt}) form")
     p.add_argument("--target", default="qwen2.5-coder-1.5b")
     p.add_argument("--draft", default="qwen2.5-coder-0.5b", help="draft model; 'none' for n-gram only")
-    p.add_argument("--drafter", default="auto", help="auto | model | ngram")
+    p.add_argument("--drafter", default="auto", help="auto | model | hybrid | ngram")
     p.add_argument("--draft-len", default="auto", help="int, or 'auto' (adaptive)")
     p.add_argument("--draft-dtype", default="int8", help="matrix dtype of a native-backend draft: fp32, bf16 (half the bytes) or int8 (default: weight-only, a quarter)")
     p.add_argument("--draft-int8", action="store_true", help="PyTorch dynamic int8 for the draft model (transformers backend; see --draft-dtype int8 for the native one)")

@@ -15,7 +15,7 @@ DEFAULT_DRAFT = "qwen2.5-coder-0.5b"
 def _add_generation_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default=DEFAULT_TARGET, help="zoo name, local directory, .gguf file or hub id (default: %(default)s)")
     p.add_argument("--draft", default=None, help="draft model (same tokenizer as the target); omit for n-gram drafting")
-    p.add_argument("--drafter", default="auto", help="auto | model | ngram | none (plain decoding)")
+    p.add_argument("--drafter", default="auto", help="auto (hybrid with a draft model, else ngram) | model | hybrid (prompt lookup, else the draft model) | ngram | none (plain decoding)")
     p.add_argument("--draft-len", type=int, default=None, help="draft tokens per step (default: adaptive)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-k", type=int, default=0)

@@ -93,10 +93,12 @@ class AdaptiveDraftLen:
         self.decay = decay  # per step, on the acceptance counts: ~20 steps of memory
         self.probe_every = probe_every
         self.first_draft_len = min(first_draft_len, max_draft_len)
-        # Conditional acceptance per draft position as decayed counts over a prior of `prior_weight` steps.
+        # Conditional acceptance per draft position as decayed counts, shrunk toward a prior worth
+        # `prior_weight` observations: prior_acceptance at position 1, the estimate of position j - 1 at j
+        # (so deep positions a short k never reaches are not assumed better than the ones it does).
         self.prior = (prior_acceptance, prior_weight)
-        self.accepted = torch.full((max_draft_len,), prior_acceptance * prior_weight)
-        self.reached = torch.full((max_draft_len,), prior_weight)
+        self.accepted = torch.zeros(max_draft_len)
+        self.reached = torch.zeros(max_draft_len)
         self.target_cost = CostCurve()  # token rows in the pass -> seconds of the target step
         self.draft_cost = CostCurve()  # batch size -> seconds per drafted token
         self.steps = 0
@@ -104,7 +106,11 @@ class AdaptiveDraftLen:
 
     def acceptance(self) -> torch.Tensor:
         """[max_draft_len] a_j: P(position j accepted | position j - 1 accepted)."""
-        return self.accepted / self.reached
+        prior, weight = self.prior
+        out = torch.empty(self.max_draft_len)
+        for j in range(self.max_draft_len):
+            prior = out[j] = (self.accepted[j] + weight * prior) / (self.reached[j] + weight)
+        return out
 
     def expected_tokens(self, k: int) -> float:
         """E(k) = 1 + sum_{i<=k} prod_{j<=i} a_j."""
@@ -141,15 +147,15 @@ class AdaptiveDraftLen:
             return  # nothing was drafted (k = 0, or every row stopped at once): no acceptance to learn
         self.draft_cost.observe(batch_size, draft_seconds / (width - 1))
         positions = torch.arange(1, width)
-        # Position j was judged if it was proposed and every earlier position was accepted.
-        reached = (num_drafted[:, None] >= positions) & (num_accepted[:, None] >= positions - 1)
+        # Position j counts for every row whose earlier positions were all accepted, drafted or not: a
+        # row with no proposal there (an n-gram miss, an early stop) still rode the wider pass and
+        # gained nothing from it, which is what E(k) must price.
+        reached = num_accepted[:, None] >= positions - 1
         accepted = num_accepted[:, None] >= positions
-        prior_acceptance, prior_weight = self.prior
-        # Decay toward the prior, not toward nothing: a position unseen for long returns to the prior.
-        self.reached = self.decay * self.reached + (1 - self.decay) * prior_weight
-        self.accepted = self.decay * self.accepted + (1 - self.decay) * prior_weight * prior_acceptance
+        self.reached *= self.decay
+        self.accepted *= self.decay
         self.reached[: width - 1] += reached.sum(0).float()
-        self.accepted[: width - 1] += (accepted & reached).sum(0).float()
+        self.accepted[: width - 1] += accepted.sum(0).float()
 
 
 def make_policy(draft_len: int | str | None) -> DraftPolicy:

@@ -400,7 +400,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--draft", default=None, help="draft model (same tokenizer as the target); omit for n-gram drafting")
     parser.add_argument("--draft-dtype", default="fp32", choices=DRAFT_DTYPES,
                         help="the draft model's matrices on the native backend: bf16 halves their bytes (default: %(default)s)")
-    parser.add_argument("--drafter", default="auto", choices=["auto", "model", "ngram", "none"], help="none = plain decoding")
+    parser.add_argument("--drafter", default="auto", choices=["auto", "model", "hybrid", "ngram", "none"], help="auto = hybrid with --draft, else ngram; none = plain decoding")
     parser.add_argument("--draft-len", type=_draft_len_arg, default=4, help="draft tokens per step, or 'auto' (default: %(default)s)")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s, this machine only)")
     parser.add_argument("--port", type=int, default=8000)
