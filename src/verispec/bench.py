@@ -35,6 +35,7 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-vocab", type=int, default=None, help="the draft scores only the first N token ids (+ specials)")
     p.add_argument("--draft-confidence", type=float, default=0.0, help="stop drafting at a token the draft gives less than this")
     p.add_argument("--per-category", type=int, default=2, help="prompts per category (fixed sample: the first N)")
+    p.add_argument("--categories", default=None, help="comma-separated categories to keep (default: all)")
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
@@ -101,6 +102,11 @@ def run_bench(args) -> dict:
         args.per_category, args.max_new_tokens = 1, 32
     draft_len = "auto" if str(args.draft_len) == "auto" else int(args.draft_len)
     prompts = read_prompts(args.prompts, args.per_category)
+    if args.categories:
+        keep = set(args.categories.split(","))
+        prompts = [p for p in prompts if p.category in keep]
+        if not prompts:
+            raise SystemExit(f"no prompts in categories {sorted(keep)} of {args.prompts}")
     target = verispec.load(args.target)
     # The cheap draft variants rewrite transformers modules, so such a draft runs on that backend.
     draft = None
