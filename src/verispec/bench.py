@@ -157,8 +157,9 @@ def run_bench(args) -> dict:
         print(f"[bench] {i + 1}/{len(prompts)} {p.category}/{p.id}: plain {m.seconds['plain']:.1f}s, verispec {m.seconds['verispec']:.1f}s "
               f"({ratio:.2f}x, {m.stats['mean_accepted_tokens']:.2f} tok/pass, identical={m.identical}){extra}", file=sys.stderr)
 
-    report = summarize(results, args)
-    report["verify_cost"] = measure_verify_curve(target, args)
+    verify_cost = measure_verify_curve(target, args)
+    report = summarize(results, args, {int(w): r for w, r in verify_cost["ratio"].items()})
+    report["verify_cost"] = verify_cost
     if args.sweep and draft is not None:
         report["sweep"] = sweep_draft_len(target, results[: args.sweep_prompts], spec_options, report["verify_cost"], args)
     write_reports(report, results, args)
@@ -181,14 +182,18 @@ def predicted_curve(acceptance: list[float], cost_ratio: float, verify_ratio: di
     """Speedup(k) = E(k) / (k c + v(k + 1)), with E(k) = 1 + sum_{i<=k} prod_{j<=i} a_j and v the
     measured verify cost relative to one plain step (v = 1 is the GPU textbook case)."""
     curve = {}
+    widths = sorted(verify_ratio)
     for k in range(1, max_k + 1):
-        if (k + 1) not in verify_ratio:
-            continue
+        w = k + 1
+        if w > widths[-1]:
+            break
+        lo, hi = max(x for x in widths if x <= w), min(x for x in widths if x >= w)
+        verify = verify_ratio[lo] if lo == hi else verify_ratio[lo] + (verify_ratio[hi] - verify_ratio[lo]) * (w - lo) / (hi - lo)
         expected, survive = 1.0, 1.0
         for a in acceptance[:k]:
             survive *= a
             expected += survive
-        curve[k] = expected / (k * cost_ratio + verify_ratio[k + 1])
+        curve[k] = expected / (k * cost_ratio + verify)
     return curve
 
 
@@ -213,7 +218,9 @@ def sweep_draft_len(target, results: list[Measurement], spec_options: dict, veri
         for m in results:
             ids = encode_prompt(target.tokenizer, m.prompt.text, chat=m.prompt.chat)
             spec, seconds = _timed(lambda: verispec.generate(target, ids, **{**spec_options, "draft_len": k}))
-            ratios.append((len(spec.token_ids) / seconds) / (m.tokens["plain"] / m.seconds["plain"]))
+            # after the target's prefill, like the formula (which prices decoding steps only)
+            ratios.append((len(spec.token_ids) / (seconds - m.prefill_seconds))
+                          / (m.tokens["plain"] / (m.seconds["plain"] - m.prefill_seconds)))
             st = spec.stats
             if k == max(ks):
                 acceptance_runs.append(conditional_acceptance(st.drafted_at, st.accepted_at))
@@ -269,7 +276,26 @@ def _decode_speedups(ms: list[Measurement]) -> list[float]:
     return out
 
 
-def summarize(results: list[Measurement], args) -> dict:
+def _verify_ratio(verify_ratio: dict[int, float], width: float) -> float:
+    """v(width): the measured cost of a target pass of `width` tokens over one of 1, interpolated."""
+    widths = sorted(verify_ratio)
+    width = min(max(width, widths[0]), widths[-1])
+    lo, hi = max(w for w in widths if w <= width), min(w for w in widths if w >= width)
+    return verify_ratio[lo] if lo == hi else verify_ratio[lo] + (verify_ratio[hi] - verify_ratio[lo]) * (width - lo) / (hi - lo)
+
+
+def _predicted(m: Measurement, verify_ratio: dict[int, float]) -> float | None:
+    """E / (k c' + v(k + 1)) from the run's own E and k (drafted per step) and the measured v, with c'
+    the draft's cost per token relative to a plain step (the run's c is relative to its verify pass)."""
+    s = m.stats
+    if not s.get("mean_accepted_tokens"):
+        return None
+    k = s.get("mean_draft_len", 0.0)
+    v = _verify_ratio(verify_ratio, 1 + k)
+    return s["mean_accepted_tokens"] / (v * (k * s.get("cost_ratio", 0.0) + 1))
+
+
+def summarize(results: list[Measurement], args, verify_ratio: dict[int, float]) -> dict:
     by_cat = defaultdict(list)
     for m in results:
         by_cat[m.prompt.category].append(m)
@@ -292,7 +318,10 @@ def summarize(results: list[Measurement], args) -> dict:
             "mean_accepted_tokens": statistics.mean(m.stats["mean_accepted_tokens"] for m in ms),
             "acceptance_rate": statistics.mean(m.stats["acceptance_rate"] for m in ms),
             "acceptance_by_position": [statistics.mean(a[i] for a in accepted_pos if len(a) > i) for i in range(depth)],
-            "predicted_speedup": statistics.mean(m.stats["predicted_speedup"] for m in ms),
+            # the formula with the measured verify cost, against the measured speedup after prefill
+            # (the formula prices decoding steps): their ratio is how well the cost model fits
+            "predicted_speedup": _median([p for m in ms if (p := _predicted(m, verify_ratio))]),
+            "measured_over_predicted": _median([d / p for m in ms for d in _decode_speedups([m]) if (p := _predicted(m, verify_ratio))]),
             "cost_ratio": statistics.mean(m.stats["cost_ratio"] for m in ms),
             "identical": None if any(m.identical is None for m in ms) else sum(m.identical for m in ms),
         }
@@ -318,15 +347,15 @@ def _fmt(x, suffix="x"):
 
 def markdown_table(report: dict) -> str:
     lines = [
-        "| category | prompts | speedup vs plain | after prefill | vs HF generate | HF assisted vs HF | HF prompt lookup vs HF | verispec / HF assisted | tokens per pass | acceptance | predicted | identical |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| category | prompts | speedup vs plain | after prefill | vs HF generate | HF assisted vs HF | HF prompt lookup vs HF | verispec / HF assisted | tokens per pass | acceptance | predicted | measured / predicted | identical |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for cat, r in report["categories"].items():
         identical = "–" if r["identical"] is None else f"{r['identical']}/{r['prompts']}"
         lines.append(
             f"| {cat} | {r['prompts']} | {_fmt(r['speedup_vs_plain'])} | {_fmt(r.get('decode_speedup_vs_plain'))} | {_fmt(r['speedup_vs_hf'])} | {_fmt(r['hf_assisted_vs_hf'])} | "
             f"{_fmt(r['hf_prompt_lookup_vs_hf'])} | {_fmt(r['verispec_vs_hf_assisted'])} | {r['mean_accepted_tokens']:.2f} | "
-            f"{r['acceptance_rate']:.0%} | {_fmt(r['predicted_speedup'])} | {identical} |"
+            f"{r['acceptance_rate']:.0%} | {_fmt(r['predicted_speedup'])} | {_fmt(r.get('measured_over_predicted'), '')} | {identical} |"
         )
     return "\n".join(lines)
 
@@ -350,7 +379,7 @@ def write_reports(report: dict, results: list[Measurement], args) -> None:
                   + ", ".join(f"{w}: {r:.2f}" for w, r in ratio.items()) + "\n")
     if "sweep" in report:
         sw = report["sweep"]
-        extra += "\n| draft length k | measured speedup | predicted E/(k·c + v(k+1)) |\n| --- | --- | --- |\n"
+        extra += "\n| draft length k | measured speedup (after prefill) | predicted E/(k·c + v(k+1)) |\n| --- | --- | --- |\n"
         extra += "\n".join(f"| {k} | {v:.2f}x | {_fmt(sw['predicted'].get(k))} |" for k, v in sw["measured"].items()) + "\n"
     (out / f"{stem}.md").write_text(header + "\n\n" + table + "\n" + extra)
     print(table)
@@ -405,7 +434,7 @@ def plot(report: dict, path: Path) -> None:
         ax4.plot(pk, [sw["predicted"][k] for k in pk], "-", label="E/(k·c + v(k+1))")
         ax4.axhline(1.0, color="k", lw=0.8)
         ax4.set_xlabel("draft length k")
-        ax4.set_ylabel("speedup over plain")
+        ax4.set_ylabel("speedup over plain (after prefill)")
         ax4.set_title("Speedup vs draft length")
         ax4.legend(fontsize=8)
     fig.tight_layout()
