@@ -107,23 +107,32 @@ class AdaptiveDraftLen:
     def acceptance(self) -> torch.Tensor:
         """[max_draft_len] a_j: P(position j accepted | position j - 1 accepted)."""
         prior, weight = self.prior
-        out = torch.empty(self.max_draft_len)
-        for j in range(self.max_draft_len):
-            prior = out[j] = (self.accepted[j] + weight * prior) / (self.reached[j] + weight)
-        return out
+        out = []
+        for accepted, reached in zip(self.accepted.tolist(), self.reached.tolist()):
+            prior = (accepted + weight * prior) / (reached + weight)
+            out.append(prior)
+        return torch.tensor(out)
+
+    def expected_tokens_all(self) -> list[float]:
+        """[E(0), ..., E(max_draft_len)], E(k) = 1 + sum_{i<=k} prod_{j<=i} a_j."""
+        expected, survive = [1.0], 1.0
+        for a in self.acceptance().tolist():
+            survive *= a
+            expected.append(expected[-1] + survive)
+        return expected
 
     def expected_tokens(self, k: int) -> float:
-        """E(k) = 1 + sum_{i<=k} prod_{j<=i} a_j."""
-        return 1.0 + float(self.acceptance()[:k].cumprod(0).sum())
+        return self.expected_tokens_all()[k]
 
     def predicted_rates(self, batch_size: int) -> dict[int, float]:
         """k -> predicted tokens per second per sequence, for every k we can price."""
         draft = self.draft_cost(batch_size) or 0.0
+        expected = self.expected_tokens_all()
         rates = {}
         for k in range(self.max_draft_len + 1):
             target = self.target_cost(batch_size * (k + 1))
             if target is not None:
-                rates[k] = self.expected_tokens(k) / (k * draft + target)
+                rates[k] = expected[k] / (k * draft + target)
         return rates
 
     def choose(self, batch_size: int) -> int:
