@@ -17,6 +17,7 @@ def _add_generation_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", default=None, help="draft model (same tokenizer as the target); omit for n-gram drafting")
     p.add_argument("--drafter", default="auto", help="auto (hybrid with a draft model, else ngram) | model | hybrid (prompt lookup, else the draft model) | ngram | none (plain decoding)")
     p.add_argument("--draft-len", type=int, default=None, help="draft tokens per step (default: adaptive)")
+    p.add_argument("--draft-dtype", default="fp32", help="the draft's matrices on the native backend: fp32, bf16 or int8 (cheaper drafts; output unchanged)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -37,7 +38,7 @@ def cmd_generate(args) -> int:
     import verispec
 
     target = verispec.load(args.target, dtype=args.dtype)
-    draft = verispec.load(args.draft, dtype=args.dtype) if args.draft else None
+    draft = verispec.load(args.draft, dtype=args.dtype, weight_dtype=args.draft_dtype) if args.draft else None
     options = dict(draft=draft, drafter=args.drafter, draft_len=args.draft_len, temperature=args.temperature,
                    top_k=args.top_k, top_p=args.top_p, seed=args.seed, max_new_tokens=args.max_new_tokens,
                    chat=args.chat, stop=args.stop or None)
@@ -97,6 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="plain vs speculative on the default pair: same text, faster")
     p.add_argument("--target", default=DEFAULT_TARGET)
     p.add_argument("--draft", default=DEFAULT_DRAFT)
+    p.add_argument("--draft-dtype", default="int8", help="the draft's matrices: fp32, bf16 or int8 (default: %(default)s)")
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--prompt", default=None)
     p.set_defaults(run=cmd_demo)

@@ -24,7 +24,7 @@ def run_demo(args) -> None:
 
     print(f"[demo] loading target {args.target} and draft {args.draft} (first run downloads and converts them)", file=sys.stderr)
     target = verispec.load(args.target)
-    draft = verispec.load(args.draft)
+    draft = verispec.load(args.draft, weight_dtype=args.draft_dtype)
     prompt = args.prompt or DEMO_PROMPT
     options = dict(max_new_tokens=args.max_new_tokens)
     verispec.generate(target, "def f():", drafter="none", max_new_tokens=2)  # warm-up
