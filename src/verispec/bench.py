@@ -182,13 +182,10 @@ def predicted_curve(acceptance: list[float], cost_ratio: float, verify_ratio: di
     """Speedup(k) = E(k) / (k c + v(k + 1)), with E(k) = 1 + sum_{i<=k} prod_{j<=i} a_j and v the
     measured verify cost relative to one plain step (v = 1 is the GPU textbook case)."""
     curve = {}
-    widths = sorted(verify_ratio)
     for k in range(1, max_k + 1):
-        w = k + 1
-        if w > widths[-1]:
+        if k + 1 > max(verify_ratio):
             break
-        lo, hi = max(x for x in widths if x <= w), min(x for x in widths if x >= w)
-        verify = verify_ratio[lo] if lo == hi else verify_ratio[lo] + (verify_ratio[hi] - verify_ratio[lo]) * (w - lo) / (hi - lo)
+        verify = _verify_ratio(verify_ratio, k + 1)
         expected, survive = 1.0, 1.0
         for a in acceptance[:k]:
             survive *= a
