@@ -233,7 +233,7 @@ def build_app(target, draft=None, drafter: str = "auto", draft_len: int | str = 
         raise VerispecError("draft_dtype applies to a draft model: give one with --draft, or drop --draft-dtype")
     make_policy(draft_len)  # validates it now
     target_model = load(target)
-    draft_model = load(draft, weight_dtype=None if draft_dtype == "fp32" else draft_dtype) if draft is not None else None
+    draft_model = load(draft, weight_dtype=draft_dtype) if draft is not None else None
     if target_model.tokenizer is None:
         raise VerispecError(f"{target_model.name} has no tokenizer: the server needs one to read and write text")
     make_drafter(target_model, draft_model, drafter)  # fails now on a bad choice (unknown name, vocabularies differ)
