@@ -51,6 +51,19 @@ def test_draft_with_a_different_tokenizer():
         verispec.generate(smollm, "hi", draft=other, drafter="model", max_new_tokens=2)
 
 
+def test_int4_draft_needs_widths_in_groups_of_64():
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    narrow = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                          num_attention_heads=2, num_key_value_heads=1))
+    with pytest.raises(VerispecError, match="divisible by 64.*int8"):
+        verispec.load(narrow, weight_dtype="int4")
+    with pytest.raises(VerispecError, match="int4"):  # the message lists the formats
+        verispec.load(narrow, weight_dtype="int3")
+
+
 def test_prompt_longer_than_context(target):
     expect_error("context window", target=target, prompt=[1] * 600)
 

@@ -176,7 +176,20 @@ def test_int8_matrix_rounds_each_row_to_its_own_scale():
     assert torch.equal(matrix[torch.tensor([3, 7])].values, matrix.values[[3, 7]])
 
 
-@pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.int8])
+def test_int4_matrix_rounds_each_group_to_its_own_scale():
+    torch.manual_seed(0)
+    dense = torch.randn(6, 192) * torch.logspace(-3, 1, 3).repeat_interleave(64)  # groups of very different magnitude
+    matrix = kernels.Int4Matrix.quantize(dense)
+    assert matrix.values.dtype == torch.uint8 and matrix.values.shape == (6, 96) and matrix.shape == dense.shape
+    assert matrix.scale.shape == (6, 3)
+    error = (matrix.dequantize() - dense).abs().reshape(6, 3, 64).amax(2)
+    assert (error <= matrix.scale / 2 + 1e-7).all()  # round to nearest within each group of 64
+    assert torch.equal(matrix[torch.tensor([4, 1])].dequantize(), matrix.dequantize()[[4, 1]])
+    with pytest.raises(ValueError, match="divisible by 64"):
+        kernels.Int4Matrix.quantize(torch.randn(4, 70))
+
+
+@pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.int8, torch.quint4x2])
 @pytest.mark.parametrize("vocab", [None, 48])
 def test_cheap_native_drafts_keep_the_targets_output(pair, native, weight_dtype, vocab):
     """int8 / bf16 matrices and a restricted head make cheaper drafts: the target's greedy tokens do not move,
@@ -311,16 +324,19 @@ def test_batch_mates_do_not_change_a_row(pair):
 
 @needs_kernels
 @pytest.mark.parametrize("isa", [512, 256])
-@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16, torch.int8])
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16, torch.int8, torch.quint4x2])
 def test_rowwise_linear_rows_are_independent(isa, weight_dtype, monkeypatch):
     if isa > kernels.isa():
         pytest.skip(f"CPU lacks the {isa}-bit kernel")
     monkeypatch.setattr(kernels, "_isa", isa)
     torch.manual_seed(0)
-    for out_features, in_features in ((97, 70), (64, 128), (8, 33), (20, 1100)):  # tails in k and n; k > KBLOCK
+    # tails in k and n, k > KBLOCK; int4 needs k in whole groups of 64
+    shapes = ((97, 64), (64, 128), (8, 192), (20, 1152)) if weight_dtype == torch.quint4x2 else ((97, 70), (64, 128), (8, 33), (20, 1100))
+    quantizers = {torch.int8: kernels.Int8Matrix.quantize, torch.quint4x2: kernels.Int4Matrix.quantize}
+    for out_features, in_features in shapes:
         dense, bias = torch.randn(out_features, in_features), torch.randn(out_features)
-        weight = kernels.Int8Matrix.quantize(dense) if weight_dtype == torch.int8 else dense.to(weight_dtype)
-        reference = weight.dequantize() if weight_dtype == torch.int8 else weight.float()
+        weight = quantizers[weight_dtype](dense) if weight_dtype in quantizers else dense.to(weight_dtype)
+        reference = weight.dequantize() if weight_dtype in quantizers else weight.float()
         x = torch.randn(13, in_features)
         full = kernels.rowwise_linear(x, weight, bias)
         torch.testing.assert_close(full, torch.nn.functional.linear(x, reference, bias), atol=1e-4, rtol=1e-4)

@@ -35,9 +35,10 @@ def load(name_or_path: Any, dtype: torch.dtype | str | None = None, device: str 
     row-exact small-batch kernels on CPU); "hf" through `transformers`; "auto" picks native when the
     architecture is supported. Both backends give the same tokens.
 
-    weight_dtype (native backend only): keep the matrices as "bf16" (half the bytes per token) or
-    "int8" (weight-only, one scale per output row: a quarter). Activations stay float32, but the
-    logits move: meant for *draft* models, whose output the target checks, never for a target.
+    weight_dtype (native backend only): keep the matrices as "bf16" (half the bytes per token),
+    "int8" (weight-only, one scale per output row: a quarter) or "int4" (weight-only, one scale per
+    64 weights: about a seventh). Activations stay float32, but the logits move: meant for *draft*
+    models, whose output the target checks, never for a target.
     """
     if backend not in BACKENDS:
         raise VerispecError(f"unknown backend {backend!r}: use one of {', '.join(BACKENDS)}")
@@ -75,7 +76,10 @@ def _wrap(model: HFCausalLM, backend: str, weight_dtype: torch.dtype | None = No
         raise VerispecError(f"{model.name!r} ({model.config.model_type}) has no native forward: use backend='hf'")
     key = (id(model), weight_dtype)
     if key not in _NATIVE:
-        native = NativeCausalLM.from_hf(model, weight_dtype=weight_dtype)
+        try:
+            native = NativeCausalLM.from_hf(model, weight_dtype=weight_dtype)
+        except ValueError as exc:  # e.g. int4 on matrices whose width is not a whole number of groups
+            raise VerispecError(f"{model.name}: {exc}") from None
         native.hf_model = model.model  # for comparisons against transformers' own generate()
         _NATIVE[key] = native
     return _NATIVE[key]
@@ -86,8 +90,10 @@ def _parse_weight_dtype(dtype) -> torch.dtype | None:
         return None
     if dtype in ("int8", torch.int8):
         return torch.int8
-    if _parse_dtype(dtype) != torch.bfloat16:
-        raise VerispecError(f"weight_dtype must be fp32, bf16 or int8, got {dtype!r}")
+    if dtype in ("int4", torch.quint4x2):
+        return torch.quint4x2  # the tag of verispec's grouped int4 matrices
+    if dtype not in ("bf16", "bfloat16", torch.bfloat16):
+        raise VerispecError(f"weight_dtype must be fp32, bf16, int8 or int4, got {dtype!r}")
     return torch.bfloat16
 
 

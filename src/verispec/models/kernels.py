@@ -156,6 +156,7 @@ typedef struct {
 #define SLOT_BLOCK 16  /* slots per key block: keys are [capacity / 16, D, 16] per (row, kv head) */
 /* tiles take (x, w, saved accumulators, k0, k1, K); declared per vector type in the templates */
 #define KBLOCK 512  /* k per pass of the row tiles: 4 weight rows + 6 activation rows = 20 KB, in L1 */
+#define I4GROUP 64  /* int4 weights per scale, along k */
 #define _unscaled(sum, scale) (sum)
 #define _scaled(sum, scale) ((sum) * (scale))
 """
@@ -191,6 +192,17 @@ __attribute__((target("avx512f"))) static inline __m512 i8loadn512(const int8_t 
     for (int64_t i = 0; i < n; i++) part[i] = p[i];
     return i8load512(part);
 }
+/* int4: a group's 16 possible weights (q - 8) * scale, looked up by nibble in one permute */
+__attribute__((target("avx512f"))) static inline __m512 i4table512(float scale)
+{
+    return _mm512_mul_ps(_mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7), _mm512_set1_ps(scale));
+}
+__attribute__((target("avx512f"))) static inline void i4unpack512(const uint8_t *p, __m512 table, __m512 *lo, __m512 *hi)
+{
+    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    *lo = _mm512_permutexvar_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(15)), table);
+    *hi = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);
+}
 """,
     "256": r"""
 __attribute__((target("avx2,fma"))) static inline __m256i mask256(int64_t n)
@@ -225,6 +237,14 @@ __attribute__((target("avx2,fma"))) static inline __m256 i8loadn256(const int8_t
     int8_t part[8] = {0};
     for (int64_t i = 0; i < n; i++) part[i] = p[i];
     return i8load256(part);
+}
+/* int4: (q - 8) converted exactly, times the group's scale (one rounding, as the table lookup) */
+__attribute__((target("avx2,fma"))) static inline __m256 i4table256(float scale) { return _mm256_set1_ps(scale); }
+__attribute__((target("avx2,fma"))) static inline void i4unpack256(const uint8_t *p, __m256 scale, __m256 *lo, __m256 *hi)
+{
+    const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)), eight = _mm256_set1_epi32(8);
+    *lo = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(bytes, _mm256_set1_epi32(15)), eight)), scale);
+    *hi = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(bytes, 4), eight)), scale);
 }
 __attribute__((target("avx2,fma"))) static inline float hsum256(__m256 v)
 {
@@ -345,6 +365,103 @@ __attribute__((target($ISA))) static void linear_range$SFX$W(const void *arg, in
     if (saved != local) free(saved);
 }
 
+"""
+
+# 4-bit weights in groups with one scale each: their own tile (a group's table, two weights per byte).
+_INT4_TEMPLATE = r"""
+/* ======== int4 linear: y[m, n] = sum_k x[m, k] w[n, k] (+ b[n]) with 4-bit weights ========
+ * w [N, K / 2] bytes in groups of I4GROUP weights along k (32 bytes each): byte j of a group holds
+ * weight j in its low nibble and weight j + 32 in its high one, as q + 8 (q in [-8, 7]); the
+ * weight is q * s[n, k / I4GROUP]. Exactness as for the other formats: every y[m, n] owns one
+ * accumulator fed, per group and per chunk of L bytes, x * (low weights) then x * (high weights),
+ * in k order of the chunks; tiles only decide which accumulators are live together. */
+typedef void (*tile$SFXi4_fn)(const float *, const uint8_t *, const float *, $VEC *, int64_t, int64_t, int64_t, const char *);
+#define TILE_$SFX_I4(MR)                                                                           \
+__attribute__((target($ISA))) static void tile$SFXi4_##MR(                                          \
+    const float *x, const uint8_t *w, const float *s, $VEC *saved, int64_t g0, int64_t g1, int64_t K, const char *next) \
+{                                                                                                 \
+    const int64_t row_bytes = K / 2, row_groups = K / I4GROUP;                                    \
+    $VEC acc[MR][NR];                                                                             \
+    _Pragma("GCC unroll 8") for (int i = 0; i < MR; i++)                                         \
+        _Pragma("GCC unroll 4") for (int j = 0; j < NR; j++) acc[i][j] = g0 ? saved[i * NR + j] : $ZERO(); \
+    for (int64_t g = g0; g < g1; g++) {                                                           \
+        $VEC table[NR];                                                                           \
+        _Pragma("GCC unroll 4") for (int j = 0; j < NR; j++) {                                   \
+            table[j] = i4table$SFX(s[j * row_groups + g]);                                        \
+            if (next) _mm_prefetch(next + j * row_bytes + g * (I4GROUP / 2), _MM_HINT_T0);        \
+        }                                                                                         \
+        _Pragma("GCC unroll 4") for (int c = 0; c < I4GROUP / 2; c += $LANES) {                  \
+            $VEC lo[NR], hi[NR];                                                                  \
+            _Pragma("GCC unroll 4") for (int j = 0; j < NR; j++)                                 \
+                i4unpack$SFX(w + j * row_bytes + g * (I4GROUP / 2) + c, table[j], &lo[j], &hi[j]); \
+            _Pragma("GCC unroll 8") for (int i = 0; i < MR; i++) {                               \
+                const float *xg = x + i * K + g * I4GROUP + c;                                    \
+                const $VEC xl = $LOAD(xg), xh = $LOAD(xg + I4GROUP / 2);                          \
+                _Pragma("GCC unroll 4") for (int j = 0; j < NR; j++) {                           \
+                    acc[i][j] = $FMA(xl, lo[j], acc[i][j]);                                       \
+                    acc[i][j] = $FMA(xh, hi[j], acc[i][j]);                                       \
+                }                                                                                 \
+            }                                                                                     \
+        }                                                                                         \
+    }                                                                                             \
+    _Pragma("GCC unroll 8") for (int i = 0; i < MR; i++)                                         \
+        _Pragma("GCC unroll 4") for (int j = 0; j < NR; j++) saved[i * NR + j] = acc[i][j];      \
+}
+TILE_$SFX_I4(1) TILE_$SFX_I4(2) TILE_$SFX_I4(3)
+#if $MAXMR > 3
+TILE_$SFX_I4(4) TILE_$SFX_I4(5) TILE_$SFX_I4(6)
+static const tile$SFXi4_fn tiles$SFXi4[7] = {0, tile$SFXi4_1, tile$SFXi4_2, tile$SFXi4_3, tile$SFXi4_4, tile$SFXi4_5, tile$SFXi4_6};
+#else
+static const tile$SFXi4_fn tiles$SFXi4[4] = {0, tile$SFXi4_1, tile$SFXi4_2, tile$SFXi4_3};
+#endif
+
+/* Weight-row tiles [begin, end) of an int4 linear_job (the last N % 4 rows run as tiles of their own
+ * rows by `edge`), groups in blocks so the activation rows stay in cache, as for the other formats. */
+__attribute__((target($ISA))) static void linear_range$SFXi4(const void *arg, int64_t begin, int64_t end)
+{
+    const linear_job *job = arg;
+    const int64_t M = job->M, N = job->N, K = job->K, groups = K / I4GROUP, gblock = KBLOCK / I4GROUP;
+    $VEC local[64 * NR];
+    $VEC *saved = M <= 64 ? local : aligned_alloc(64, sizeof($VEC) * (size_t)(M * NR));
+    for (int64_t t = begin; t < end; t++) {
+        const uint8_t *w = (const uint8_t *)job->w + t * NR * (K / 2);
+        const float *s = job->s + t * NR * groups;
+        for (int64_t g0 = 0; g0 < groups; g0 += gblock) {
+            const int64_t g1 = g0 + gblock < groups ? g0 + gblock : groups;
+            for (int64_t m0 = 0; m0 < M;) {
+                const int64_t passes = (M - m0 + $MAXMR - 1) / $MAXMR;
+                const int mr = (int)((M - m0 + passes - 1) / passes);
+                const char *next = m0 == 0 && t + 1 < end ? (const char *)(w + NR * (K / 2)) : 0;
+                tiles$SFXi4[mr](job->x + m0 * K, w, s, saved + m0 * NR, g0, g1, K, next);
+                m0 += mr;
+            }
+        }
+        for (int64_t m = 0; m < M; m++)
+            for (int j = 0; j < NR; j++)
+                job->y[m * N + t * NR + j] = $HSUM(saved[m * NR + j]) + (job->b ? job->b[t * NR + j] : 0.0f);
+    }
+    if (saved != local) free(saved);
+}
+
+/* The last N % 4 weight rows, one at a time: the same per-element arithmetic as a tile. */
+__attribute__((target($ISA))) static void edge$SFXi4(const float *x, const uint8_t *w, const float *s, const float *b,
+                                                  float *y, int64_t M, int64_t N, int64_t K)
+{
+    for (int64_t i = 0; i < M; i++) {
+        $VEC acc = $ZERO();
+        for (int64_t g = 0; g < K / I4GROUP; g++) {
+            const $VEC table = i4table$SFX(s[g]);
+            for (int c = 0; c < I4GROUP / 2; c += $LANES) {
+                $VEC lo, hi;
+                i4unpack$SFX(w + g * (I4GROUP / 2) + c, table, &lo, &hi);
+                const float *xg = x + i * K + g * I4GROUP + c;
+                acc = $FMA($LOAD(xg), lo, acc);
+                acc = $FMA($LOAD(xg + I4GROUP / 2), hi, acc);
+            }
+        }
+        y[i * N] = $HSUM(acc) + (b ? b[0] : 0.0f);
+    }
+}
 """
 
 # Written once, instantiated per ISA by replacing the $NAMEs (longest first: $LOADN before $LOAD).
@@ -515,7 +632,8 @@ int kernels_isa(void)
 }
 
 /* weights: 0 = float32, 1 = bfloat16 (stored as uint16; converted exactly, accumulated in float32),
- * 2 = int8 with a float32 scale per row in s (accumulated in float32, scaled once at the end) */
+ * 2 = int8 with a float32 scale per row in s (accumulated in float32, scaled once at the end),
+ * 3 = int4 in groups of I4GROUP along k, a float32 scale per group in s [N, K / I4GROUP] */
 void rowwise_linear(const float *x, const void *w, const float *s, const float *b, float *y, int64_t M, int64_t N,
                     int64_t K, int weights, int isa, int threads)
 {
@@ -523,12 +641,14 @@ void rowwise_linear(const float *x, const void *w, const float *s, const float *
     const int64_t tiles = N / NR;
     /* ~64 chunks per call balance threads; below ~64k multiply-adds one thread is quicker than waking another */
     const int64_t grain = M * N * K < 65536 ? tiles : (tiles + 63) / 64;
-    const range_fn ranges[2][3] = {{linear_range256f32, linear_range256bf16, linear_range256i8},
-                                   {linear_range512f32, linear_range512bf16, linear_range512i8}};
+    const range_fn ranges[2][4] = {{linear_range256f32, linear_range256bf16, linear_range256i8, linear_range256i4},
+                                   {linear_range512f32, linear_range512bf16, linear_range512i8, linear_range512i4}};
     parallel_for(ranges[isa == 512][weights], &job, tiles, grain > 0 ? grain : 1, threads);
     for (int64_t n = tiles * NR; n < N; n++) {
         const float *bn = b ? b + n : 0, *sn = s ? s + n : 0;
-        if (weights == 2) (isa == 512 ? edge512i8 : edge256i8)(x, (const int8_t *)w + n * K, sn, bn, y + n, M, N, K);
+        if (weights == 3)
+            (isa == 512 ? edge512i4 : edge256i4)(x, (const uint8_t *)w + n * (K / 2), s + n * (K / I4GROUP), bn, y + n, M, N, K);
+        else if (weights == 2) (isa == 512 ? edge512i8 : edge256i8)(x, (const int8_t *)w + n * K, sn, bn, y + n, M, N, K);
         else if (weights == 1) (isa == 512 ? edge512bf16 : edge256bf16)(x, (const uint16_t *)w + n * K, sn, bn, y + n, M, N, K);
         else (isa == 512 ? edge512f32 : edge256f32)(x, (const float *)w + n * K, sn, bn, y + n, M, N, K);
     }
@@ -629,7 +749,7 @@ def _replace(text: str, table: dict[str, str]) -> str:
 
 def _instantiate(isa: str) -> str:
     linear = "".join(_replace(_LINEAR_TEMPLATE, {**_WEIGHTS[w], "$W": w}) for w in _WEIGHTS)
-    return _replace(_ISA_HELPERS[isa] + linear + _TEMPLATE, _ISAS[isa])
+    return _replace(_ISA_HELPERS[isa] + linear + _INT4_TEMPLATE + _TEMPLATE, _ISAS[isa])
 
 
 _SOURCE = _PREAMBLE + _instantiate("512") + _instantiate("256") + _DRIVERS
@@ -768,11 +888,59 @@ class Int8Matrix:
         return self.values.to(dtype) * self.scale[:, None].to(dtype)
 
 
+class Int4Matrix:
+    """Weight-only 4-bit storage in groups: w[n, k] ~ (values - 8) * scale[n, k // GROUP], symmetric.
+
+    Two weights per byte: byte j of a group of `GROUP` weights holds weight j (low nibble) and weight
+    j + GROUP/2 (high nibble), the layout the kernels unpack. About a seventh of float32's bytes
+    with the scales (0.5625 bytes per weight). Activations stay float32, so rows stay independent.
+    """
+
+    GROUP = 64
+    dtype = torch.quint4x2  # the tag for this format: two 4-bit values per byte
+
+    def __init__(self, values: torch.Tensor, scale: torch.Tensor):
+        self.values, self.scale = values, scale  # [N, K / 2] uint8, [N, K / GROUP] float32
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor) -> "Int4Matrix":
+        n, k = weight.shape
+        if k % cls.GROUP:
+            raise ValueError(f"int4 weights need in_features divisible by {cls.GROUP}, got {k}: use int8")
+        groups = weight.detach().float().reshape(n, k // cls.GROUP, cls.GROUP)
+        scale = groups.abs().amax(dim=2).clamp(min=1e-12) / 7.0
+        q = (torch.round(groups / scale[..., None]).clamp(-8, 7) + 8).to(torch.uint8)
+        half = cls.GROUP // 2
+        packed = q[..., :half] | (q[..., half:] << 4)
+        return cls(packed.reshape(n, k // 2).contiguous(), scale.contiguous())
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.values.shape[0], self.values.shape[1] * 2))
+
+    @property
+    def device(self) -> torch.device:
+        return self.values.device
+
+    def is_contiguous(self) -> bool:
+        return self.values.is_contiguous() and self.scale.is_contiguous()
+
+    def __getitem__(self, rows) -> "Int4Matrix":
+        return Int4Matrix(self.values[rows].contiguous(), self.scale[rows].contiguous())
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        n, half = self.values.shape[0], self.GROUP // 2
+        packed = self.values.reshape(n, -1, half)
+        q = torch.cat((packed & 15, packed >> 4), dim=2).to(torch.float32) - 8
+        return (q * self.scale[..., None]).reshape(n, -1).to(dtype)
+
+
 def rowwise_linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None,
                    out: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ weight [N, K].T (+ bias [N]) -> out [M, N], float32. Each output row depends on its input row only, bitwise.
 
-    weight may be float32, bfloat16 (half the bytes) or an `Int8Matrix` (a quarter): the narrower
+    weight may be float32, bfloat16 (half the bytes), an `Int8Matrix` (a quarter) or an `Int4Matrix`
+    (about a seventh): the narrower
     formats are converted exactly and accumulated in float32, but their rounded weights change the
     result: a draft-model option, not for a target.
     """
@@ -783,13 +951,13 @@ def rowwise_linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None,
     if out is None:
         out = torch.empty(rows, n, dtype=torch.float32)
     _check(x, out, *(() if bias is None else (bias,)))
-    if isinstance(weight, Int8Matrix):
+    if isinstance(weight, (Int8Matrix, Int4Matrix)):
         _check(weight.scale)
-        matrix, scale, kind = weight.values, weight.scale.data_ptr(), 2
+        matrix, scale, kind = weight.values, weight.scale.data_ptr(), 2 if isinstance(weight, Int8Matrix) else 3
     else:
         matrix, scale, kind = weight, None, int(weight.dtype == torch.bfloat16)
         if weight.dtype not in (torch.float32, torch.bfloat16):
-            raise ValueError("weight must be a float32 or bfloat16 matrix, or an Int8Matrix")
+            raise ValueError("weight must be a float32 or bfloat16 matrix, an Int8Matrix or an Int4Matrix")
     if not matrix.is_contiguous() or matrix.device.type != "cpu":
         raise ValueError("weight must be a contiguous CPU matrix")
     _library.rowwise_linear(x.data_ptr(), matrix.data_ptr(), scale, None if bias is None else bias.data_ptr(), out.data_ptr(),

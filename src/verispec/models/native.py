@@ -17,9 +17,10 @@ need not get bitwise the logits it gets alone. So a pass has two paths:
 Both compute the same function; they differ in float rounding only (~1e-6 relative), and never
 within one decode: prefill is the same call for plain and speculative decoding.
 
-A bfloat16 copy of the matrices (`weight_dtype=torch.bfloat16`) halves the bytes per token, and
-weight-only int8 (`weight_dtype=torch.int8`, one scale per output row) quarters them: cheaper *draft*
-models, whose logits are no longer the float32 model's. `with_output_ids` gives a draft that scores
+A bfloat16 copy of the matrices (`weight_dtype=torch.bfloat16`) halves the bytes per token,
+weight-only int8 (`weight_dtype=torch.int8`, one scale per output row) quarters them, and grouped
+int4 (`weight_dtype=torch.quint4x2`, one scale per 64 weights) leaves about a seventh: cheaper
+*draft* models, whose logits are no longer the float32 model's. `with_output_ids` gives a draft that scores
 only part of the vocabulary (a smaller LM head).
 
 The model knows nothing about drafting, verification or tokenization; logits come back float32.
@@ -247,7 +248,7 @@ class NativeCausalLM:
         # contiguous weights, whole vectors per head.
         self._kernels = (
             self.device.type == "cpu" and self.dtype == torch.float32 and kernels.available()
-            and self.weight_dtype in (torch.float32, torch.bfloat16, torch.int8)
+            and self.weight_dtype in (torch.float32, torch.bfloat16, torch.int8, torch.quint4x2)
             and self.head_dim % kernels.lanes() == 0
             and all(w.is_contiguous() for w in (self.embed, self.lm_head))
             and all(t is None or t.is_contiguous() for layer in self.layers for t in vars(layer).values())
@@ -268,6 +269,8 @@ class NativeCausalLM:
         still decides every token) and never a target whose output must equal the float32 model's.
         weight_dtype=torch.int8 keeps weight-only int8 copies with one scale per output row: a
         quarter of the bytes, the logits move further (~1e-1), still a draft only.
+        weight_dtype=torch.quint4x2 (the tag of `kernels.Int4Matrix`) keeps 4-bit copies with one
+        scale per 64 weights: 0.5625 bytes per weight; needs matrix widths divisible by 64.
         """
         if hasattr(hf_model, "new_cache") and hasattr(hf_model, "model"):  # an HFCausalLM wrapper
             tokenizer = tokenizer if tokenizer is not None else hf_model.tokenizer
@@ -277,17 +280,17 @@ class NativeCausalLM:
 
     def _store_matrices_as(self, dtype: torch.dtype) -> None:
         """Replace the borrowed matrices (not norms, biases or the embedding) by `dtype` copies."""
-        if dtype not in (torch.bfloat16, torch.int8):
-            raise ValueError(f"matrices can be stored as bfloat16 or int8, not {dtype}")
-
-        def convert(w: torch.Tensor):
-            return kernels.Int8Matrix.quantize(w) if dtype == torch.int8 else w.to(dtype).contiguous()
+        formats = {torch.bfloat16: lambda w: w.to(torch.bfloat16).contiguous(), torch.int8: kernels.Int8Matrix.quantize,
+                   torch.quint4x2: kernels.Int4Matrix.quantize}
+        if dtype not in formats:
+            raise ValueError(f"matrices can be stored as bfloat16, int8 or int4 (torch.quint4x2), not {dtype}")
+        convert = formats[dtype]
 
         for layer in self.layers:
             for field in ("q", "k", "v", "o", "gate", "up", "down"):
                 setattr(layer, field, convert(getattr(layer, field)))
         self.lm_head = convert(self.lm_head)
-        self.name = f"{self.name}-{str(dtype).removeprefix('torch.')}"
+        self.name = f"{self.name}-{'int4' if dtype == torch.quint4x2 else str(dtype).removeprefix('torch.')}"
 
     def with_output_ids(self, output_ids: torch.Tensor) -> "NativeCausalLM":
         """A copy sharing every weight whose LM head scores only `output_ids` [n] (the rest get -inf).
@@ -301,7 +304,8 @@ class NativeCausalLM:
         if self.output_ids is not None:
             raise ValueError("this model's head is already restricted: restrict the full model instead")
         clone = copy.copy(self)
-        clone.lm_head = self.lm_head[output_ids] if isinstance(self.lm_head, kernels.Int8Matrix) else self.lm_head[output_ids].contiguous()
+        quantized = isinstance(self.lm_head, (kernels.Int8Matrix, kernels.Int4Matrix))
+        clone.lm_head = self.lm_head[output_ids] if quantized else self.lm_head[output_ids].contiguous()
         clone.lm_head_bias = None if self.lm_head_bias is None else self.lm_head_bias[output_ids].contiguous()
         clone.output_ids = output_ids
         clone.name = f"{self.name}-vocab{len(output_ids)}"
@@ -419,8 +423,8 @@ class NativeCausalLM:
         return (x * cos) + (torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin)
 
     def _linear(self, x: torch.Tensor, weight, bias: torch.Tensor | None) -> torch.Tensor:
-        if isinstance(weight, kernels.Int8Matrix):
-            # weight-only int8 (a draft): widen the matrix to bfloat16 for this pass (half the bytes of a
+        if isinstance(weight, (kernels.Int8Matrix, kernels.Int4Matrix)):
+            # weight-only int8 or int4 (a draft): widen the matrix to bfloat16 for this pass (half the bytes of a
             # float32 copy, and a compute-bound prefill runs as fast); PyTorch's own int8-weight matmul
             # is ~100x slower on a CPU without AMX
             weight = weight.dequantize(torch.bfloat16)

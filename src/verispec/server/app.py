@@ -211,7 +211,7 @@ class Endpoint:
         return {"index": choice.index, "text": delta or "", "logprobs": None, "finish_reason": finish_reason}
 
 
-DRAFT_DTYPES = ("fp32", "bf16", "int8")
+DRAFT_DTYPES = ("fp32", "bf16", "int8", "int4")
 
 
 def build_app(target, draft=None, drafter: str = "auto", draft_len: int | str = 4, api_key: str | None = None,
@@ -221,7 +221,7 @@ def build_app(target, draft=None, drafter: str = "auto", draft_len: int | str = 
     draft / drafter / draft_len: as for `verispec.generate` (drafter "none" serves plain decoding);
     draft_len is an int >= 1 or "auto". api_key: when set, /v1/* needs `Authorization: Bearer KEY`.
     max_batch: most sequences decoded at once; max_queue: most sequences waiting for a row (a request
-    beyond it gets a 503). draft_dtype: "fp32", "bf16" or "int8" (weight-only), the draft model's
+    beyond it gets a 503). draft_dtype: "fp32", "bf16", "int8" or "int4" (weight-only), the draft model's
     matrices on the native backend. The models load now; the worker starts with the app.
     """
     for option, value, low in (("max_batch", max_batch, 1), ("max_queue", max_queue, 0)):
@@ -399,7 +399,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--target", default=DEFAULT_TARGET, help="zoo name, local directory, .gguf file or hub id (default: %(default)s)")
     parser.add_argument("--draft", default=None, help="draft model (same tokenizer as the target); omit for n-gram drafting")
     parser.add_argument("--draft-dtype", default="fp32", choices=DRAFT_DTYPES,
-                        help="the draft model's matrices on the native backend: bf16 halves their bytes, int8 quarters them (default: %(default)s)")
+                        help="the draft model's matrices on the native backend: bf16 halves their bytes, int8 quarters them, int4 leaves ~1/7 (default: %(default)s)")
     parser.add_argument("--drafter", default="auto", choices=["auto", "model", "hybrid", "ngram", "none"], help="auto = hybrid with --draft, else ngram; none = plain decoding")
     parser.add_argument("--draft-len", type=_draft_len_arg, default=4, help="draft tokens per step, or 'auto' (default: %(default)s)")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s, this machine only)")
