@@ -322,24 +322,40 @@ def test_batch_mates_do_not_change_a_row(pair):
     assert torch.equal(together[0], alone[0])
 
 
+def _int8_rounded_by_group(x: torch.Tensor, group: int = 64) -> torch.Tensor:
+    """x as the VNNI int4 path sees it: each row rounded to int8 per group, scale max|x| / 127."""
+    groups = x.reshape(x.shape[0], -1, group)
+    peak = groups.abs().amax(-1, keepdim=True)
+    inverse = torch.where(peak > 0, 127.0 / peak, torch.zeros_like(peak))
+    return (torch.round(groups * inverse) * (peak / 127.0)).reshape(x.shape)
+
+
 @needs_kernels
 @pytest.mark.parametrize("isa", [512, 256])
-@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16, torch.int8, torch.quint4x2])
-def test_rowwise_linear_rows_are_independent(isa, weight_dtype, monkeypatch):
+@pytest.mark.parametrize("fmt", ["f32", "bf16", "int8", "int4", "int4-vnni"])
+def test_rowwise_linear_rows_are_independent(isa, fmt, monkeypatch):
     if isa > kernels.isa():
         pytest.skip(f"CPU lacks the {isa}-bit kernel")
+    if fmt == "int4-vnni" and not (isa == 512 and kernels._vnni):
+        pytest.skip("the int8-activation int4 path needs AVX-512 VNNI")
     monkeypatch.setattr(kernels, "_isa", isa)
+    monkeypatch.setattr(kernels, "_vnni", fmt == "int4-vnni")
     torch.manual_seed(0)
+    int4 = fmt.startswith("int4")
     # tails in k and n, k > KBLOCK; int4 needs k in whole groups of 64
-    shapes = ((97, 64), (64, 128), (8, 192), (20, 1152)) if weight_dtype == torch.quint4x2 else ((97, 70), (64, 128), (8, 33), (20, 1100))
-    quantizers = {torch.int8: kernels.Int8Matrix.quantize, torch.quint4x2: kernels.Int4Matrix.quantize}
+    shapes = ((97, 64), (64, 128), (8, 192), (20, 1152)) if int4 else ((97, 70), (64, 128), (8, 33), (20, 1100))
     for out_features, in_features in shapes:
         dense, bias = torch.randn(out_features, in_features), torch.randn(out_features)
-        weight = quantizers[weight_dtype](dense) if weight_dtype in quantizers else dense.to(weight_dtype)
-        reference = weight.dequantize() if weight_dtype in quantizers else weight.float()
+        if fmt in ("f32", "bf16"):
+            weight = dense.to(torch.float32 if fmt == "f32" else torch.bfloat16)
+            reference = weight.float()
+        else:
+            weight = (kernels.Int4Matrix if int4 else kernels.Int8Matrix).quantize(dense)
+            reference = weight.dequantize()
         x = torch.randn(13, in_features)
         full = kernels.rowwise_linear(x, weight, bias)
-        torch.testing.assert_close(full, torch.nn.functional.linear(x, reference, bias), atol=1e-4, rtol=1e-4)
+        seen = _int8_rounded_by_group(x) if fmt == "int4-vnni" else x
+        torch.testing.assert_close(full, torch.nn.functional.linear(seen, reference, bias), atol=1e-4, rtol=1e-4)
         for lo in range(13):
             for hi in range(lo + 1, 14):
                 assert torch.equal(kernels.rowwise_linear(x[lo:hi], weight, bias), full[lo:hi])

@@ -623,6 +623,138 @@ __attribute__((target($ISA))) static void attend$SFX(
 """
 
 _DRIVERS = r"""
+/* ======== int4 weights x int8 activations on AVX-512 VNNI ========
+ * The same int4 matrices, four times fewer instructions than unpacking to float: each activation
+ * row is rounded to int8 per group of I4GROUP (scale = max|x| / 127, round to nearest even), and
+ * one vpdpbusd multiplies 64 weight nibbles (0..15, unsigned) by 64 activation bytes into 16
+ * int32 lanes, started from -8 * the lanes' activation sums so the lanes hold sum (q - 8) * x
+ * exactly. A group then adds float(lanes) * (weight scale * activation scale) to the row's float
+ * accumulator, in group order. Rounding x depends on x's own row only: rows stay independent.
+ * qx [M, K] int8, qs [M, K / I4GROUP] float scales, qc [M, K / I4GROUP, 16] int32 starting lanes. */
+typedef struct { const int8_t *qx; const float *qs; const int32_t *qc; const uint8_t *w; const float *s; const float *b;
+                 float *y; int64_t M, N, K; } vnni_job;
+
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) static void quantize_rows_vnni(
+    const float *x, int8_t *qx, float *qs, int32_t *qc, int64_t M, int64_t K)
+{
+    const int64_t groups = K / I4GROUP;
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t g = 0; g < groups; g++) {
+            const float *xg = x + m * K + g * I4GROUP;
+            __m512 peak = _mm512_setzero_ps();
+            for (int c = 0; c < I4GROUP; c += 16) peak = _mm512_max_ps(peak, _mm512_abs_ps(_mm512_loadu_ps(xg + c)));
+            const float amax = _mm512_reduce_max_ps(peak), scale = amax / 127.0f;
+            const __m512 inverse = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+            int8_t *q = qx + m * K + g * I4GROUP;
+            for (int c = 0; c < I4GROUP; c += 16)
+                _mm_storeu_si128((__m128i *)(q + c), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xg + c), inverse))));
+            qs[m * groups + g] = scale;
+            const __m512i sums = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(1), _mm512_loadu_si512(q));
+            _mm512_storeu_si512(qc + (m * groups + g) * 16, _mm512_mullo_epi32(sums, _mm512_set1_epi32(-8)));
+        }
+}
+
+#define TILE_VNNI(MR)                                                                              \
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) static void tile_vnni_##MR(                 \
+    const vnni_job *job, int64_t m0, const uint8_t *w, const float *s, __m512 *saved, int64_t g0, int64_t g1, const char *next) \
+{                                                                                                 \
+    const int64_t K = job->K, row_bytes = K / 2, groups = K / I4GROUP;                            \
+    const __m256i low = _mm256_set1_epi8(15);                                                     \
+    __m512 acc[MR][NR];                                                                           \
+    _Pragma("GCC unroll 8") for (int i = 0; i < MR; i++)                                         \
+        _Pragma("GCC unroll 4") for (int j = 0; j < NR; j++) acc[i][j] = g0 ? saved[i * NR + j] : _mm512_setzero_ps(); \
+    for (int64_t g = g0; g < g1; g++) {                                                           \
+        __m512i wv[NR];                                                                           \
+        _Pragma("GCC unroll 4") for (int j = 0; j < NR; j++) {                                   \
+            const uint8_t *p = w + j * row_bytes + g * (I4GROUP / 2);                             \
+            if (next) _mm_prefetch(next + j * row_bytes + g * (I4GROUP / 2), _MM_HINT_T0);        \
+            const __m256i bytes = _mm256_loadu_si256((const __m256i *)p);                         \
+            wv[j] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(bytes, low)),      \
+                                       _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low), 1);    \
+        }                                                                                         \
+        _Pragma("GCC unroll 8") for (int i = 0; i < MR; i++) {                                   \
+            const int64_t m = m0 + i;                                                             \
+            const __m512i xv = _mm512_loadu_si512(job->qx + m * K + g * I4GROUP);                 \
+            const __m512i start = _mm512_loadu_si512(job->qc + (m * groups + g) * 16);            \
+            const float xs = job->qs[m * groups + g];                                             \
+            _Pragma("GCC unroll 4") for (int j = 0; j < NR; j++) {                               \
+                const __m512i lanes = _mm512_dpbusd_epi32(start, wv[j], xv);                      \
+                acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lanes), _mm512_set1_ps(s[j * groups + g] * xs), acc[i][j]); \
+            }                                                                                     \
+        }                                                                                         \
+    }                                                                                             \
+    _Pragma("GCC unroll 8") for (int i = 0; i < MR; i++)                                         \
+        _Pragma("GCC unroll 4") for (int j = 0; j < NR; j++) saved[i * NR + j] = acc[i][j];      \
+}
+TILE_VNNI(1) TILE_VNNI(2) TILE_VNNI(3) TILE_VNNI(4) TILE_VNNI(5) TILE_VNNI(6)
+typedef void (*tile_vnni_fn)(const vnni_job *, int64_t, const uint8_t *, const float *, __m512 *, int64_t, int64_t, const char *);
+static const tile_vnni_fn tiles_vnni[7] = {0, tile_vnni_1, tile_vnni_2, tile_vnni_3, tile_vnni_4, tile_vnni_5, tile_vnni_6};
+
+/* Weight-row tiles [begin, end) of a vnni_job; a last partial tile (N % 4 rows) is padded with a
+ * repeat of its last row, whose results are dropped: rows never mix, so nothing else changes. */
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) static void linear_range_vnni(const void *arg, int64_t begin, int64_t end)
+{
+    const vnni_job *job = arg;
+    const int64_t M = job->M, N = job->N, K = job->K, groups = K / I4GROUP, gblock = KBLOCK / I4GROUP;
+    __m512 local[64 * NR];
+    __m512 *saved = M <= 64 ? local : aligned_alloc(64, sizeof(__m512) * (size_t)(M * NR));
+    for (int64_t t = begin; t < end; t++) {
+        const uint8_t *w = job->w + t * NR * (K / 2);
+        const float *s = job->s + t * NR * groups;
+        for (int64_t g0 = 0; g0 < groups; g0 += gblock) {
+            const int64_t g1 = g0 + gblock < groups ? g0 + gblock : groups;
+            for (int64_t m0 = 0; m0 < M;) {
+                const int64_t passes = (M - m0 + 5) / 6;
+                const int mr = (int)((M - m0 + passes - 1) / passes);
+                const char *next = m0 == 0 && t + 1 < end ? (const char *)(w + NR * (K / 2)) : 0;
+                tiles_vnni[mr](job, m0, w, s, saved + m0 * NR, g0, g1, next);
+                m0 += mr;
+            }
+        }
+        for (int64_t m = 0; m < M; m++)
+            for (int j = 0; j < NR; j++)
+                job->y[m * N + t * NR + j] = _mm512_reduce_add_ps(saved[m * NR + j]) + (job->b ? job->b[t * NR + j] : 0.0f);
+    }
+    if (saved != local) free(saved);
+}
+
+/* The last N % 4 weight rows, one at a time, with the arithmetic of a tile. */
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) static void edge_vnni(const vnni_job *job, int64_t n)
+{
+    const int64_t K = job->K, groups = K / I4GROUP;
+    const __m256i low = _mm256_set1_epi8(15);
+    for (int64_t m = 0; m < job->M; m++) {
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t g = 0; g < groups; g++) {
+            const __m256i bytes = _mm256_loadu_si256((const __m256i *)(job->w + n * (K / 2) + g * (I4GROUP / 2)));
+            const __m512i wv = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(bytes, low)),
+                                                  _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low), 1);
+            const __m512i lanes = _mm512_dpbusd_epi32(_mm512_loadu_si512(job->qc + (m * groups + g) * 16), wv,
+                                                      _mm512_loadu_si512(job->qx + m * K + g * I4GROUP));
+            acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lanes), _mm512_set1_ps(job->s[n * groups + g] * job->qs[m * groups + g]), acc);
+        }
+        job->y[m * job->N + n] = _mm512_reduce_add_ps(acc) + (job->b ? job->b[n] : 0.0f);
+    }
+}
+
+/* 0 when the scratch memory for the rounded activations ran out */
+static int linear_vnni(const float *x, const uint8_t *w, const float *s, const float *b, float *y, int64_t M, int64_t N,
+                       int64_t K, int threads)
+{
+    const int64_t groups = K / I4GROUP;
+    int8_t *qx = aligned_alloc(64, (size_t)(M * K + M * groups * (16 * 4 + 4) + 64));
+    if (!qx) return 0;
+    int32_t *qc = (int32_t *)(qx + M * K);
+    float *qs = (float *)(qc + M * groups * 16);
+    quantize_rows_vnni(x, qx, qs, qc, M, K);
+    const vnni_job job = {qx, qs, qc, w, s, b, y, M, N, K};
+    const int64_t tiles = N / NR, grain = M * N * K < 65536 ? tiles : (tiles + 63) / 64;
+    parallel_for(linear_range_vnni, &job, tiles, grain > 0 ? grain : 1, threads);
+    for (int64_t n = tiles * NR; n < N; n++) edge_vnni(&job, n);
+    free(qx);
+    return 1;
+}
+
 int kernels_isa(void)
 {
     __builtin_cpu_init();
@@ -631,12 +763,21 @@ int kernels_isa(void)
     return 0;
 }
 
+int kernels_vnni(void)
+{
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni");
+}
+
 /* weights: 0 = float32, 1 = bfloat16 (stored as uint16; converted exactly, accumulated in float32),
  * 2 = int8 with a float32 scale per row in s (accumulated in float32, scaled once at the end),
- * 3 = int4 in groups of I4GROUP along k, a float32 scale per group in s [N, K / I4GROUP] */
-void rowwise_linear(const float *x, const void *w, const float *s, const float *b, float *y, int64_t M, int64_t N,
-                    int64_t K, int weights, int isa, int threads)
+ * 3 = int4 in groups of I4GROUP along k, a float32 scale per group in s [N, K / I4GROUP],
+ * 4 = the same int4 matrices with activations rounded to int8 per group (AVX-512 VNNI).
+ * Returns 0, or -1 if scratch memory ran out. */
+int rowwise_linear(const float *x, const void *w, const float *s, const float *b, float *y, int64_t M, int64_t N,
+                   int64_t K, int weights, int isa, int threads)
 {
+    if (weights == 4) return linear_vnni(x, w, s, b, y, M, N, K, threads) ? 0 : -1;
     const linear_job job = {x, w, s, b, y, M, N, K};
     const int64_t tiles = N / NR;
     /* ~64 chunks per call balance threads; below ~64k multiply-adds one thread is quicker than waking another */
@@ -652,6 +793,7 @@ void rowwise_linear(const float *x, const void *w, const float *s, const float *
         else if (weights == 1) (isa == 512 ? edge512bf16 : edge256bf16)(x, (const uint16_t *)w + n * K, sn, bn, y + n, M, N, K);
         else (isa == 512 ? edge512f32 : edge256f32)(x, (const float *)w + n * K, sn, bn, y + n, M, N, K);
     }
+    return 0;
 }
 
 void silu_mul(float *gate, const float *up, int64_t n, int isa)
@@ -758,6 +900,7 @@ _LIBS = ["-lm"]
 
 _library: ctypes.CDLL | None = None
 _isa = 0
+_vnni = False  # AVX-512 VNNI: int4 matrices multiply int8-rounded activations (see the C comment)
 _tried = False
 
 
@@ -791,7 +934,8 @@ def _build() -> Path:
 
 _SIGNATURES = {
     "kernels_isa": (ctypes.c_int, []),
-    "rowwise_linear": (None, [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_int] * 3),
+    "kernels_vnni": (ctypes.c_int, []),
+    "rowwise_linear": (ctypes.c_int, [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_int] * 3),
     "silu_mul": (None, [ctypes.c_void_p] * 2 + [ctypes.c_int64, ctypes.c_int]),
     "rms_norm": (None, [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_float, ctypes.c_int]),
     "rope": (None, [ctypes.c_void_p] + [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 3),
@@ -801,7 +945,7 @@ _SIGNATURES = {
 
 
 def _load() -> None:
-    global _library, _isa, _tried
+    global _library, _isa, _tried, _vnni
     if _tried:
         return
     _tried = True
@@ -821,6 +965,7 @@ def _load() -> None:
     if wanted and int(wanted) <= isa:
         isa = int(wanted)
     _library, _isa = (library, isa) if isa else (None, 0)
+    _vnni = bool(isa == 512 and library.kernels_vnni() and not os.environ.get("VERISPEC_NO_VNNI"))
 
 
 def available() -> bool:
@@ -908,7 +1053,19 @@ class Int4Matrix:
         if k % cls.GROUP:
             raise ValueError(f"int4 weights need in_features divisible by {cls.GROUP}, got {k}: use int8")
         groups = weight.detach().float().reshape(n, k // cls.GROUP, cls.GROUP)
-        scale = groups.abs().amax(dim=2).clamp(min=1e-12) / 7.0
+        # Each group's scale: of a few clipping ranges (amax/7 shrunk by up to 30%), the one with the
+        # least squared rounding error; clipping a lone outlier often serves the other 63 weights better.
+        peak = groups.abs().amax(dim=2).clamp(min=1e-12)
+        scale, best = peak / 7.0, None
+        for shrink in torch.linspace(1.0, 0.7, 7).tolist():
+            candidate = peak * shrink / 7.0
+            rounded = torch.round(groups / candidate[..., None]).clamp(-8, 7) * candidate[..., None]
+            error = (rounded - groups).pow(2).sum(dim=2)
+            if best is None:
+                best = error
+            else:
+                better = error < best
+                scale, best = torch.where(better, candidate, scale), torch.where(better, error, best)
         q = (torch.round(groups / scale[..., None]).clamp(-8, 7) + 8).to(torch.uint8)
         half = cls.GROUP // 2
         packed = q[..., :half] | (q[..., half:] << 4)
@@ -953,15 +1110,17 @@ def rowwise_linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None,
     _check(x, out, *(() if bias is None else (bias,)))
     if isinstance(weight, (Int8Matrix, Int4Matrix)):
         _check(weight.scale)
-        matrix, scale, kind = weight.values, weight.scale.data_ptr(), 2 if isinstance(weight, Int8Matrix) else 3
+        matrix, scale = weight.values, weight.scale.data_ptr()
+        kind = 2 if isinstance(weight, Int8Matrix) else 4 if _vnni and _isa == 512 else 3
     else:
         matrix, scale, kind = weight, None, int(weight.dtype == torch.bfloat16)
         if weight.dtype not in (torch.float32, torch.bfloat16):
             raise ValueError("weight must be a float32 or bfloat16 matrix, an Int8Matrix or an Int4Matrix")
     if not matrix.is_contiguous() or matrix.device.type != "cpu":
         raise ValueError("weight must be a contiguous CPU matrix")
-    _library.rowwise_linear(x.data_ptr(), matrix.data_ptr(), scale, None if bias is None else bias.data_ptr(), out.data_ptr(),
-                            rows, n, k, kind, _isa, torch.get_num_threads())
+    if _library.rowwise_linear(x.data_ptr(), matrix.data_ptr(), scale, None if bias is None else bias.data_ptr(),
+                               out.data_ptr(), rows, n, k, kind, _isa, torch.get_num_threads()):
+        raise MemoryError("rowwise_linear: out of memory for its scratch buffer")
     return out
 
 
