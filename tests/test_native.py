@@ -182,11 +182,33 @@ def test_int4_matrix_rounds_each_group_to_its_own_scale():
     matrix = kernels.Int4Matrix.quantize(dense)
     assert matrix.values.dtype == torch.uint8 and matrix.values.shape == (6, 96) and matrix.shape == dense.shape
     assert matrix.scale.shape == (6, 3)
-    error = (matrix.dequantize() - dense).abs().reshape(6, 3, 64).amax(2)
-    assert (error <= matrix.scale / 2 + 1e-7).all()  # round to nearest within each group of 64
+    groups, scale = dense.reshape(6, 3, 64), matrix.scale[..., None]
+    error = (matrix.dequantize().reshape(6, 3, 64) - groups).abs()
+    inside = groups.abs() <= 7 * scale  # not clipped: rounded to the nearest step of its group's scale
+    assert (error[inside] <= (scale / 2 + 1e-7).expand_as(groups)[inside]).all()
+    # the clipping search never does worse than scaling each group to its largest weight
+    peak = groups.abs().amax(2, keepdim=True) / 7
+    plain = (torch.round(groups / peak).clamp(-8, 7) * peak - groups).pow(2).sum(2)
+    assert (error.pow(2).sum(2) <= plain * (1 + 1e-5)).all()
     assert torch.equal(matrix[torch.tensor([4, 1])].dequantize(), matrix.dequantize()[[4, 1]])
     with pytest.raises(ValueError, match="divisible by 64"):
         kernels.Int4Matrix.quantize(torch.randn(4, 70))
+
+
+@pytest.mark.parametrize("weight_dtype", [torch.int8, torch.quint4x2])
+def test_quantized_draft_prefill_uses_a_kept_bf16_copy(pair, weight_dtype):
+    """A big pass (prefill) multiplies a bfloat16 copy of an int8/int4 matrix, widened once and kept;
+    it computes the small passes' function up to rounding."""
+    hf, _ = pair
+    draft = NativeCausalLM.from_hf(hf, weight_dtype=weight_dtype)
+    if not draft._kernels:
+        pytest.skip("exact kernels unavailable here")
+    tokens = torch.arange(40).remainder(90).add(4)[None]
+    big, _ = run(draft, [tokens])  # 40 > MAX_ROWS: the PyTorch path
+    small, _ = run(draft, [tokens[:, :20], tokens[:, 20:]])  # the kernels
+    assert (big - small).abs().max() < 0.1 * small.abs().max()  # int8 activations vs bfloat16 ones
+    copy = draft.layers[0].gate.widened(torch.bfloat16)
+    assert copy.dtype == torch.bfloat16 and copy is draft.layers[0].gate.widened(torch.bfloat16)
 
 
 @pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.int8, torch.quint4x2])

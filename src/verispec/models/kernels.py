@@ -993,15 +993,45 @@ def _check(*tensors: torch.Tensor) -> None:
             raise ValueError("the kernels take contiguous float32 CPU tensors")
 
 
-class Int8Matrix:
+class QuantizedMatrix:
+    """Integer weight codes `values` and float32 `scale`s standing for a float matrix [N, K]; rows
+    are output features. Subclasses define the format (`quantize`, `dequantize`, `shape`, `dtype`)."""
+
+    def __init__(self, values: torch.Tensor, scale: torch.Tensor):
+        self.values, self.scale = values, scale
+        self._widened: dict[torch.dtype, torch.Tensor] = {}
+
+    @property
+    def device(self) -> torch.device:
+        return self.values.device
+
+    def is_contiguous(self) -> bool:
+        return self.values.is_contiguous() and self.scale.is_contiguous()
+
+    def __getitem__(self, rows) -> "QuantizedMatrix":
+        """A subset of output rows (e.g. a restricted vocabulary), as a new matrix."""
+        return type(self)(self.values[rows].contiguous(), self.scale[rows].contiguous())
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        raise NotImplementedError
+
+    def widened(self, dtype: torch.dtype) -> torch.Tensor:
+        """`dequantize(dtype)`, computed on the first call and kept: big passes (prefill) multiply it
+        (for a 0.5B draft, widening at every prefill cost ~1 s; the bfloat16 copy is 1 GB)."""
+        if dtype not in self._widened:
+            self._widened[dtype] = self.dequantize(dtype)
+        return self._widened[dtype]
+
+
+class Int8Matrix(QuantizedMatrix):
     """Weight-only int8 storage: w[n, k] ~ values[n, k] * scale[n], symmetric, one scale per output row.
 
     A quarter of float32's bytes. Only the weights are rounded (once, at load); activations stay
     float32 and are never quantized, so each output row still depends on its own input row alone.
+    values [N, K] int8, scale [N] float32.
     """
 
-    def __init__(self, values: torch.Tensor, scale: torch.Tensor):
-        self.values, self.scale = values, scale  # [N, K] int8, [N] float32
+    dtype = torch.int8
 
     @classmethod
     def quantize(cls, weight: torch.Tensor) -> "Int8Matrix":
@@ -1014,38 +1044,20 @@ class Int8Matrix:
     def shape(self) -> torch.Size:
         return self.values.shape
 
-    @property
-    def dtype(self) -> torch.dtype:
-        return torch.int8
-
-    @property
-    def device(self) -> torch.device:
-        return self.values.device
-
-    def is_contiguous(self) -> bool:
-        return self.values.is_contiguous() and self.scale.is_contiguous()
-
-    def __getitem__(self, rows) -> "Int8Matrix":
-        """A subset of output rows (e.g. a restricted vocabulary), as a new matrix."""
-        return Int8Matrix(self.values[rows].contiguous(), self.scale[rows].contiguous())
-
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return self.values.to(dtype) * self.scale[:, None].to(dtype)
 
 
-class Int4Matrix:
+class Int4Matrix(QuantizedMatrix):
     """Weight-only 4-bit storage in groups: w[n, k] ~ (values - 8) * scale[n, k // GROUP], symmetric.
 
     Two weights per byte: byte j of a group of `GROUP` weights holds weight j (low nibble) and weight
     j + GROUP/2 (high nibble), the layout the kernels unpack. About a seventh of float32's bytes
-    with the scales (0.5625 bytes per weight). Activations stay float32, so rows stay independent.
+    with the scales (0.5625 bytes per weight). values [N, K / 2] uint8, scale [N, K / GROUP] float32.
     """
 
     GROUP = 64
     dtype = torch.quint4x2  # the tag for this format: two 4-bit values per byte
-
-    def __init__(self, values: torch.Tensor, scale: torch.Tensor):
-        self.values, self.scale = values, scale  # [N, K / 2] uint8, [N, K / GROUP] float32
 
     @classmethod
     def quantize(cls, weight: torch.Tensor) -> "Int4Matrix":
@@ -1075,16 +1087,6 @@ class Int4Matrix:
     def shape(self) -> torch.Size:
         return torch.Size((self.values.shape[0], self.values.shape[1] * 2))
 
-    @property
-    def device(self) -> torch.device:
-        return self.values.device
-
-    def is_contiguous(self) -> bool:
-        return self.values.is_contiguous() and self.scale.is_contiguous()
-
-    def __getitem__(self, rows) -> "Int4Matrix":
-        return Int4Matrix(self.values[rows].contiguous(), self.scale[rows].contiguous())
-
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         n, half = self.values.shape[0], self.GROUP // 2
         packed = self.values.reshape(n, -1, half)
@@ -1092,36 +1094,58 @@ class Int4Matrix:
         return (q * self.scale[..., None]).reshape(n, -1).to(dtype)
 
 
+class Linear:
+    """A weight matrix (and bias) checked once, for a hot loop: `linear(x, out)` computes what
+    `rowwise_linear(x, weight, bias, out)` does without re-checking the weight on every call.
+    x [M, K] and out [M, N] must be contiguous float32 CPU tensors (the caller's own buffers)."""
+
+    __slots__ = ("weight", "bias", "n", "k", "_matrix", "_scale", "_bias", "_format")
+
+    def __init__(self, weight, bias: torch.Tensor | None = None):
+        self.n, self.k = weight.shape
+        if bias is not None:
+            _check(bias)
+        if isinstance(weight, QuantizedMatrix):
+            _check(weight.scale)
+            matrix, self._scale = weight.values, weight.scale.data_ptr()
+            self._format = "int8" if isinstance(weight, Int8Matrix) else "int4"
+        else:
+            if weight.dtype not in (torch.float32, torch.bfloat16):
+                raise ValueError("weight must be a float32 or bfloat16 matrix, an Int8Matrix or an Int4Matrix")
+            matrix, self._scale, self._format = weight, None, "bf16" if weight.dtype == torch.bfloat16 else "f32"
+        if not matrix.is_contiguous() or matrix.device.type != "cpu":
+            raise ValueError("weight must be a contiguous CPU matrix")
+        self.weight, self.bias = weight, bias  # kept alive: the pointers below point into them
+        self._matrix, self._bias = matrix.data_ptr(), None if bias is None else bias.data_ptr()
+
+    def __call__(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        # the C kernel's weight codes; int4 takes the int8-activation path where the CPU has VNNI
+        kind = _FORMAT_CODES[self._format] if self._format != "int4" else 4 if _vnni and _isa == 512 else 3
+        if _library.rowwise_linear(x.data_ptr(), self._matrix, self._scale, self._bias, out.data_ptr(), x.shape[0],
+                                   self.n, self.k, kind, _isa, torch.get_num_threads()):
+            raise MemoryError("rowwise_linear: out of memory for its scratch buffer")
+        return out
+
+
+_FORMAT_CODES = {"f32": 0, "bf16": 1, "int8": 2}
+
+
 def rowwise_linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None,
                    out: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ weight [N, K].T (+ bias [N]) -> out [M, N], float32. Each output row depends on its input row only, bitwise.
 
     weight may be float32, bfloat16 (half the bytes), an `Int8Matrix` (a quarter) or an `Int4Matrix`
-    (about a seventh): the narrower
-    formats are converted exactly and accumulated in float32, but their rounded weights change the
-    result: a draft-model option, not for a target.
+    (about a seventh): the narrower formats are converted exactly and accumulated in float32, but
+    their rounded weights change the result: a draft-model option, not for a target. On a CPU with
+    AVX-512 VNNI, int4 matrices also round each activation row to int8 per group of 64.
     """
     rows, k = x.shape
-    n = weight.shape[0]
     if weight.shape[1] != k:
         raise ValueError(f"weight must be [N, {k}], got {tuple(weight.shape)}")
     if out is None:
-        out = torch.empty(rows, n, dtype=torch.float32)
-    _check(x, out, *(() if bias is None else (bias,)))
-    if isinstance(weight, (Int8Matrix, Int4Matrix)):
-        _check(weight.scale)
-        matrix, scale = weight.values, weight.scale.data_ptr()
-        kind = 2 if isinstance(weight, Int8Matrix) else 4 if _vnni and _isa == 512 else 3
-    else:
-        matrix, scale, kind = weight, None, int(weight.dtype == torch.bfloat16)
-        if weight.dtype not in (torch.float32, torch.bfloat16):
-            raise ValueError("weight must be a float32 or bfloat16 matrix, an Int8Matrix or an Int4Matrix")
-    if not matrix.is_contiguous() or matrix.device.type != "cpu":
-        raise ValueError("weight must be a contiguous CPU matrix")
-    if _library.rowwise_linear(x.data_ptr(), matrix.data_ptr(), scale, None if bias is None else bias.data_ptr(),
-                               out.data_ptr(), rows, n, k, kind, _isa, torch.get_num_threads()):
-        raise MemoryError("rowwise_linear: out of memory for its scratch buffer")
-    return out
+        out = torch.empty(rows, weight.shape[0], dtype=torch.float32)
+    _check(x, out)
+    return Linear(weight, bias)(x, out)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor,

@@ -254,6 +254,7 @@ class NativeCausalLM:
             and all(t is None or t.is_contiguous() for layer in self.layers for t in vars(layer).values())
         )
         self._buffers: dict[str, torch.Tensor] | None = None
+        self._prepared: list[dict[str, kernels.Linear]] | None = None  # the small pass's matrices, checked once
         # Token rows a pass may carry and still be bitwise row-exact (the engine keeps verify passes within).
         self.max_exact_rows = kernels.MAX_ROWS if self._kernels else None
 
@@ -304,12 +305,13 @@ class NativeCausalLM:
         if self.output_ids is not None:
             raise ValueError("this model's head is already restricted: restrict the full model instead")
         clone = copy.copy(self)
-        quantized = isinstance(self.lm_head, (kernels.Int8Matrix, kernels.Int4Matrix))
+        quantized = isinstance(self.lm_head, kernels.QuantizedMatrix)
         clone.lm_head = self.lm_head[output_ids] if quantized else self.lm_head[output_ids].contiguous()
         clone.lm_head_bias = None if self.lm_head_bias is None else self.lm_head_bias[output_ids].contiguous()
         clone.output_ids = output_ids
         clone.name = f"{self.name}-vocab{len(output_ids)}"
         clone._buffers = None  # activation buffers are per model object
+        clone._prepared = None
         return clone
 
     supports = staticmethod(supports)
@@ -358,7 +360,7 @@ class NativeCausalLM:
             hidden = hidden[:, -1:]  # the LM head is the biggest matrix: score only what the caller reads
         rows = hidden.reshape(-1, self.hidden_size)
         if self._kernels and rows.shape[0] <= kernels.MAX_ROWS:
-            logits = kernels.rowwise_linear(rows.contiguous(), self.lm_head, self.lm_head_bias)
+            logits = self._linears()[-1]["head"](rows.contiguous(), torch.empty(rows.shape[0], self.lm_head.shape[0]))
         else:
             logits = self._linear(rows, self.lm_head, self.lm_head_bias)
         if self.output_ids is not None:  # a restricted head: every other token gets probability 0
@@ -378,19 +380,29 @@ class NativeCausalLM:
             self._buffers = {name: torch.empty(rows, width, dtype=torch.float32) for name, width in widths.items()}
         return {name: buffer[:rows] for name, buffer in self._buffers.items()}
 
+    def _linears(self) -> list[dict[str, kernels.Linear]]:
+        """Per layer {q, k, v, o, gate, up, down}, then {head}: each matrix checked once for the kernels."""
+        if self._prepared is None:
+            names = ("q", "k", "v", "o", "gate", "up", "down")
+            self._prepared = [{name: kernels.Linear(getattr(layer, name), getattr(layer, f"{name}_bias")) for name in names}
+                              for layer in self.layers]
+            self._prepared.append({"head": kernels.Linear(self.lm_head, self.lm_head_bias)})
+        return self._prepared
+
     def _small_pass(self, tokens, position_ids, visible, store: NativeStore, start: int) -> torch.Tensor:
         """Hidden states [B, T, hidden] after the final norm, every op a row-exact kernel."""
         batch, width = tokens.shape
         rows = batch * width
         buf = self._buffers_for(rows)
+        linears = self._linears()
         positions = position_ids.reshape(-1).contiguous()
         x = F.embedding(tokens.reshape(-1), self.embed)  # the residual stream [rows, hidden], a fresh copy
         residual = None  # the last sublayer's output, added to x inside the next rms_norm
-        for index, layer in enumerate(self.layers):
+        for index, (layer, linear) in enumerate(zip(self.layers, linears)):
             kernels.rms_norm(x, layer.attn_norm, self.eps, buf["normed"], residual)
-            kernels.rowwise_linear(buf["normed"], layer.q, layer.q_bias, buf["q"])
-            kernels.rowwise_linear(buf["normed"], layer.k, layer.k_bias, buf["k"])
-            kernels.rowwise_linear(buf["normed"], layer.v, layer.v_bias, buf["v"])
+            linear["q"](buf["normed"], buf["q"])
+            linear["k"](buf["normed"], buf["k"])
+            linear["v"](buf["normed"], buf["v"])
             kernels.rope_(buf["q"], self.num_heads, positions, self._cos, self._sin)
             kernels.rope_(buf["k"], self.num_kv_heads, positions, self._cos, self._sin)
             shape = (batch, width, self.num_kv_heads, self.head_dim)
@@ -398,12 +410,12 @@ class NativeCausalLM:
             kernels.slot_attention(buf["q"].view(batch, width, self.num_heads, self.head_dim), store.keys[index],
                                    store.values[index], visible, start, self.scale,
                                    out=buf["attended"].view(batch, width, self.num_heads, self.head_dim))
-            kernels.rowwise_linear(buf["attended"], layer.o, layer.o_bias, buf["delta"])
+            linear["o"](buf["attended"], buf["delta"])
             kernels.rms_norm(x, layer.mlp_norm, self.eps, buf["normed"], buf["delta"])
-            kernels.rowwise_linear(buf["normed"], layer.gate, layer.gate_bias, buf["gate"])
-            kernels.rowwise_linear(buf["normed"], layer.up, layer.up_bias, buf["up"])
+            linear["gate"](buf["normed"], buf["gate"])
+            linear["up"](buf["normed"], buf["up"])
             kernels.silu_mul_(buf["gate"], buf["up"])
-            residual = kernels.rowwise_linear(buf["gate"], layer.down, layer.down_bias, buf["delta"])
+            residual = linear["down"](buf["gate"], buf["delta"])
         out = torch.empty(rows, self.hidden_size)  # returned to the caller: not a reused buffer
         kernels.rms_norm(x, self.final_norm, self.eps, out, residual)
         return out.view(batch, width, self.hidden_size)
@@ -423,11 +435,12 @@ class NativeCausalLM:
         return (x * cos) + (torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin)
 
     def _linear(self, x: torch.Tensor, weight, bias: torch.Tensor | None) -> torch.Tensor:
-        if isinstance(weight, (kernels.Int8Matrix, kernels.Int4Matrix)):
-            # weight-only int8 or int4 (a draft): widen the matrix to bfloat16 for this pass (half the bytes of a
-            # float32 copy, and a compute-bound prefill runs as fast); PyTorch's own int8-weight matmul
-            # is ~100x slower on a CPU without AMX
-            weight = weight.dequantize(torch.bfloat16)
+        if isinstance(weight, kernels.QuantizedMatrix):
+            # weight-only int8 or int4 (a draft): a big pass multiplies a bfloat16 copy (half the bytes of
+            # float32, and a compute-bound prefill runs as fast), widened at the first big pass and kept:
+            # widening every prefill cost ~1 s for a 0.5B draft. PyTorch's own int8-weight matmul is
+            # ~100x slower on a CPU without AMX.
+            weight = weight.widened(torch.bfloat16)
         if weight.dtype == x.dtype:
             return F.linear(x, weight, bias)
         # lower-precision matrices (a draft): multiply in their dtype, return to the activations' dtype
