@@ -123,8 +123,9 @@ def run_bench(args) -> dict:
           f"drafter {args.drafter}, draft_len {draft_len}, {args.max_new_tokens} new tokens, temperature {args.temperature}, "
           f"torch threads {torch.get_num_threads()}", file=sys.stderr)
 
-    # Warm up every path once so first-call costs do not land on the first prompt.
-    warm = encode_prompt(target.tokenizer, "def f(x):", chat=False)
+    # Warm up every path once so first-call costs do not land on the first prompt: a prompt long
+    # enough for the prefill (big-pass) path, which widens a quantized draft's matrices once.
+    warm = encode_prompt(target.tokenizer, "def f(x):\n    return x + 1\n\n" * 8, chat=False)
     verispec.generate(target, warm, drafter="none", max_new_tokens=4)
     verispec.generate(target, warm, draft=draft, drafter=args.drafter, draft_len=draft_len, max_new_tokens=4)
     if args.temperature > 0:

@@ -16,8 +16,11 @@ These kernels fix both in the decode regime:
   dozen calls per layer instead of ~40 PyTorch ops.
 Every row's output is thus bitwise independent of how many rows share the pass: a width-k verify
 pass sees exactly the numbers of k single-token steps. Activations and accumulation are float32;
-`rowwise_linear` also takes bfloat16 weights (half the bytes) and weight-only int8 (`Int8Matrix`,
-a quarter), both for draft models.
+`rowwise_linear` also takes bfloat16 weights (half the bytes), weight-only int8 (`Int8Matrix`, a
+quarter) and grouped int4 (`Int4Matrix`, about a seventh), all for draft models. Where the CPU has
+AVX-512 VNNI, int4 matrices multiply activations rounded to int8 per group of 64 (one integer dot
+product per 64 weights): unpacking 4-bit weights to float left that kernel compute-bound at about
+int8's speed. The rounding reads only the row's own values, so rows stay independent there too.
 
 The C source has AVX-512 and AVX2+FMA variants, picked by what the CPU supports. It is compiled
 once with the system C compiler into the verispec cache and called through ctypes. It runs on
