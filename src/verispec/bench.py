@@ -30,7 +30,7 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", default="qwen2.5-coder-0.5b", help="draft model; 'none' for n-gram only")
     p.add_argument("--drafter", default="auto", help="auto | model | hybrid | ngram")
     p.add_argument("--draft-len", default="auto", help="int, or 'auto' (adaptive)")
-    p.add_argument("--draft-dtype", default="int8", help="matrix dtype of a native-backend draft: fp32, bf16 (half the bytes), int8 (weight-only, a quarter) or int4 (grouped, ~1/7) (default: %(default)s)")
+    p.add_argument("--draft-dtype", default="int4", help="matrix dtype of a native-backend draft: fp32, bf16 (half the bytes), int8 (weight-only, a quarter) or int4 (grouped, ~1/7) (default: %(default)s)")
     p.add_argument("--draft-int8", action="store_true", help="PyTorch dynamic int8 for the draft model (transformers backend; see --draft-dtype int8 for the native one)")
     p.add_argument("--draft-vocab", type=int, default=None, help="the draft scores only the first N token ids (+ specials)")
     p.add_argument("--draft-confidence", type=float, default=0.0, help="stop drafting at a token the draft gives less than this")

@@ -98,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="plain vs speculative on the default pair: same text, faster")
     p.add_argument("--target", default=DEFAULT_TARGET)
     p.add_argument("--draft", default=DEFAULT_DRAFT)
-    p.add_argument("--draft-dtype", default="int8", help="the draft's matrices: fp32, bf16, int8 or int4 (default: %(default)s)")
+    p.add_argument("--draft-dtype", default="int4", help="the draft's matrices: fp32, bf16, int8 or int4 (default: %(default)s)")
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--prompt", default=None)
     p.set_defaults(run=cmd_demo)
