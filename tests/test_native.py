@@ -14,7 +14,7 @@ import torch
 
 import verispec
 from conftest import perturbed_copy, tiny_gpt2, tiny_llama, tiny_qwen2
-from verispec.drafters.model import left_pad
+from verispec.prefill import left_pad
 from verispec.models import kernels
 from verispec.models.native import NativeCausalLM, NativeStore, supports
 

@@ -505,7 +505,7 @@ def test_lanes_and_cancellation(tiny_scheduler):
 def test_admission_prefills_similar_lengths_together_and_bounds_the_stall(monkeypatch):
     """Prompts are prefilled in groups of similar length; while rows decode, a few new prompts are read
     a bounded number of tokens per step, and a burst that outnumbers the running rows at once."""
-    from verispec.engine import prefill_groups
+    from verispec.prefill import prefill_groups
 
     assert prefill_groups([52, 209, 60, 55, 200]) == [[1, 4], [2, 3, 0]]
     assert prefill_groups([]) == [] and prefill_groups([0, 0]) == [[0, 1]]

@@ -17,10 +17,10 @@ from typing import Callable, Hashable, Iterator
 import torch
 
 from verispec.drafters.base import Drafter
-from verispec.drafters.model import left_pad
 from verispec.errors import VerispecError
 from verispec.models.base import CausalLM
 from verispec.policy import DraftPolicy, make_policy
+from verispec.prefill import prefill
 from verispec.sampling import SamplingParams, make_generator
 from verispec.stats import SpecStats
 from verispec.verifiers import verifier_for
@@ -67,22 +67,6 @@ class _Row:
         return self.limit - len(self.generated)
 
 
-def prefill_groups(lengths: list[int], max_padding: float = 0.25) -> list[list[int]]:
-    """Indices of `lengths` grouped for prefill so that padding fills at most `max_padding` of a group's
-    slots (group rows x its longest length). Longest first; a group holds lengths next to each other."""
-    groups: list[list[int]] = []
-    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-        if groups:
-            group = groups[-1]
-            slots = (len(group) + 1) * lengths[group[0]]
-            tokens = sum(lengths[j] for j in group) + lengths[i]
-            if slots - tokens <= max_padding * slots:
-                group.append(i)
-                continue
-        groups.append([i])
-    return groups
-
-
 class DecodeBatch:
     """Sequences decoded together, step by step. Rows join with `add` and leave when finished or `remove`d.
 
@@ -121,23 +105,7 @@ class DecodeBatch:
         for request in requests:
             self.check(request)
         started = time.perf_counter()
-        # Prompts of similar length are prefilled together: one pass over prompts of 50 and 200 tokens
-        # would spend three quarters of its rows on padding.
-        groups = prefill_groups([len(r.prompt) - 1 for r in requests])
-        new_cache = None
-        for group in groups:
-            cache = self.target.new_cache(len(group))
-            context, visible = left_pad([requests[i].prompt[:-1] for i in group])
-            if context.shape[1]:
-                self.target.forward(context, cache, visible, last_only=True)
-            if new_cache is None:
-                new_cache = cache
-            else:
-                new_cache.concat(cache)
-        grouped = [i for group in groups for i in group]  # request at each row of new_cache
-        if grouped != sorted(grouped):
-            new_cache.select(sorted(range(len(grouped)), key=grouped.__getitem__))  # back to request order
-        self.cache.concat(new_cache)
+        self.cache.concat(prefill(self.target, [list(r.prompt[:-1]) for r in requests]))
         self.drafter.add([list(r.prompt) for r in requests])
         for r in requests:
             limit = min(r.max_new_tokens, self.target.max_context - len(r.prompt))

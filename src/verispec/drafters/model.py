@@ -13,19 +13,8 @@ import torch
 
 from verispec.drafters.base import Draft, Verdict, empty_draft
 from verispec.models.base import CausalLM
+from verispec.prefill import left_pad, prefill
 from verispec.sampling import SamplingParams, sample, warp_rows
-
-
-def left_pad(rows: list[list[int]], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """rows of different lengths -> (tokens [batch, width] long, visible [batch, width] bool), right-aligned."""
-    width = max((len(r) for r in rows), default=0)
-    tokens = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    visible = torch.zeros(len(rows), width, dtype=torch.bool)
-    for b, r in enumerate(rows):
-        if r:
-            tokens[b, width - len(r) :] = torch.tensor(r, dtype=torch.long)
-            visible[b, width - len(r) :] = True
-    return tokens, visible
 
 
 class ModelDrafter:
@@ -40,10 +29,7 @@ class ModelDrafter:
     def add(self, prompts: list[list[int]]) -> None:
         # Prefill the new rows now (all but the last token, like the target), so a draft step costs
         # what drafting costs: the adaptive draft length learns from that time.
-        new_rows = self.model.new_cache(len(prompts))
-        context, visible = left_pad([p[:-1] for p in prompts])
-        if context.shape[1]:
-            self.model.forward(context, new_rows, visible, last_only=True)
+        new_rows = prefill(self.model, [list(p[:-1]) for p in prompts])  # grouped by length, like the target's
         if self.cache is None or self.cache.batch_size == 0:
             self.cache = new_rows
         else:

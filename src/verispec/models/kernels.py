@@ -745,7 +745,8 @@ static int linear_vnni(const float *x, const uint8_t *w, const float *s, const f
                        int64_t K, int threads)
 {
     const int64_t groups = K / I4GROUP;
-    int8_t *qx = aligned_alloc(64, (size_t)(M * K + M * groups * (16 * 4 + 4) + 64));
+    const size_t bytes = (size_t)(M * K + M * groups * (16 * 4 + 4));
+    int8_t *qx = aligned_alloc(64, (bytes + 63) / 64 * 64);  /* a whole number of alignments, as C11 asks */
     if (!qx) return 0;
     int32_t *qc = (int32_t *)(qx + M * K);
     float *qs = (float *)(qc + M * groups * 16);
