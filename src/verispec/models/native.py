@@ -254,7 +254,7 @@ class NativeCausalLM:
             and all(t is None or t.is_contiguous() for layer in self.layers for t in vars(layer).values())
         )
         self._buffers: dict[str, torch.Tensor] | None = None
-        self._prepared: list[dict[str, kernels.Linear]] | None = None  # the small pass's matrices, checked once
+        self._prepared: tuple[list[dict[str, kernels.Linear]], kernels.Linear] | None = None  # see _linears
         # Token rows a pass may carry and still be bitwise row-exact (the engine keeps verify passes within).
         self.max_exact_rows = kernels.MAX_ROWS if self._kernels else None
 
@@ -360,7 +360,8 @@ class NativeCausalLM:
             hidden = hidden[:, -1:]  # the LM head is the biggest matrix: score only what the caller reads
         rows = hidden.reshape(-1, self.hidden_size)
         if self._kernels and rows.shape[0] <= kernels.MAX_ROWS:
-            logits = self._linears()[-1]["head"](rows.contiguous(), torch.empty(rows.shape[0], self.lm_head.shape[0]))
+            _, head = self._linears()
+            logits = head(rows.contiguous(), torch.empty(rows.shape[0], self.lm_head.shape[0]))
         else:
             logits = self._linear(rows, self.lm_head, self.lm_head_bias)
         if self.output_ids is not None:  # a restricted head: every other token gets probability 0
@@ -380,13 +381,13 @@ class NativeCausalLM:
             self._buffers = {name: torch.empty(rows, width, dtype=torch.float32) for name, width in widths.items()}
         return {name: buffer[:rows] for name, buffer in self._buffers.items()}
 
-    def _linears(self) -> list[dict[str, kernels.Linear]]:
-        """Per layer {q, k, v, o, gate, up, down}, then {head}: each matrix checked once for the kernels."""
+    def _linears(self) -> tuple[list[dict[str, kernels.Linear]], kernels.Linear]:
+        """(per layer {q, k, v, o, gate, up, down}, the LM head): each matrix checked once for the kernels."""
         if self._prepared is None:
             names = ("q", "k", "v", "o", "gate", "up", "down")
-            self._prepared = [{name: kernels.Linear(getattr(layer, name), getattr(layer, f"{name}_bias")) for name in names}
-                              for layer in self.layers]
-            self._prepared.append({"head": kernels.Linear(self.lm_head, self.lm_head_bias)})
+            layers = [{name: kernels.Linear(getattr(layer, name), getattr(layer, f"{name}_bias")) for name in names}
+                      for layer in self.layers]
+            self._prepared = layers, kernels.Linear(self.lm_head, self.lm_head_bias)
         return self._prepared
 
     def _small_pass(self, tokens, position_ids, visible, store: NativeStore, start: int) -> torch.Tensor:
@@ -394,7 +395,7 @@ class NativeCausalLM:
         batch, width = tokens.shape
         rows = batch * width
         buf = self._buffers_for(rows)
-        linears = self._linears()
+        linears, _ = self._linears()
         positions = position_ids.reshape(-1).contiguous()
         x = F.embedding(tokens.reshape(-1), self.embed)  # the residual stream [rows, hidden], a fresh copy
         residual = None  # the last sublayer's output, added to x inside the next rms_norm
