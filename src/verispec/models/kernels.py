@@ -657,23 +657,27 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) static void quantize_rows
         }
 }
 
+/* A group's 64 weight nibbles (32 bytes, layout as above) as 64 unsigned bytes in weight order. */
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) static inline __m512i nibbles_vnni(const uint8_t *p)
+{
+    const __m256i bytes = _mm256_loadu_si256((const __m256i *)p), low = _mm256_set1_epi8(15);
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(bytes, low)),
+                              _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low), 1);
+}
+
 #define TILE_VNNI(MR)                                                                              \
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) static void tile_vnni_##MR(                 \
     const vnni_job *job, int64_t m0, const uint8_t *w, const float *s, __m512 *saved, int64_t g0, int64_t g1, const char *next) \
 {                                                                                                 \
     const int64_t K = job->K, row_bytes = K / 2, groups = K / I4GROUP;                            \
-    const __m256i low = _mm256_set1_epi8(15);                                                     \
     __m512 acc[MR][NR];                                                                           \
     _Pragma("GCC unroll 8") for (int i = 0; i < MR; i++)                                         \
         _Pragma("GCC unroll 4") for (int j = 0; j < NR; j++) acc[i][j] = g0 ? saved[i * NR + j] : _mm512_setzero_ps(); \
     for (int64_t g = g0; g < g1; g++) {                                                           \
         __m512i wv[NR];                                                                           \
         _Pragma("GCC unroll 4") for (int j = 0; j < NR; j++) {                                   \
-            const uint8_t *p = w + j * row_bytes + g * (I4GROUP / 2);                             \
             if (next) _mm_prefetch(next + j * row_bytes + g * (I4GROUP / 2), _MM_HINT_T0);        \
-            const __m256i bytes = _mm256_loadu_si256((const __m256i *)p);                         \
-            wv[j] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(bytes, low)),      \
-                                       _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low), 1);    \
+            wv[j] = nibbles_vnni(w + j * row_bytes + g * (I4GROUP / 2));                          \
         }                                                                                         \
         _Pragma("GCC unroll 8") for (int i = 0; i < MR; i++) {                                   \
             const int64_t m = m0 + i;                                                             \
@@ -725,13 +729,10 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) static void linear_range_
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) static void edge_vnni(const vnni_job *job, int64_t n)
 {
     const int64_t K = job->K, groups = K / I4GROUP;
-    const __m256i low = _mm256_set1_epi8(15);
     for (int64_t m = 0; m < job->M; m++) {
         __m512 acc = _mm512_setzero_ps();
         for (int64_t g = 0; g < groups; g++) {
-            const __m256i bytes = _mm256_loadu_si256((const __m256i *)(job->w + n * (K / 2) + g * (I4GROUP / 2)));
-            const __m512i wv = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(bytes, low)),
-                                                  _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low), 1);
+            const __m512i wv = nibbles_vnni(job->w + n * (K / 2) + g * (I4GROUP / 2));
             const __m512i lanes = _mm512_dpbusd_epi32(_mm512_loadu_si512(job->qc + (m * groups + g) * 16), wv,
                                                       _mm512_loadu_si512(job->qx + m * K + g * I4GROUP));
             acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lanes), _mm512_set1_ps(job->s[n * groups + g] * job->qs[m * groups + g]), acc);
