@@ -36,7 +36,7 @@ def test_plain_engine_matches_transformers_generate(tiny_pair):
 
 
 @pytest.mark.parametrize("drafter", ["model", "ngram", "hybrid"])
-@pytest.mark.parametrize("draft_len", range(1, 9))
+@pytest.mark.parametrize("draft_len", [*range(1, 9), "auto"])
 def test_speculative_equals_plain_batch1(tiny_pair, drafter, draft_len):
     target, draft = tiny_pair
     for prompt in PROMPTS:
@@ -46,7 +46,7 @@ def test_speculative_equals_plain_batch1(tiny_pair, drafter, draft_len):
 
 
 @pytest.mark.parametrize("drafter", ["model", "ngram", "hybrid"])
-@pytest.mark.parametrize("draft_len", [1, 3, 5, 8])
+@pytest.mark.parametrize("draft_len", [1, 3, 5, 8, "auto"])
 def test_speculative_batch_equals_each_alone(tiny_pair, drafter, draft_len):
     """Rows of different lengths accept different counts per step; each must decode as if alone."""
     target, draft = tiny_pair

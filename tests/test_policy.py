@@ -18,7 +18,7 @@ from conftest import perturbed_copy, tiny_llama
 from verispec.drafters import ModelDrafter
 from verispec.engine import DecodeBatch, Request
 from verispec.errors import VerispecError
-from verispec.policy import AdaptiveDraftLen, CostCurve, FixedDraftLen, make_policy
+from verispec.policy import AdaptiveDraftLen, Calibration, CostCurve, FixedDraftLen, make_policy
 
 
 def true_rate(k: int, alpha: float, draft: float, target) -> float:
@@ -142,3 +142,56 @@ def test_rows_without_a_draft_count_against_acceptance():
     assert policy.acceptance()[0] == pytest.approx(0.25, abs=0.03)
     # A position never reached is priced like the last one measured, not like the optimistic prior.
     assert policy.acceptance()[1] == pytest.approx(0.25, abs=0.03)
+
+
+def test_calibration_learns_acceptance_by_confidence():
+    calibration = Calibration()
+    rng = random.Random(0)
+    for _ in range(300):  # a draft that is right 99% of the time when sure and 40% when torn
+        confidence = torch.tensor([[0.97, 0.45]])
+        accepted = int(rng.random() < 0.99)
+        accepted += accepted and rng.random() < 0.4
+        calibration.observe(confidence, torch.tensor([2]), torch.tensor([accepted]))
+    sure, torn = calibration(torch.tensor([0.97, 0.45])).tolist()
+    assert sure == pytest.approx(0.99, abs=0.02)
+    assert torn == pytest.approx(0.4, abs=0.1)
+    assert calibration(torch.tensor([0.05])).item() == pytest.approx(0.05 ** 0.5)  # never seen: the prior, sqrt(c)
+
+
+def confident_steps(policy, draft: float, target, steps: int = 3000, seed: int = 0) -> float:
+    """Tokens per second over a simulated run where each drafted token carries the draft's confidence
+    and is accepted with exactly that probability. Text alternates between easy stretches (confidence
+    0.9-1.0) and hard ones (0.05-0.5), switching after a token with probability 0.2, as code alternates
+    between boilerplate and new names. The policy sees each confidence before keeping the token."""
+    rng = random.Random(seed)
+    tokens = seconds = 0.0
+    easy = True
+    for _ in range(steps):
+        k = policy.choose(1)
+        stop = policy.stop_rule(1) if k else None
+        confidence = []
+        for _ in range(k):
+            confidence.append(rng.uniform(0.9, 1.0) if easy else rng.uniform(0.05, 0.5))
+            easy = easy != (rng.random() < 0.2)
+        drafted = 0
+        for i, c in enumerate(confidence):
+            if stop is not None and not bool(stop(i, torch.tensor([c]))[0]):
+                break
+            drafted += 1
+        accepted = 0
+        while accepted < drafted and rng.random() < confidence[accepted]:
+            accepted += 1
+        forwards = drafted if drafted == k else drafted + 1  # a stop still paid for the token it judged
+        draft_seconds, target_seconds = forwards * draft, target(drafted + 1)
+        policy.observe(1, k, drafted + 1, torch.tensor([drafted]), torch.tensor([accepted]), draft_seconds,
+                       target_seconds, torch.tensor([confidence[:drafted]]) if drafted else None)
+        tokens += accepted + 1
+        seconds += draft_seconds + target_seconds
+    return tokens / seconds
+
+
+def test_confidence_stops_beat_every_fixed_draft_length():
+    """When the draft knows which of its tokens are shaky, stopping there beats any fixed k."""
+    fixed = max(confident_steps(FixedDraftLen(k), 0.03, cpu_like) for k in range(1, 11))
+    adaptive = confident_steps(AdaptiveDraftLen(), 0.03, cpu_like)
+    assert adaptive > 1.1 * fixed

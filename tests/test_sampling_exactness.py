@@ -12,7 +12,10 @@ import torch
 from scipy.stats import chisquare
 
 import verispec
+from verispec.drafters import ModelDrafter
 from verispec.drafters.base import Draft
+from verispec.engine import DecodeBatch, Request
+from verispec.policy import FixedDraftLen
 from verispec.sampling import SamplingParams, make_generators, sample, warp, warp_rows
 from verispec.verifiers import SpeculativeSamplingVerifier
 
@@ -179,6 +182,31 @@ def test_negative_control_wrong_bonus_is_caught():
     assert chi2_pvalue(np.array([e[1] for e in emitted]), p_bonus) < 1e-10
 
 
+def repeating_prompt(target) -> list[int]:
+    """An opening, the target's own greedy continuation, then the opening again, so the n-gram drafter
+    proposes that continuation, which the target often accepts."""
+    opening = [1, 5, 6]
+    return opening + verispec.generate(target, opening, drafter="none", max_new_tokens=4).token_ids + opening
+
+
+def first_two_tokens_pvalues(target, prompt: list[int], params: SamplingParams, outputs: list[list[int]]) -> tuple[float, float]:
+    """p-values of the first token against p(t1) and of the first two against p(t1) p(t2 | t1)."""
+    with torch.no_grad():
+        logits = target.model(torch.tensor([prompt])).logits[0, -1]
+        p1 = reference_probs(logits.numpy(), params.temperature, params.top_k, params.top_p)
+        continuations = torch.tensor([prompt + [t] for t in range(len(p1))])
+        p2 = np.stack([reference_probs(l.numpy(), params.temperature, params.top_k, params.top_p)
+                       for l in target.model(continuations).logits[:, -1]])
+    joint = (p1[:, None] * p2).ravel()
+    cells = np.array([ids[0] * len(p1) + ids[1] for ids in outputs if len(ids) >= 2])
+    # Rows ending in EOS after one token are the only ones with a single token.
+    assert len(cells) + sum(len(ids) == 1 for ids in outputs) == len(outputs)
+    eos = sorted(target.eos_token_ids)[0]
+    joint[eos * len(p1) : (eos + 1) * len(p1)] = 0
+    first = np.array([ids[0] for ids in outputs])
+    return chi2_pvalue(first, p1), chi2_pvalue(cells, joint / joint.sum())
+
+
 @pytest.mark.parametrize("params", [SamplingParams(temperature=0.8, seed=11), SamplingParams(temperature=1.2, top_k=12, top_p=0.9, seed=5)], ids=str)
 @pytest.mark.parametrize("drafter", ["model", "ngram", "hybrid"])
 def test_engine_samples_target_distribution_on_tiny_model(params, drafter):
@@ -188,32 +216,80 @@ def test_engine_samples_target_distribution_on_tiny_model(params, drafter):
 
     target = tiny_llama(seed=0)
     draft = perturbed_copy(target, scale=0.3)
-    # The prompt repeats its opening followed by the target's own greedy continuation, so the n-gram
-    # drafter proposes that continuation, which the target often accepts.
-    opening = [1, 5, 6]
-    greedy = verispec.generate(target, opening, drafter="none", max_new_tokens=4).token_ids
-    prompt = opening + greedy + opening
-    rows = 2000
-    results = verispec.generate(target, [prompt] * rows, draft=draft, drafter=drafter, draft_len=3,
+    prompt = repeating_prompt(target)
+    results = verispec.generate(target, [prompt] * 2000, draft=draft, drafter=drafter, draft_len=3,
                                 temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
                                 seed=params.seed, max_new_tokens=3)
     assert results[0].stats.accepted_tokens > 10  # both accept and resample paths ran
-    with torch.no_grad():
-        logits = target.model(torch.tensor([prompt])).logits[0, -1]
-        p1 = reference_probs(logits.numpy(), params.temperature, params.top_k, params.top_p)
-        continuations = torch.tensor([prompt + [t] for t in range(len(p1))])
-        p2 = np.stack([reference_probs(l.numpy(), params.temperature, params.top_k, params.top_p)
-                       for l in target.model(continuations).logits[:, -1]])
-    joint = (p1[:, None] * p2).ravel()
-    cells = np.array([r.token_ids[0] * len(p1) + r.token_ids[1] for r in results if len(r.token_ids) >= 2])
-    # Rows ending in EOS after one token are the only ones with a single token.
-    assert len(cells) + sum(len(r.token_ids) == 1 for r in results) == rows
-    eos = sorted(target.eos_token_ids)[0]
-    joint_no_eos_stop = joint.copy()
-    joint_no_eos_stop[eos * len(p1) : (eos + 1) * len(p1)] = 0
-    assert chi2_pvalue(cells, joint_no_eos_stop / joint_no_eos_stop.sum()) > P_THRESHOLD
-    first = np.array([r.token_ids[0] for r in results])
-    assert chi2_pvalue(first, p1) > P_THRESHOLD
+    first, joint = first_two_tokens_pvalues(target, prompt, params, [r.token_ids for r in results])
+    assert first > P_THRESHOLD and joint > P_THRESHOLD
+
+
+class ThresholdStop:
+    """A stop rule at its simplest: a row drafts while the draft's confidence is at least `threshold`."""
+
+    def __init__(self, threshold: float):
+        self.threshold = threshold
+
+    def __call__(self, position: int, confidence: torch.Tensor) -> torch.Tensor:
+        return confidence >= self.threshold
+
+
+class StopsOnConfidence(FixedDraftLen):
+    def __init__(self, draft_len: int, threshold: float):
+        super().__init__(draft_len)
+        self.threshold = threshold
+
+    def stop_rule(self, batch_size: int) -> ThresholdStop:
+        return ThresholdStop(self.threshold)
+
+
+class DropsUnlikelyDraws:
+    """The bug a confidence stop must avoid: judging a sampled token by q of the token drawn. The
+    drafts it keeps no longer follow q, so min(1, p/q) is applied to the wrong proposal."""
+
+    def __init__(self, inner: ModelDrafter, threshold: float):
+        self.inner, self.threshold = inner, threshold
+        self.add, self.commit, self.select = inner.add, inner.commit, inner.select
+
+    def propose(self, sequences, draft_len, sampling, generators, stop=None):
+        draft = self.inner.propose(sequences, draft_len, sampling, generators)
+        if draft.probs is None:  # nothing drafted
+            return draft
+        drawn = draft.probs.gather(2, draft.tokens[..., None]).squeeze(2)
+        draft.num_drafted = torch.minimum(draft.num_drafted, (drawn >= self.threshold).long().cumprod(1).sum(1))
+        return draft
+
+
+def sample_with(target, drafter, policy, prompt: list[int], params: SamplingParams, rows: int = 2000) -> list[list[int]]:
+    batch = DecodeBatch(target, drafter, policy)
+    batch.add([Request(prompt, SamplingParams(params.temperature, params.top_k, params.top_p, seed=params.seed + i),
+                       max_new_tokens=3, id=i) for i in range(rows)])
+    outputs = [[] for _ in range(rows)]
+    while len(batch):
+        for event in batch.step():
+            outputs[event.request_id] += event.tokens
+    return outputs
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.8, seed=11), SamplingParams(temperature=1.2, top_k=12, top_p=0.9, seed=5)], ids=str)
+def test_confidence_stops_keep_sampling_exact(params):
+    """A draft that stops rows by its own confidence (the adaptive policy's stop rule, or
+    draft_confidence) still samples the target's distribution; judging the drawn token's q instead,
+    with the same threshold, is caught by the same test."""
+    from conftest import perturbed_copy, tiny_llama
+
+    target = tiny_llama(seed=0)
+    draft = perturbed_copy(target, scale=0.3)
+    prompt = repeating_prompt(target)
+    with torch.no_grad():  # a threshold that about half of the first draft token's draws fall below
+        q = warp(draft.model(torch.tensor([prompt])).logits[0, -1:], params)[0].sort(descending=True).values
+        threshold = float(q[int((q.cumsum(0) < 0.5).sum())])
+    exact = sample_with(target, ModelDrafter(draft, target.vocab_size), StopsOnConfidence(3, threshold), prompt, params)
+    assert min(first_two_tokens_pvalues(target, prompt, params, exact)) > P_THRESHOLD
+    biased = sample_with(target, DropsUnlikelyDraws(ModelDrafter(draft, target.vocab_size), threshold), FixedDraftLen(3),
+                         prompt, params)
+    assert min(first_two_tokens_pvalues(target, prompt, params, biased)) < 1e-6
 
 
 def test_seeded_sampling_is_deterministic(tiny_pair):

@@ -148,7 +148,8 @@ class DecodeBatch:
         sampling = [row.request.sampling for row in self.rows]
         generators = [row.generator for row in self.rows]
         t0 = time.perf_counter()
-        draft = self.drafter.propose([row.sequence for row in self.rows], k, sampling, generators)
+        stop = self.policy.stop_rule(len(self.rows)) if k else None
+        draft = self.drafter.propose([row.sequence for row in self.rows], k, sampling, generators, stop)
         width = int(draft.num_drafted.max()) if k else 0
         draft = draft.narrow(width)  # rows that stopped early need no verify slots
         t1 = time.perf_counter()
@@ -164,7 +165,8 @@ class DecodeBatch:
         self.drafter.commit(verdict)
         t3 = time.perf_counter()
         # The target's share of a step is its pass plus verification and rollback: what a wider pass adds to.
-        self.policy.observe(len(self.rows), k, width + 1, draft.num_drafted, verdict.num_accepted, t1 - t0, t3 - t1)
+        self.policy.observe(len(self.rows), k, width + 1, draft.num_drafted, verdict.num_accepted, t1 - t0, t3 - t1,
+                            draft.confidence)
 
         # 4. Hand out the new tokens; cut at max_new_tokens, EOS and stop sequences.
         events, running = [], []

@@ -20,6 +20,9 @@ class Draft:
     tokens: torch.Tensor  # [batch, k] long; entries at or past num_drafted[b] are padding
     num_drafted: torch.Tensor  # [batch] long, 0..k
     probs: torch.Tensor | None = None  # [batch, k, vocab] float32: q each token was drawn from; None = deterministic draft
+    # [batch, k] float32: the draft's own probability of each token it proposed (its top probability when
+    # greedy); None for drafters that cannot judge their tokens. The policy learns how it predicts acceptance.
+    confidence: torch.Tensor | None = None
 
     @property
     def draft_len(self) -> int:
@@ -30,7 +33,8 @@ class Draft:
         if width == self.draft_len:
             return self
         probs = None if self.probs is None else self.probs[:, :width]
-        return Draft(self.tokens[:, :width], self.num_drafted.clamp(max=width), probs)
+        confidence = None if self.confidence is None else self.confidence[:, :width]
+        return Draft(self.tokens[:, :width], self.num_drafted.clamp(max=width), probs, confidence)
 
 
 @dataclass
@@ -45,6 +49,15 @@ class Verdict:
         return draft.tokens[row, :accepted].tolist() + [int(self.next_tokens[row])]
 
 
+class StopRule(Protocol):
+    """Decides, token by token, how far each row's draft goes (the draft length is only a ceiling)."""
+
+    def __call__(self, position: int, confidence: torch.Tensor) -> torch.Tensor:
+        """[batch] bool: rows whose draft should include its token at `position` (0-based), given the
+        draft's probability for that token. Called for positions 0, 1, ... in order, once each per step."""
+        ...
+
+
 class Drafter(Protocol):
     """Proposes tokens; learns the outcome. Chosen once, when the engine is built."""
 
@@ -52,9 +65,11 @@ class Drafter(Protocol):
         """New sequences join the batch, after the current rows."""
         ...
 
-    def propose(self, sequences: list[list[int]], draft_len: int, sampling: list[SamplingParams], generators: list[torch.Generator]) -> Draft:
+    def propose(self, sequences: list[list[int]], draft_len: int, sampling: list[SamplingParams], generators: list[torch.Generator],
+                stop: StopRule | None = None) -> Draft:
         """Up to draft_len tokens to follow each sequence (prompt plus tokens so far); sampling and
-        generators are per row, so a sampled draft draws from the same warped distribution as its row."""
+        generators are per row, so a sampled draft draws from the same warped distribution as its row.
+        A drafter that scores its own tokens stops a row where `stop` says so; others ignore it."""
         ...
 
     def commit(self, verdict: Verdict) -> None:

@@ -2,16 +2,17 @@
 
 The draft model keeps its own cache. Each round it first catches up on the tokens it has not seen
 (the last accepted tokens and the target's own token), then drafts k tokens one at a time,
-sampling from the same warped distribution q it reports to the verifier; with `min_confidence` a row
-stops early at a token the draft itself finds unlikely. On commit it forgets the draft tokens that
-were rejected.
+sampling from the same warped distribution q it reports to the verifier. It reports its probability
+for each token it proposes, and a row stops early where the step's stop rule says the chance of
+acceptance no longer pays for another token (or, with `min_confidence`, at any token below that
+probability). On commit it forgets the draft tokens that were rejected.
 """
 
 from __future__ import annotations
 
 import torch
 
-from verispec.drafters.base import Draft, Verdict, empty_draft
+from verispec.drafters.base import Draft, StopRule, Verdict, empty_draft
 from verispec.models.base import CausalLM
 from verispec.prefill import left_pad, prefill
 from verispec.sampling import SamplingParams, sample, warp_rows
@@ -43,43 +44,50 @@ class ModelDrafter:
         return torch.cat([logits, pad], -1)
 
     @torch.inference_mode()
-    def propose(self, sequences: list[list[int]], draft_len: int, sampling: list[SamplingParams], generators: list[torch.Generator]) -> Draft:
+    def propose(self, sequences: list[list[int]], draft_len: int, sampling: list[SamplingParams], generators: list[torch.Generator],
+                stop: StopRule | None = None) -> Draft:
         batch = len(sequences)
         if draft_len == 0:  # a plain step: catch up later, in one pass
             self._round = None
             return empty_draft(batch)
-        greedy = all(s.greedy for s in sampling)
+        greedy = torch.tensor([s.greedy for s in sampling])
+        all_greedy = bool(greedy.all())
         seen = self.cache.slots.num_tokens().tolist()
         tail_tokens, tail_visible = left_pad([seq[n:] for seq, n in zip(sequences, seen)])
         start = self.cache.slots.length
 
         tokens = torch.zeros(batch, draft_len, dtype=torch.long)
-        probs = None if greedy else torch.zeros(batch, draft_len, self.vocab_size)
+        probs = None if all_greedy else torch.zeros(batch, draft_len, self.vocab_size)
+        confidence = torch.zeros(batch, draft_len)
         num_drafted = torch.zeros(batch, dtype=torch.long)
-        confident = torch.ones(batch, dtype=torch.bool)
+        going = torch.ones(batch, dtype=torch.bool)
         fed = 0  # draft tokens fed back into the draft cache
         logits = self.model.forward(tail_tokens, self.cache, tail_visible, last_only=True)[:, -1]
         for i in range(draft_len):
             logits = self._logits_to_target_vocab(logits.float().cpu())
-            if greedy:
-                tokens[:, i] = logits.argmax(-1)
-                confidence = logits.softmax(-1).max(-1).values if self.min_confidence else None
+            top = logits.softmax(-1).max(-1)
+            if all_greedy:
+                tokens[:, i], confidence[:, i] = top.indices, top.values
             else:  # greedy rows get a one-hot q, from which sampling returns the argmax
                 q = warp_rows(logits, sampling)
                 probs[:, i] = q
                 tokens[:, i] = torch.tensor([sample(q[b], generators[b]) for b in range(batch)])
-                confidence = q.gather(1, tokens[:, i : i + 1]).squeeze(1)
+                # Confidence is q's top probability (a greedy row's from its logits: its one-hot q would
+                # say 1). It must not be q of the sampled token: a stop that depends on which token was
+                # drawn keeps some draws and drops others, and the kept ones no longer follow q, so the
+                # verifier's min(1, p/q) rule would be applied to the wrong proposal and lose exactness.
+                confidence[:, i] = torch.where(greedy, top.values, q.max(-1).values)
+            if stop is not None:
+                going &= stop(i, confidence[:, i])
             if self.min_confidence:
-                # Stop a row's draft before a token its own draft model doubts: it would likely be
-                # rejected, and every drafted token widens the verify pass.
-                confident &= confidence >= self.min_confidence
-            num_drafted += confident.long()
-            if not confident.any() or i + 1 == draft_len:  # the last token's successor is never needed
+                going &= confidence[:, i] >= self.min_confidence
+            num_drafted += going.long()
+            if not going.any() or i + 1 == draft_len:  # the last token's successor is never needed
                 break
             logits = self.model.forward(tokens[:, i : i + 1], self.cache)[:, -1]
             fed += 1
         self._round = (start, tail_tokens.shape[1], fed)
-        return Draft(tokens=tokens, num_drafted=num_drafted, probs=probs)
+        return Draft(tokens=tokens, num_drafted=num_drafted, probs=probs, confidence=confidence)
 
     def commit(self, verdict: Verdict) -> None:
         if self._round is None:

@@ -214,7 +214,7 @@ class Endpoint:
 DRAFT_DTYPES = ("fp32", "bf16", "int8", "int4")
 
 
-def build_app(target, draft=None, drafter: str = "auto", draft_len: int | str = 4, api_key: str | None = None,
+def build_app(target, draft=None, drafter: str = "auto", draft_len: int | str = "auto", api_key: str | None = None,
               max_batch: int = 8, max_queue: int = 256, draft_dtype: str = "fp32", model_name: str | None = None):
     """A FastAPI app serving `target` (a zoo name, path or loaded model) with OpenAI's API.
 
@@ -401,7 +401,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--draft-dtype", default="fp32", choices=DRAFT_DTYPES,
                         help="the draft model's matrices on the native backend: bf16 halves their bytes, int8 quarters them, int4 leaves ~1/7 (default: %(default)s)")
     parser.add_argument("--drafter", default="auto", choices=["auto", "model", "hybrid", "ngram", "none"], help="auto = hybrid with --draft, else ngram; none = plain decoding")
-    parser.add_argument("--draft-len", type=_draft_len_arg, default=4, help="draft tokens per step, or 'auto' (default: %(default)s)")
+    parser.add_argument("--draft-len", type=_draft_len_arg, default="auto", help="draft tokens per step, or 'auto' (default: %(default)s)")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s, this machine only)")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--api-key", default=os.environ.get("VERISPEC_API_KEY"),
