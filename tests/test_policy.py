@@ -158,7 +158,7 @@ def test_calibration_learns_acceptance_by_confidence():
     assert calibration(torch.tensor([0.05])).item() == pytest.approx(0.05 ** 0.5)  # never seen: the prior, sqrt(c)
 
 
-def confident_steps(policy, draft: float, target, steps: int = 3000, seed: int = 0) -> float:
+def confident_steps(policy, draft: float, target, steps: int = 3000, seed: int = 0, chosen: Counter | None = None) -> float:
     """Tokens per second over a simulated run where each drafted token carries the draft's confidence
     and is accepted with exactly that probability. Text alternates between easy stretches (confidence
     0.9-1.0) and hard ones (0.05-0.5), switching after a token with probability 0.2, as code alternates
@@ -168,6 +168,8 @@ def confident_steps(policy, draft: float, target, steps: int = 3000, seed: int =
     easy = True
     for _ in range(steps):
         k = policy.choose(1)
+        if chosen is not None:
+            chosen[k] += 1
         stop = policy.stop_rule(1) if k else None
         confidence = []
         for _ in range(k):
@@ -195,3 +197,12 @@ def test_confidence_stops_beat_every_fixed_draft_length():
     fixed = max(confident_steps(FixedDraftLen(k), 0.03, cpu_like) for k in range(1, 11))
     adaptive = confident_steps(AdaptiveDraftLen(), 0.03, cpu_like)
     assert adaptive > 1.1 * fixed
+
+
+def test_confident_drafts_stop_when_drafting_does_not_pay():
+    """A draft as slow as the target: every stop comes too late to help, so the policy stops drafting
+    (and still probes now and then)."""
+    chosen = Counter()
+    confident_steps(AdaptiveDraftLen(), 0.3, cpu_like, steps=400, chosen=chosen)
+    assert chosen[0] / sum(chosen.values()) > 0.85
+    assert sum(n for k, n in chosen.items() if k > 0) > 10

@@ -236,10 +236,10 @@ class AdaptiveDraftLen:
         self.steps += 1
         if self.draft_cost(batch_size) is None:
             return self.first_draft_len  # a guess from the prior, which also measures what drafting costs
-        if self.target_cost.count(batch_size) == 0:
-            return 0  # and plain decoding at this batch size: what every k must beat
         if self.calibration.seen:
             return self._choose_with_confidence(batch_size)
+        if self.target_cost.count(batch_size) == 0:
+            return 0  # and plain decoding at this batch size: what every k must beat
         self.last_rates = self.predicted_rates(batch_size)
         best = max(self.last_rates, key=self.last_rates.get)
         if self.steps % self.probe_every == 0:
@@ -254,13 +254,16 @@ class AdaptiveDraftLen:
         # (Predicted rates would not do: a draft that stops before its shaky tokens makes the deep
         # positions it does reach look better than an unconditional k would fare.)
         # A few unlucky first steps are not evidence: stop drafting only on ~8 steps' worth of it.
-        delivered = self.speculative.rate if self.speculative.steps >= 8 else None
-        if delivered is None or delivered >= 1.0 / self.target_cost(batch_size):
+        if self.speculative.steps < 8:
+            return self.max_draft_len
+        if self.target_cost.count(batch_size) == 0:
+            return 0  # a plain step, measured once it is needed (until then the narrowest pass measured prices it)
+        if self.speculative.rate >= 1.0 / self.target_cost(batch_size):
             return self.max_draft_len
         return self.max_draft_len if self.steps % self.probe_every == 0 else 0  # now and then, check again
 
     def stop_rule(self, batch_size: int) -> ConfidenceStop | None:
-        if not self.calibration.seen or self.target_cost.count(batch_size) == 0:
+        if not self.calibration.seen:
             return None
         # R: the rate a token must beat, the better of what speculation delivers and a plain step.
         rate = max(self.speculative.rate or 0.0, 1.0 / self.target_cost(batch_size))
