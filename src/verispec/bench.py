@@ -212,19 +212,27 @@ def sweep_draft_len(target, results: list[Measurement], spec_options: dict, veri
 
     ks = [int(k) for k in args.sweep.split(",") if k]
     measured, acceptance_runs, draft_costs = {}, [], []
+    # Plain decoding is timed again here, beside the sweep: the machine's speed drifts over a run, and a
+    # ratio to a plain run from minutes earlier would measure the drift too.
+    plain = {}
+    for m in results:
+        ids = encode_prompt(target.tokenizer, m.prompt.text, chat=m.prompt.chat)
+        plain_options = {key: spec_options[key] for key in ("temperature", "seed", "max_new_tokens")}
+        base, seconds = _timed(lambda: verispec.generate(target, ids, drafter="none", **plain_options))
+        plain[m.prompt.id] = (len(base.token_ids), seconds, base.stats.prefill_seconds)
     for k in ks:
         ratios = []
         for m in results:
             ids = encode_prompt(target.tokenizer, m.prompt.text, chat=m.prompt.chat)
             spec, seconds = _timed(lambda: verispec.generate(target, ids, **{**spec_options, "draft_len": k}))
             # after the target's prefill, like the formula (which prices decoding steps only)
-            ratios.append((len(spec.token_ids) / (seconds - m.prefill_seconds))
-                          / (m.tokens["plain"] / (m.seconds["plain"] - m.prefill_seconds)))
+            tokens, plain_seconds, prefill = plain[m.prompt.id]
+            ratios.append((len(spec.token_ids) / (seconds - prefill)) / (tokens / (plain_seconds - prefill)))
             st = spec.stats
             if k == max(ks):
                 acceptance_runs.append(conditional_acceptance(st.drafted_at, st.accepted_at))
             if st.drafted_tokens:
-                draft_costs.append((st.draft_seconds / st.draft_len_sum) / (m.seconds["plain"] / max(m.tokens["plain"], 1)))
+                draft_costs.append((st.draft_seconds / st.draft_len_sum) / (plain_seconds / max(tokens, 1)))
         measured[k] = statistics.median(ratios)
         print(f"[bench] sweep draft_len={k}: {measured[k]:.2f}x over plain (median of {len(ratios)})", file=sys.stderr)
     depth = max(len(a) for a in acceptance_runs) if acceptance_runs else 0

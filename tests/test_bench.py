@@ -1,0 +1,44 @@
+"""`verispec bench` end to end on the real smollm2-135m (target) with an int8 copy of itself as the draft:
+the reports it writes carry what the README's tables are made from."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from verispec.bench import add_bench_arguments, run_bench
+
+HUMANEVAL = "../shared/data/humaneval_dev.jsonl"
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    from pathlib import Path
+
+    prompts = Path(__file__).resolve().parents[1] / HUMANEVAL
+    if not prompts.exists():
+        pytest.skip(f"{HUMANEVAL} is not beside the repository")
+    out = tmp_path_factory.mktemp("reports")
+    parser = argparse.ArgumentParser()
+    add_bench_arguments(parser)
+    args = parser.parse_args([str(prompts), "--target", "smollm2-135m", "--draft", "smollm2-135m", "--draft-dtype", "int8",
+                              "--per-category", "2", "--max-new-tokens", "12", "--no-hf", "--sweep", "2,3",
+                              "--sweep-prompts", "1", "--widths", "1,2,4", "--out", str(out), "--name", "t"])
+    run_bench(args)
+    return out
+
+
+def test_bench_writes_reports_with_identical_outputs(report):
+    data = json.loads((report / "t.json").read_text())
+    assert len(data["prompts"]) == 2
+    assert all(p["identical"] for p in data["prompts"])  # greedy: speculative output is the plain output
+    assert set(data["verify_cost"]["ratio"]) == {"1", "2", "4"}
+    assert data["verify_cost"]["ratio"]["1"] == 1.0
+    # The sweep is timed against plain runs of its own, and priced by the formula beside it.
+    assert set(data["sweep"]["measured"]) == {"2", "3"} and all(v > 0 for v in data["sweep"]["measured"].values())
+    assert set(data["sweep"]["predicted"]) >= {"2", "3"}
+    markdown = (report / "t.md").read_text()
+    assert "| humaneval | 2 |" in markdown and "2/2" in markdown
+    assert (report / "t.png").stat().st_size > 10_000
