@@ -214,10 +214,9 @@ def sweep_draft_len(target, results: list[Measurement], spec_options: dict, veri
     measured, acceptance_runs, draft_costs = {}, [], []
     # Plain decoding is timed again here, beside the sweep: the machine's speed drifts over a run, and a
     # ratio to a plain run from minutes earlier would measure the drift too.
-    plain = {}
+    plain, plain_options = {}, {key: spec_options[key] for key in ("temperature", "seed", "max_new_tokens")}
     for m in results:
         ids = encode_prompt(target.tokenizer, m.prompt.text, chat=m.prompt.chat)
-        plain_options = {key: spec_options[key] for key in ("temperature", "seed", "max_new_tokens")}
         base, seconds = _timed(lambda: verispec.generate(target, ids, drafter="none", **plain_options))
         plain[m.prompt.id] = (len(base.token_ids), seconds, base.stats.prefill_seconds)
     for k in ks:

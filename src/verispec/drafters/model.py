@@ -65,18 +65,19 @@ class ModelDrafter:
         logits = self.model.forward(tail_tokens, self.cache, tail_visible, last_only=True)[:, -1]
         for i in range(draft_len):
             logits = self._logits_to_target_vocab(logits.float().cpu())
-            top = logits.softmax(-1).max(-1).values
             if all_greedy:
-                tokens[:, i], confidence[:, i] = logits.argmax(-1), top
+                tokens[:, i] = logits.argmax(-1)
+                confidence[:, i] = logits.softmax(-1).max(-1).values
             else:  # greedy rows get a one-hot q, from which sampling returns the argmax
                 q = warp_rows(logits, sampling)
                 probs[:, i] = q
                 tokens[:, i] = torch.tensor([sample(q[b], generators[b]) for b in range(batch)])
-                # Confidence is q's top probability (a greedy row's from its logits: its one-hot q would
-                # say 1). It must not be q of the sampled token: a stop that depends on which token was
-                # drawn keeps some draws and drops others, and the kept ones no longer follow q, so the
-                # verifier's min(1, p/q) rule would be applied to the wrong proposal and lose exactness.
-                confidence[:, i] = torch.where(greedy, top, q.max(-1).values)
+                # Confidence is q's top probability, never q of the sampled token: a stop that depends
+                # on which token was drawn keeps some draws and drops others, and the kept ones no longer
+                # follow q, so the verifier's min(1, p/q) would be applied to the wrong proposal.
+                confidence[:, i] = q.max(-1).values
+                if greedy.any():  # a greedy row's one-hot q would say 1: its confidence comes from its logits
+                    confidence[greedy, i] = logits[greedy].softmax(-1).max(-1).values
             if stop is not None:
                 going &= stop(i, confidence[:, i])
             if self.min_confidence:
