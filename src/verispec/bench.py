@@ -214,16 +214,15 @@ def sweep_draft_len(target, results: list[Measurement], spec_options: dict, veri
     measured, acceptance_runs, draft_costs = {}, [], []
     # Plain decoding is timed again here, beside the sweep: the machine's speed drifts over a run, and a
     # ratio to a plain run from minutes earlier would measure the drift too.
+    prompt_ids = {m.prompt.id: encode_prompt(target.tokenizer, m.prompt.text, chat=m.prompt.chat) for m in results}
     plain, plain_options = {}, {key: spec_options[key] for key in ("temperature", "seed", "max_new_tokens")}
     for m in results:
-        ids = encode_prompt(target.tokenizer, m.prompt.text, chat=m.prompt.chat)
-        base, seconds = _timed(lambda: verispec.generate(target, ids, drafter="none", **plain_options))
+        base, seconds = _timed(lambda: verispec.generate(target, prompt_ids[m.prompt.id], drafter="none", **plain_options))
         plain[m.prompt.id] = (len(base.token_ids), seconds, base.stats.prefill_seconds)
     for k in ks:
         ratios = []
         for m in results:
-            ids = encode_prompt(target.tokenizer, m.prompt.text, chat=m.prompt.chat)
-            spec, seconds = _timed(lambda: verispec.generate(target, ids, **{**spec_options, "draft_len": k}))
+            spec, seconds = _timed(lambda: verispec.generate(target, prompt_ids[m.prompt.id], **{**spec_options, "draft_len": k}))
             # after the target's prefill, like the formula (which prices decoding steps only)
             tokens, plain_seconds, prefill = plain[m.prompt.id]
             ratios.append((len(spec.token_ids) / (seconds - prefill)) / (tokens / (plain_seconds - prefill)))

@@ -101,12 +101,12 @@ class Calibration:
         """confidence [batch, k]; a token counts if it was drafted and everything before it was accepted."""
         positions = torch.arange(confidence.shape[1])
         reached = (positions < num_drafted[:, None]) & (positions <= num_accepted[:, None])
-        accepted = positions < num_accepted[:, None]
+        accepted = positions < num_accepted[:, None]  # accepted tokens were drafted, so all reached
         bins = torch.bucketize(confidence.float(), self.EDGES, right=True)
         self.reached *= self.decay
         self.accepted *= self.decay
         self.reached.index_add_(0, bins[reached], torch.ones(int(reached.sum())))
-        self.accepted.index_add_(0, bins[accepted & reached], torch.ones(int((accepted & reached).sum())))
+        self.accepted.index_add_(0, bins[accepted], torch.ones(int(accepted.sum())))
         self.seen = self.seen or bool(reached.any())
 
 
