@@ -15,11 +15,12 @@ _PLAIN: dict = {}
 
 
 def plain(target, prompt, max_new_tokens):
-    """Plain greedy decoding through the same engine (memoized: the tiny models never change)."""
+    """Plain greedy decoding through the same engine (memoized: the tiny models never change). Each entry
+    holds its model, so no later model can take over its id while the entry lives."""
     key = (id(target), target.eos_token_ids, tuple(prompt), max_new_tokens)
     if key not in _PLAIN:
-        _PLAIN[key] = verispec.generate(target, prompt, drafter="none", max_new_tokens=max_new_tokens).token_ids
-    return _PLAIN[key]
+        _PLAIN[key] = (target, verispec.generate(target, prompt, drafter="none", max_new_tokens=max_new_tokens).token_ids)
+    return _PLAIN[key][1]
 
 
 def hf_greedy(target, prompt, max_new_tokens):

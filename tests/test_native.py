@@ -67,6 +67,24 @@ def test_same_contract_attributes(pair):
     assert model.lm_head.data_ptr() == hf.model.get_output_embeddings().weight.data_ptr()  # borrowed, not copied
 
 
+def test_loaded_native_belongs_to_its_own_model():
+    """`load` builds a native forward once per transformers model and never hands one model's to another,
+    even when a freed model's id is reused; the cache does not keep a caller's model alive."""
+    import gc
+    import weakref
+
+    first = tiny_llama(seed=0).model
+    native = verispec.load(first)
+    assert isinstance(native, NativeCausalLM) and verispec.load(first) is native and native.hf_model is first
+    gone = weakref.ref(first)
+    del first, native
+    gc.collect()
+    assert gone() is None
+    for seed in range(1, 6):  # fresh models often land at the freed address
+        model = tiny_llama(seed=seed).model
+        assert verispec.load(model).hf_model is model
+
+
 def test_logits_match_hf_prefill_then_decode(pair, native):
     hf, _ = pair
     tokens = torch.tensor([SEQUENCE])

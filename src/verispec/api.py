@@ -5,6 +5,7 @@ Resolves names, tokenizes, picks the drafter once from the `DRAFTERS` table, and
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterator, Sequence
 
@@ -58,7 +59,9 @@ def load(name_or_path: Any, dtype: torch.dtype | str | None = None, device: str 
     return _wrap(_LOADED[key], backend, weight_dtype)
 
 
-_NATIVE: dict[tuple[int, torch.dtype | None], CausalLM] = {}
+# Native forwards built per transformers module and weight dtype. Keyed by the module itself, weakly:
+# an entry lives as long as the user's model and can never be mistaken for another model's.
+_NATIVE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _wrap(model: HFCausalLM, backend: str, weight_dtype: torch.dtype | None = None) -> CausalLM:
@@ -74,15 +77,15 @@ def _wrap(model: HFCausalLM, backend: str, weight_dtype: torch.dtype | None = No
         return model
     if backend == "native" and not native_ok:
         raise VerispecError(f"{model.name!r} ({model.config.model_type}) has no native forward: use backend='hf'")
-    key = (id(model), weight_dtype)
-    if key not in _NATIVE:
+    built = _NATIVE.setdefault(model.model, {})
+    native = built.get(weight_dtype)
+    if native is None or native.tokenizer is not model.tokenizer:
         try:
             native = NativeCausalLM.from_hf(model, weight_dtype=weight_dtype)
         except ValueError as exc:  # e.g. int4 on matrices whose width is not a whole number of groups
             raise VerispecError(f"{model.name}: {exc}") from None
-        native.hf_model = model.model  # for comparisons against transformers' own generate()
-        _NATIVE[key] = native
-    return _NATIVE[key]
+        built[weight_dtype] = native
+    return native
 
 
 def _parse_weight_dtype(dtype) -> torch.dtype | None:

@@ -29,6 +29,7 @@ The model knows nothing about drafting, verification or tokenization; logits com
 from __future__ import annotations
 
 import copy
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -208,6 +209,7 @@ class NativeCausalLM:
         self.tokenizer = tokenizer
         self.name = name or getattr(config, "_name_or_path", None) or type(hf_model).__name__
         self.eos_token_ids = _eos_ids(hf_model, tokenizer)
+        self._hf_model = weakref.ref(hf_model)  # weak: the native must not keep a caller's model alive
         self.max_context = int(getattr(config, "max_position_embeddings", None) or 2048)
 
         self.embed = decoder.embed_tokens.weight.detach()
@@ -257,6 +259,12 @@ class NativeCausalLM:
         self._prepared: tuple[list[dict[str, kernels.Linear]], kernels.Linear] | None = None  # see _linears
         # Token rows a pass may carry and still be bitwise row-exact (the engine keeps verify passes within).
         self.max_exact_rows = kernels.MAX_ROWS if self._kernels else None
+
+    @property
+    def hf_model(self):
+        """The transformers model these weights came from (for comparisons with its own generate()), or None
+        once it is gone."""
+        return self._hf_model()
 
     @classmethod
     def from_hf(cls, hf_model, tokenizer=None, name: str | None = None,
