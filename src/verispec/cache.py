@@ -44,8 +44,10 @@ class SlotCache:
             grown[:, : self.length] = self.visible
             self._visible = grown
 
-    def extend(self, visible_new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append T slots. visible_new: [batch, T] bool (False for left padding).
+    def extend(self, visible_new: torch.Tensor, tree: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append T slots. visible_new: [batch, T] bool (False for left padding). tree: [batch, T, T] bool
+        when the new tokens form a token tree (tree[b, t, j]: token j is t or one of its ancestors), so a
+        token's position counts only its own path.
 
         Returns (attention_mask [batch, length + T] long, position_ids [batch, T] long) for the forward pass.
         """
@@ -55,8 +57,22 @@ class SlotCache:
         self._reserve(needed)
         self._visible[:, self.length : needed] = visible_new
         self.length = needed
-        position_ids = start[:, None] + visible_new.long().cumsum(1) - 1
+        if tree is None:
+            position_ids = start[:, None] + visible_new.long().cumsum(1) - 1
+        else:
+            position_ids = start[:, None] + (tree & visible_new[:, None, :]).long().sum(2) - 1
         return self.visible.long(), position_ids.clamp(min=0)
+
+    def retain(self, start: int, keep: torch.Tensor) -> None:
+        """Roll back a tree pass: of the slots start .. start + T - 1, row b keeps those with keep[b] [batch, T]
+        bool (its accepted path); the others become holes, and the axis shrinks past the last kept slot."""
+        width = keep.shape[1]
+        self._visible[:, start : start + width] &= keep.to(self.device)
+        used = keep.any(0).nonzero()
+        new_length = start + (int(used.max()) + 1 if used.numel() else 0)
+        if new_length < self.length:
+            self._visible[:, new_length : self.length] = False
+            self.length = new_length
 
     def truncate(self, ends: torch.Tensor) -> None:
         """Roll back: row b forgets every slot at index >= ends[b]. ends: [batch] long.

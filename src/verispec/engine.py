@@ -2,7 +2,8 @@
 
 Each step the drafter proposes up to k tokens per row, the target scores [last token, draft] in one
 forward pass, the verifier accepts a prefix and adds one token of the target's own, and every cache
-forgets what was rejected. With no drafter this is plain autoregressive decoding, the baseline.
+forgets what was rejected. A greedy draft may add alternates (second guesses beside its positions);
+the pass then carries a token tree, and the target's cache keeps only the accepted path. With no drafter this is plain autoregressive decoding, the baseline.
 Sequences may join and leave between steps (continuous batching); each keeps its own sampling
 settings, random stream, accepted length and rollback, so it decodes exactly as it would alone.
 The engine works on token ids only: it knows nothing about text, except through `stop_checker`.
@@ -11,12 +12,12 @@ The engine works on token ids only: it knows nothing about text, except through 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Hashable, Iterator
 
 import torch
 
-from verispec.drafters.base import Drafter
+from verispec.drafters.base import Draft, Drafter, Verdict
 from verispec.errors import VerispecError
 from verispec.models.base import CausalLM
 from verispec.policy import DraftPolicy, make_policy
@@ -149,29 +150,45 @@ class DecodeBatch:
         generators = [row.generator for row in self.rows]
         t0 = time.perf_counter()
         stop = self.policy.stop_rule(len(self.rows)) if k else None
-        draft = self.drafter.propose([row.sequence for row in self.rows], k, sampling, generators, stop)
+        # Alternates need a target that verifies token trees, and greedy rows (see GreedyVerifier).
+        trees = stop is not None and getattr(self.target, "supports_trees", False) and all(s.greedy for s in sampling)
+        branch = self.policy.branch_rule(stop) if trees else None
+        draft = self.drafter.propose([row.sequence for row in self.rows], k, sampling, generators, stop, branch)
         width = int(draft.num_drafted.max()) if k else 0
         draft = draft.narrow(width)  # rows that stopped early need no verify slots
+        if draft.has_alternates:
+            draft = self._fit_alternates(draft)
         t1 = time.perf_counter()
         # 1. One target pass scores the last token and every drafted one.
         last = torch.tensor([[row.sequence[-1]] for row in self.rows], dtype=torch.long)
         start = self.cache.slots.length
-        logits = self.target.forward(torch.cat([last, draft.tokens], 1), self.cache)
+        if draft.has_alternates:
+            extra, tree, _ = draft.tree
+            logits = self.target.forward(torch.cat([last, draft.tokens, extra], 1), self.cache, tree=tree)
+        else:
+            extra = tree = None
+            logits = self.target.forward(torch.cat([last, draft.tokens], 1), self.cache)
         t2 = time.perf_counter()
-        # 2. Accept a prefix, add the target's own token.
+        # 2. Accept a prefix (and perhaps the alternate where it broke off), add the target's own token.
         verdict = verifier_for(sampling).verify(draft, logits, sampling, generators)
         # 3. Roll back: the target keeps the last token and the accepted draft tokens; the drafter its own.
-        self.cache.truncate(start + 1 + verdict.num_accepted)
+        if verdict.alternate is not None and bool(verdict.alternate.any()):
+            self.cache.retain(start, self._accepted_path(draft, verdict, tree.shape[1]))
+        else:
+            self.cache.truncate(start + 1 + verdict.num_accepted)
         self.drafter.commit(verdict)
         t3 = time.perf_counter()
         # The target's share of a step is its pass plus verification and rollback: what a wider pass adds to.
+        alternates = None
+        if extra is not None:
+            alternates = (draft.alternates >= 0, draft.alternate_confidence, verdict.alternate)
         self.policy.observe(len(self.rows), k, width + 1, draft.num_drafted, verdict.num_accepted, t1 - t0, t3 - t1,
-                            draft.confidence)
+                            draft.confidence, extra_rows=0 if extra is None else extra.shape[1], alternates=alternates)
 
         # 4. Hand out the new tokens; cut at max_new_tokens, EOS and stop sequences.
         events, running = [], []
         for b, row in enumerate(self.rows):
-            event = self._emit(row, verdict.emitted(draft, b), int(verdict.num_accepted[b]))
+            event = self._emit(row, verdict.emitted(draft, b), int(verdict.tokens_from_draft()[b]))
             events.append(event)
             if event.finish_reason is None:
                 running.append(b)
@@ -179,10 +196,34 @@ class DecodeBatch:
             stats.draft_seconds += t1 - t0
             stats.target_seconds += t2 - t1
             stats.overhead_seconds += t3 - t2
-            stats.observe(draft.num_drafted[rows], verdict.num_accepted[rows], width)
+            stats.observe(draft.num_drafted[rows], verdict.num_accepted[rows], width,
+                          *((int(alternates[0][rows].sum()), int(alternates[2][rows].sum())) if alternates else ()))
             stats.emitted_tokens += sum(len(events[b].tokens) for b in rows.tolist())
         self._keep(running)
         return events
+
+    def _fit_alternates(self, draft: Draft) -> Draft:
+        """Keep a tree pass within the rows the target computes exactly (see next_draft_len): drop the
+        alternates of the deepest positions first, they are the least likely to be reached."""
+        exact_rows = getattr(self.target, "max_exact_rows", None)
+        if not exact_rows:
+            return draft
+        room = exact_rows // len(self.rows) - 1 - draft.draft_len  # alternate columns a pass may still carry
+        present = draft.alternates >= 0
+        if room <= 0:
+            return replace(draft, alternates=None, alternate_confidence=None)
+        keep = present & (present.long().cumsum(1) <= room)
+        return replace(draft, alternates=torch.where(keep, draft.alternates, -1))
+
+    @staticmethod
+    def _accepted_path(draft: Draft, verdict: Verdict, width: int) -> torch.Tensor:
+        """[batch, width] bool over the tree pass: the last token, the accepted chain, the taken alternate."""
+        keep = torch.arange(width)[None, :] <= verdict.num_accepted[:, None]
+        _, _, columns = draft.tree
+        at = verdict.num_accepted.clamp(max=draft.draft_len - 1)[:, None]
+        taken = verdict.alternate.nonzero().squeeze(1)
+        keep[taken, columns.gather(1, at).squeeze(1)[taken]] = True
+        return keep
 
     def _stat_sinks(self) -> Iterator[tuple[SpecStats, torch.Tensor]]:
         """The batch's stats over all rows, then each request's own stats over its row."""

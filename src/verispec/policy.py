@@ -27,6 +27,12 @@ delivered and a plain step): a step should take on a token when the tokens it is
 are worth at least what its seconds would earn at that rate, which is the rule that maximises a
 long-run rate of reward over cost. Whether to draft at all is then decided from the delivered rate
 against a plain step's. For a batch this treats every row as deciding alike, exact at batch size 1.
+
+The same rule places alternates (a greedy draft's second choice beside chain position i, a leaf of a
+token tree): one is worth its row in the pass when S_{i-1} * b(conf2_i) >= R * dt_target, where b(.)
+is the observed chance that an alternate of that probability is the target's token once the chain
+has reached position i. Taking it adds one token to the step (the alternate, then the target's token
+after it, where the chain would have given the target's correction alone), and it costs no draft pass.
 Knows nothing about models or tokens: only numbers the engine reports.
 """
 
@@ -38,7 +44,7 @@ from typing import Protocol
 
 import torch
 
-from verispec.drafters.base import StopRule
+from verispec.drafters.base import BranchRule, StopRule
 
 
 class DraftPolicy(Protocol):
@@ -50,10 +56,17 @@ class DraftPolicy(Protocol):
         """How far each row's draft may go within the chosen length this step (None: all the way)."""
         ...
 
+    def branch_rule(self, stop: StopRule) -> BranchRule | None:
+        """Where this step's draft (judged by `stop`) may add alternates; None: nowhere."""
+        ...
+
     def observe(self, batch_size: int, draft_len: int, width: int, num_drafted: torch.Tensor, num_accepted: torch.Tensor,
-                draft_seconds: float, target_seconds: float, confidence: torch.Tensor | None = None) -> None:
-        """Learn from one step: num_drafted, num_accepted [batch] long; width = tokens per row in the target
-        pass; confidence [batch, width - 1] the draft's probabilities for its tokens, when it reports them."""
+                draft_seconds: float, target_seconds: float, confidence: torch.Tensor | None = None,
+                extra_rows: int = 0, alternates: tuple | None = None) -> None:
+        """Learn from one step: num_drafted, num_accepted [batch] long (the chain's tokens); width = 1 + the
+        chain's positions in the target pass, extra_rows = alternate columns after them; confidence
+        [batch, width - 1] the draft's probabilities for its tokens, when it reports them; alternates
+        (present [batch, width - 1] bool, their confidence [batch, width - 1], taken [batch] bool)."""
         ...
 
 
@@ -65,6 +78,9 @@ class FixedDraftLen:
         return self.draft_len
 
     def stop_rule(self, batch_size: int) -> None:
+        return None
+
+    def branch_rule(self, stop: StopRule) -> None:
         return None
 
     def observe(self, *args, **kwargs) -> None:
@@ -83,26 +99,30 @@ class Calibration:
 
     EDGES = torch.tensor([0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.98, 0.99])
 
-    def __init__(self, decay: float = 0.99, prior_weight: float = 2.0):
+    def __init__(self, decay: float = 0.99, prior_weight: float = 2.0, prior_power: float = 0.5):
         self.decay = decay
         self.prior_weight = prior_weight
         lower = torch.cat([torch.zeros(1), self.EDGES])
         upper = torch.cat([self.EDGES, torch.ones(1)])
-        self.prior = ((lower + upper) / 2).sqrt()
+        self.prior = ((lower + upper) / 2) ** prior_power
         self.accepted = torch.zeros(len(self.prior))
         self.reached = torch.zeros(len(self.prior))
         self.seen = False
 
     def __call__(self, confidence: torch.Tensor) -> torch.Tensor:
         rates = (self.accepted + self.prior_weight * self.prior) / (self.reached + self.prior_weight)
-        return rates[torch.bucketize(confidence.float(), self.EDGES, right=True)]
+        return rates[torch.bucketize(confidence.float().contiguous(), self.EDGES, right=True)]
 
     def observe(self, confidence: torch.Tensor, num_drafted: torch.Tensor, num_accepted: torch.Tensor) -> None:
         """confidence [batch, k]; a token counts if it was drafted and everything before it was accepted."""
         positions = torch.arange(confidence.shape[1])
         reached = (positions < num_drafted[:, None]) & (positions <= num_accepted[:, None])
         accepted = positions < num_accepted[:, None]  # accepted tokens were drafted, so all reached
-        bins = torch.bucketize(confidence.float(), self.EDGES, right=True)
+        self.count(confidence, reached, accepted)
+
+    def count(self, confidence: torch.Tensor, reached: torch.Tensor, accepted: torch.Tensor) -> None:
+        """One step's outcomes: confidence, reached, accepted [batch, k] (accepted implies reached)."""
+        bins = torch.bucketize(confidence.float().contiguous(), self.EDGES, right=True)
         self.reached *= self.decay
         self.accepted *= self.decay
         self.reached.index_add_(0, bins[reached], torch.ones(int(reached.sum())))
@@ -130,15 +150,24 @@ class RealizedRate:
 class ConfidenceStop:
     """One step's stop rule: keep a row drafting while S_i >= thresholds[i] (see the module docstring)."""
 
-    def __init__(self, calibration: Calibration, thresholds: list[float]):
+    def __init__(self, calibration: Calibration, thresholds: list[float], alternates: Calibration | None = None,
+                 alternate_thresholds: list[float] | None = None):
         self.calibration = calibration
         self.thresholds = thresholds
+        self.alternates = alternates
+        self.alternate_thresholds = alternate_thresholds
         self.survival: torch.Tensor | None = None
+        self.reached: torch.Tensor | float = 1.0  # S_{i-1}: the chance the chain reaches the position judged last
 
     def __call__(self, position: int, confidence: torch.Tensor) -> torch.Tensor:
         accept = self.calibration(confidence)
+        self.reached = 1.0 if self.survival is None else self.survival
         self.survival = accept if self.survival is None else self.survival * accept
         return self.survival >= self.thresholds[position]
+
+    def branch(self, position: int, confidence: torch.Tensor) -> torch.Tensor:
+        """The `BranchRule`: an alternate at `position` (judged after the stop rule there) pays for its row."""
+        return self.reached * self.alternates(confidence) >= self.alternate_thresholds[position]
 
 
 class CostCurve:
@@ -197,6 +226,9 @@ class AdaptiveDraftLen:
         self.target_cost = CostCurve()  # token rows in the pass -> seconds of the target step
         self.draft_cost = CostCurve()  # batch size -> seconds per drafted token
         self.calibration = Calibration()  # confidence -> acceptance, for drafters that report confidence
+        # an alternate's confidence -> the chance it is the target's token once its position is reached;
+        # a draft's second probability is about what it says (prior b(conf) = conf)
+        self.alternate_calibration = Calibration(prior_power=1.0)
         self.speculative = RealizedRate()  # tokens per second per sequence that drafting steps delivered
         self.steps = 0
         self.last_rates: dict[int, float] = {}
@@ -272,13 +304,25 @@ class AdaptiveDraftLen:
         # What one more row adds to the pass, as the slope over two rows: single-row differences
         # between noisy medians would be noise.
         extra = [max(0.0, (target[i + 2] - target[i]) / 2) for i in range(self.max_draft_len)]
-        return ConfidenceStop(self.calibration, [rate * (draft + extra[i]) for i in range(self.max_draft_len)])
+        return ConfidenceStop(self.calibration, [rate * (draft + extra[i]) for i in range(self.max_draft_len)],
+                              self.alternate_calibration, [rate * extra[i] for i in range(self.max_draft_len)])
+
+    def branch_rule(self, stop: StopRule) -> BranchRule | None:
+        return stop.branch if isinstance(stop, ConfidenceStop) else None
 
     def observe(self, batch_size: int, draft_len: int, width: int, num_drafted: torch.Tensor, num_accepted: torch.Tensor,
-                draft_seconds: float, target_seconds: float, confidence: torch.Tensor | None = None) -> None:
-        self.target_cost.observe(batch_size * width, target_seconds)
+                draft_seconds: float, target_seconds: float, confidence: torch.Tensor | None = None,
+                extra_rows: int = 0, alternates: tuple | None = None) -> None:
+        self.target_cost.observe(batch_size * (width + extra_rows), target_seconds)
+        gained = num_accepted + 1
+        if alternates is not None:
+            present, alternate_confidence, taken = alternates
+            positions = torch.arange(present.shape[1])
+            reached = present & (positions <= num_accepted[:, None])
+            self.alternate_calibration.count(alternate_confidence, reached, reached & taken[:, None] & (positions == num_accepted[:, None]))
+            gained = gained + taken.long()
         if draft_len > 0:  # including a draft stopped before its first token: that cost a draft pass
-            self.speculative.observe(float((num_accepted + 1).float().mean()), draft_seconds + target_seconds)
+            self.speculative.observe(float(gained.float().mean()), draft_seconds + target_seconds)
         if width <= 1:
             return  # nothing was drafted (k = 0, or every row stopped at once): no acceptance to learn
         self.draft_cost.observe(batch_size, draft_seconds / (width - 1))

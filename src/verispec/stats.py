@@ -49,9 +49,14 @@ class SpecStats:
     max_draft_len: int = 0
     drafted_at: list[int] = field(default_factory=list)  # per draft position: times proposed
     accepted_at: list[int] = field(default_factory=list)  # per draft position: times accepted
+    alternates_drafted: int = 0  # second guesses beside chain positions (token-tree leaves)
+    alternates_accepted: int = 0  # ... taken where the chain's token was rejected
 
-    def observe(self, num_drafted: torch.Tensor, num_accepted: torch.Tensor, draft_len: int) -> None:
-        """Record one verification step. num_drafted, num_accepted: [batch] long."""
+    def observe(self, num_drafted: torch.Tensor, num_accepted: torch.Tensor, draft_len: int,
+                alternates_drafted: int = 0, alternates_accepted: int = 0) -> None:
+        """Record one verification step. num_drafted, num_accepted: [batch] long (the chain's tokens)."""
+        self.alternates_drafted += alternates_drafted
+        self.alternates_accepted += alternates_accepted
         self.target_passes += 1
         self.sequence_steps += int(num_drafted.numel())
         self.drafted_tokens += int(num_drafted.sum())
@@ -76,8 +81,11 @@ class SpecStats:
 
     @property
     def mean_accepted_tokens(self) -> float:
-        """Tokens per target pass per sequence, the bonus/recovered token included (plain decoding: 1.00)."""
-        return (self.accepted_tokens + self.sequence_steps) / self.sequence_steps if self.sequence_steps else 0.0
+        """Tokens per target pass per sequence, the bonus/recovered token and accepted alternates included
+        (plain decoding: 1.00)."""
+        if not self.sequence_steps:
+            return 0.0
+        return (self.accepted_tokens + self.alternates_accepted + self.sequence_steps) / self.sequence_steps
 
     @property
     def mean_draft_len(self) -> float:
@@ -114,6 +122,8 @@ class SpecStats:
             "emitted_tokens": self.emitted_tokens,
             "acceptance_rate": round(self.acceptance_rate, 4),
             "acceptance_by_position": [round(a, 4) for a in self.acceptance_by_position],
+            "alternates_drafted": self.alternates_drafted,
+            "alternates_accepted": self.alternates_accepted,
             "mean_accepted_tokens": round(self.mean_accepted_tokens, 4),
             "mean_draft_len": round(self.mean_draft_len, 4),
             "tokens_per_second": round(self.tokens_per_second, 3),

@@ -1,13 +1,16 @@
 """The contract between a drafter, the verifier and the engine.
 
 A drafter proposes up to k tokens per sequence (`Draft`); the verifier answers with a `Verdict`;
-the drafter then rolls its own state back with `commit`. The engine owns the sequences and the
+the drafter then rolls its own state back with `commit`. A draft is a chain, optionally with one
+alternate token beside any of its positions (a leaf of a token tree: a second guess that the target
+checks in the same pass, used where the chain's own token is rejected). The engine owns the sequences and the
 target's cache; each drafter owns whatever it keeps (its cache, its n-gram index).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Protocol
 
 import torch
@@ -23,18 +26,51 @@ class Draft:
     # [batch, k] float32: the draft's own probability of each token it proposed (its top probability when
     # greedy); None for drafters that cannot judge their tokens. The policy learns how it predicts acceptance.
     confidence: torch.Tensor | None = None
+    # [batch, k] long: a second candidate for each chain position (-1: none), a sibling leaf of tokens[:, i];
+    # only for deterministic (greedy) drafts, and verified only by targets that take token trees.
+    alternates: torch.Tensor | None = None
+    alternate_confidence: torch.Tensor | None = None  # [batch, k] float32: the draft's probability of each
 
     @property
     def draft_len(self) -> int:
         return self.tokens.shape[1]
 
+    @property
+    def has_alternates(self) -> bool:
+        return self.alternates is not None and bool((self.alternates >= 0).any())
+
     def narrow(self, width: int) -> "Draft":
         """The first `width` positions (every row's real proposals, when width >= max(num_drafted))."""
         if width == self.draft_len:
             return self
-        probs = None if self.probs is None else self.probs[:, :width]
-        confidence = None if self.confidence is None else self.confidence[:, :width]
-        return Draft(self.tokens[:, :width], self.num_drafted.clamp(max=width), probs, confidence)
+        cut = lambda t: None if t is None else t[:, :width]  # noqa: E731
+        return Draft(self.tokens[:, :width], self.num_drafted.clamp(max=width), cut(self.probs), cut(self.confidence),
+                     cut(self.alternates), cut(self.alternate_confidence))
+
+    @cached_property
+    def tree(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The verify pass for a draft with alternates: (tokens [batch, m] to append after the chain,
+        tree [batch, 1 + k + m, 1 + k + m] bool over [last token, chain, alternates] (see
+        `CausalLM.forward`), columns [batch, k] long: where each position's alternate sits in that pass, -1
+        if none). A row's alternates are packed left in position order; spare columns are padding leaves."""
+        batch, k = self.tokens.shape
+        present = self.alternates >= 0
+        count = present.sum(1)
+        m = int(count.max())
+        order = torch.argsort((~present).long(), dim=1, stable=True)[:, :m]  # positions holding alternates first
+        extra = self.alternates.gather(1, order).clamp(min=0)
+        extra[torch.arange(m)[None, :] >= count[:, None]] = 0
+        width = 1 + k + m
+        tree = torch.tril(torch.ones(width, width, dtype=torch.bool)).repeat(batch, 1, 1)
+        tree[:, 1 + k :, :] = False
+        columns = torch.full((batch, k), -1, dtype=torch.long)
+        for b in range(batch):
+            for j, i in enumerate(order[b, : int(count[b])].tolist()):
+                column = 1 + k + j
+                tree[b, column, : 1 + i] = True  # the last token and chain positions before i: its ancestors
+                columns[b, i] = column
+            tree[b, torch.arange(1 + k, width), torch.arange(1 + k, width)] = True  # and itself
+        return extra, tree, columns
 
 
 @dataclass
@@ -42,11 +78,24 @@ class Verdict:
     num_accepted: torch.Tensor  # [batch] long: accepted draft tokens, a prefix of each row's draft
     next_tokens: torch.Tensor  # [batch] long: the target's own token after the accepted prefix
     # (recovered from the residual after a rejection, or the bonus token when every drafted token was accepted)
+    # [batch] bool: the chain was rejected at position num_accepted but that position's alternate was
+    # accepted; next_tokens then follows the alternate. None: no alternates were drafted.
+    alternate: torch.Tensor | None = None
+
+    def took_alternate(self, row: int) -> bool:
+        return self.alternate is not None and bool(self.alternate[row])
 
     def emitted(self, draft: Draft, row: int) -> list[int]:
-        """The tokens row `row` gains this step: its accepted draft prefix, then the target's token."""
+        """The tokens row `row` gains this step: its accepted draft prefix (and alternate), then the target's token."""
         accepted = int(self.num_accepted[row])
-        return draft.tokens[row, :accepted].tolist() + [int(self.next_tokens[row])]
+        tokens = draft.tokens[row, :accepted].tolist()
+        if self.took_alternate(row):
+            tokens.append(int(draft.alternates[row, accepted]))
+        return tokens + [int(self.next_tokens[row])]
+
+    def tokens_from_draft(self) -> torch.Tensor:
+        """[batch] long: emitted tokens that came from the draft (the chain prefix plus an alternate)."""
+        return self.num_accepted + (0 if self.alternate is None else self.alternate.long())
 
 
 class StopRule(Protocol):
@@ -58,6 +107,15 @@ class StopRule(Protocol):
         ...
 
 
+class BranchRule(Protocol):
+    """Decides where a greedy draft adds its second choice as an alternate (see `Draft.alternates`)."""
+
+    def __call__(self, position: int, confidence: torch.Tensor) -> torch.Tensor:
+        """[batch] bool: rows that should add an alternate at chain `position`, given the draft's probability
+        for it. Called after the stop rule has judged the same position."""
+        ...
+
+
 class Drafter(Protocol):
     """Proposes tokens; learns the outcome. Chosen once, when the engine is built."""
 
@@ -66,10 +124,11 @@ class Drafter(Protocol):
         ...
 
     def propose(self, sequences: list[list[int]], draft_len: int, sampling: list[SamplingParams], generators: list[torch.Generator],
-                stop: StopRule | None = None) -> Draft:
+                stop: StopRule | None = None, branch: BranchRule | None = None) -> Draft:
         """Up to draft_len tokens to follow each sequence (prompt plus tokens so far); sampling and
         generators are per row, so a sampled draft draws from the same warped distribution as its row.
-        A drafter that scores its own tokens stops a row where `stop` says so; others ignore it."""
+        A drafter that scores its own tokens stops a row where `stop` says so, and adds alternates where
+        `branch` says so (given only when every row is greedy); others ignore both."""
         ...
 
     def commit(self, verdict: Verdict) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from verispec.drafters.base import Draft, StopRule, Verdict
+from verispec.drafters.base import BranchRule, Draft, StopRule, Verdict
 from verispec.drafters.model import ModelDrafter
 from verispec.drafters.ngram import NgramDrafter
 from verispec.sampling import SamplingParams
@@ -38,7 +38,8 @@ class HybridDrafter:
         return max(len(seq) - n for seq, n in zip(sequences, seen))
 
     def propose(self, sequences: list[list[int]], draft_len: int, sampling: list[SamplingParams],
-                generators: list[torch.Generator], stop: StopRule | None = None) -> Draft:
+                generators: list[torch.Generator], stop: StopRule | None = None,
+                branch: BranchRule | None = None) -> Draft:
         if draft_len > 0 and self._lag(sequences) + draft_len + 1 <= self.max_lag:
             found = self.lookup.propose(sequences, draft_len, sampling, generators)
             if bool((found.num_drafted == draft_len).all()):
@@ -46,7 +47,7 @@ class HybridDrafter:
                 self.lookup_steps += 1
                 return found
         self.model_steps += draft_len > 0
-        return self.model.propose(sequences, draft_len, sampling, generators, stop)
+        return self.model.propose(sequences, draft_len, sampling, generators, stop, branch)
 
     def commit(self, verdict: Verdict) -> None:
         self.model.commit(verdict)  # nothing to undo after a step it skipped

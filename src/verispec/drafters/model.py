@@ -5,14 +5,16 @@ The draft model keeps its own cache. Each round it first catches up on the token
 sampling from the same warped distribution q it reports to the verifier. It reports its probability
 for each token it proposes, and a row stops early where the step's stop rule says the chance of
 acceptance no longer pays for another token (or, with `min_confidence`, at any token below that
-probability). On commit it forgets the draft tokens that were rejected.
+probability). Where `branch` says so (greedy rows only), it adds its second choice at a position as an
+alternate leaf; the draft never feeds an alternate to itself. On commit it forgets the draft tokens
+that were rejected.
 """
 
 from __future__ import annotations
 
 import torch
 
-from verispec.drafters.base import Draft, StopRule, Verdict, empty_draft
+from verispec.drafters.base import BranchRule, Draft, StopRule, Verdict, empty_draft
 from verispec.models.base import CausalLM
 from verispec.prefill import left_pad, prefill
 from verispec.sampling import SamplingParams, sample, warp_rows
@@ -45,7 +47,7 @@ class ModelDrafter:
 
     @torch.inference_mode()
     def propose(self, sequences: list[list[int]], draft_len: int, sampling: list[SamplingParams], generators: list[torch.Generator],
-                stop: StopRule | None = None) -> Draft:
+                stop: StopRule | None = None, branch: BranchRule | None = None) -> Draft:
         batch = len(sequences)
         if draft_len == 0:  # a plain step: catch up later, in one pass
             self._round = None
@@ -60,6 +62,9 @@ class ModelDrafter:
         probs = None if all_greedy else torch.zeros(batch, draft_len, self.vocab_size)
         confidence = torch.zeros(batch, draft_len)
         num_drafted = torch.zeros(batch, dtype=torch.long)
+        branch = branch if all_greedy else None
+        alternates = torch.full((batch, draft_len), -1, dtype=torch.long) if branch is not None else None
+        alternate_confidence = torch.zeros(batch, draft_len) if branch is not None else None
         going = torch.ones(batch, dtype=torch.bool)
         fed = 0  # draft tokens fed back into the draft cache
         logits = self.model.forward(tail_tokens, self.cache, tail_visible, last_only=True)[:, -1]
@@ -67,7 +72,13 @@ class ModelDrafter:
             logits = self._logits_to_target_vocab(logits.float().cpu())
             if all_greedy:
                 tokens[:, i] = logits.argmax(-1)
-                confidence[:, i] = logits.softmax(-1).max(-1).values
+                if branch is None:
+                    confidence[:, i] = logits.softmax(-1).max(-1).values
+                else:
+                    top = logits.softmax(-1).topk(2, -1)
+                    confidence[:, i] = top.values[:, 0]
+                    alternate_confidence[:, i] = top.values[:, 1]
+                    second = top.indices[:, 1]
             else:  # greedy rows get a one-hot q, from which sampling returns the argmax
                 q = warp_rows(logits, sampling)
                 probs[:, i] = q
@@ -82,13 +93,17 @@ class ModelDrafter:
                 going &= stop(i, confidence[:, i])
             if self.min_confidence:
                 going &= confidence[:, i] >= self.min_confidence
+            if branch is not None:
+                wanted = going & branch(i, alternate_confidence[:, i]) & (second != tokens[:, i])
+                alternates[wanted, i] = second[wanted]
             num_drafted += going.long()
             if not going.any() or i + 1 == draft_len:  # the last token's successor is never needed
                 break
             logits = self.model.forward(tokens[:, i : i + 1], self.cache)[:, -1]
             fed += 1
         self._round = (start, tail_tokens.shape[1], fed)
-        return Draft(tokens=tokens, num_drafted=num_drafted, probs=probs, confidence=confidence)
+        return Draft(tokens=tokens, num_drafted=num_drafted, probs=probs, confidence=confidence,
+                     alternates=alternates, alternate_confidence=alternate_confidence)
 
     def commit(self, verdict: Verdict) -> None:
         if self._round is None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from verispec.drafters.base import Draft, StopRule, Verdict
+from verispec.drafters.base import BranchRule, Draft, StopRule, Verdict
 from verispec.errors import VerispecError
 from verispec.sampling import SamplingParams
 
@@ -51,7 +51,7 @@ class NgramDrafter:
         self.rows += [_RowIndex(self.ngram_sizes) for _ in prompts]
 
     def propose(self, sequences: list[list[int]], draft_len: int, sampling: list[SamplingParams], generators: list[torch.Generator],
-                stop: StopRule | None = None) -> Draft:
+                stop: StopRule | None = None, branch: BranchRule | None = None) -> Draft:
         tokens = torch.zeros(len(sequences), draft_len, dtype=torch.long)
         num_drafted = torch.zeros(len(sequences), dtype=torch.long)
         for row, (index, sequence) in enumerate(zip(self.rows, sequences)):

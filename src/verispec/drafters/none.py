@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from verispec.drafters.base import Draft, StopRule, Verdict, empty_draft
+from verispec.drafters.base import BranchRule, Draft, StopRule, Verdict, empty_draft
 from verispec.sampling import SamplingParams
 
 
@@ -13,7 +13,7 @@ class NoDrafter:
         pass
 
     def propose(self, sequences: list[list[int]], draft_len: int, sampling: list[SamplingParams], generators: list[torch.Generator],
-                stop: StopRule | None = None) -> Draft:
+                stop: StopRule | None = None, branch: BranchRule | None = None) -> Draft:
         return empty_draft(len(sequences))
 
     def commit(self, verdict: Verdict) -> None:

@@ -49,6 +49,11 @@ class ModelCache:
         self.slots.truncate(ends)
         self.store.trim(self.slots.length)
 
+    def retain(self, start: int, keep: torch.Tensor) -> None:
+        """Roll back a token-tree pass that began at slot `start`: row b keeps the new slots where keep[b]."""
+        self.slots.retain(start, keep)
+        self.store.trim(self.slots.length)
+
     def select(self, rows: list[int]) -> None:
         """Keep only these rows, in this order (the others left the batch)."""
         index = torch.tensor(rows, dtype=torch.long)
@@ -74,8 +79,14 @@ class CausalLM(Protocol):
 
     def new_cache(self, batch_size: int) -> ModelCache: ...
 
-    def forward(self, tokens: torch.Tensor, cache: ModelCache, visible: torch.Tensor | None = None, last_only: bool = False) -> torch.Tensor:
+    supports_trees: bool  # forward takes `tree`: several candidate continuations in one pass
+
+    def forward(self, tokens: torch.Tensor, cache: ModelCache, visible: torch.Tensor | None = None, last_only: bool = False,
+                tree: torch.Tensor | None = None) -> torch.Tensor:
         """tokens: [batch, T] long; visible: [batch, T] bool (False = padding slot), default all True.
+        tree: [batch, T, T] bool, for backends with `supports_trees`: the new tokens form a token tree,
+        tree[b, t, j] when token j is t itself or an ancestor of t (so j <= t); each token then attends
+        to the cache and its own ancestors only, at the position its path gives it.
 
         Appends T slots to `cache` and returns logits [batch, T, vocab_size] float32 (T = 1 with
         last_only), where logits[:, t] is the distribution of the token that follows tokens[:, t].

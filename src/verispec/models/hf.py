@@ -101,8 +101,13 @@ class HFCausalLM:
     def new_cache(self, batch_size: int) -> ModelCache:
         return ModelCache(slots=SlotCache(batch_size, self.device), store=HFStore(self.config))
 
+    supports_trees = False  # transformers' attention takes a 2-D mask here: one causal chain per row
+
     @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, cache: ModelCache, visible: torch.Tensor | None = None, last_only: bool = False) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, cache: ModelCache, visible: torch.Tensor | None = None, last_only: bool = False,
+                tree: torch.Tensor | None = None) -> torch.Tensor:
+        if tree is not None:
+            raise ValueError(f"{self.name} runs on transformers, which verifies chains only: pass tree=None")
         tokens = tokens.to(self.device)
         if visible is None:
             visible = torch.ones_like(tokens, dtype=torch.bool)

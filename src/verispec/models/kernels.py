@@ -151,7 +151,7 @@ static void parallel_for(range_fn fn, const void *job, int64_t total, int64_t gr
 /* s: one scale per weight row for int8 weights (w[n, k] = q[n, k] * s[n]), else unused */
 typedef struct { const float *x; const void *w; const float *s; const float *b; float *y; int64_t M, N, K; } linear_job;
 typedef struct {
-    const float *q, *kc, *vc; const uint8_t *vis; float *out;
+    const float *q, *kc, *vc; const uint8_t *vis, *tree; float *out;
     int64_t B, T, H, KVH, D, cap, vis_stride, start; float scale; _Atomic int failed;
 } attention_job;
 
@@ -525,21 +525,31 @@ __attribute__((target($ISA))) static void rms_norm$SFX(float *x, const float *de
  * One (batch row, kv head): q [T, H, D] (query heads kvh*G .. kvh*G+G-1 share this kv head);
  * keys kc [cap/16, D, 16] (blocks of 16 slots, d-major inside a block, so 16 slots are scored by
  * a stream of contiguous loads), values vc [cap, D], vis [S] (S = start + T; the new tokens sit at
- * slots start .. S-1). Query t sees slot s iff s <= start + t and vis[s].
+ * slots start .. S-1). Query t sees slot s iff s <= start + t and vis[s]; with a token tree
+ * (tree [T, T], tree[t][j] = 1 when new token j is t itself or one of its ancestors), a new slot
+ * start + j only when also tree[t][j]: each token then sees its own path, as if decoded alone.
  * Exactness: each score is one chain of multiply-adds over d, whatever lane it sits in. A query's
  * keys are the visible slots in slot order, compacted; its softmax sum runs over that compacted
  * list in lanes j mod L, and its output sums p_j v_j in j order. Holes, padding, batch mates and
  * later tokens of the same pass therefore change nothing in its result. A query that sees no slot
  * (padding) gets zeros, never NaN. */
 __attribute__((target($ISA))) static void attend$SFX(
-    const float *q, const float *kc, const float *vc, const uint8_t *vis, float *out,
+    const float *q, const float *kc, const float *vc, const uint8_t *vis, const uint8_t *tree, float *out,
     int64_t T, int64_t H, int64_t G, int64_t D, int64_t kvh, int64_t start, float scale,
-    float *scores, int64_t *idx)
+    float *scores, int64_t *idx, int64_t *seen)
 {
     enum { QT = $QTILE, VB = SLOT_BLOCK / $LANES, DV = $DVECS };
     const int64_t S = start + T, Q = T * G;
-    int64_t visible = 0;
-    for (int64_t s = 0; s < S; s++) if (vis[s]) idx[visible++] = s;
+    /* idx[t * S ..]: the slots token t sees, in slot order; seen[t]: how many */
+    int64_t before = 0;
+    for (int64_t s = 0; s < start; s++) if (vis[s]) idx[before++] = s;
+    for (int64_t t = 0; t < T; t++) {
+        int64_t *list = idx + t * S, n = before;
+        if (t) for (int64_t j = 0; j < before; j++) list[j] = idx[j];
+        for (int64_t j = 0; j <= t; j++)
+            if (vis[start + j] && (!tree || tree[t * T + j])) list[n++] = start + j;
+        seen[t] = n;
+    }
 
     /* 1. scores[i, s] = (q_i . k_s) * scale for every slot: QT queries x one 16-slot block per tile */
     for (int64_t i0 = 0; i0 < Q; i0 += QT) {
@@ -569,13 +579,11 @@ __attribute__((target($ISA))) static void attend$SFX(
     /* 2. per query: compact its visible causal scores in place (row[j] <- row[idx[j]], j <= idx[j]),
      *    softmax them, keep the probabilities p_j in row[0 .. n) */
     for (int64_t i = 0; i < Q; i++) {
-        const int64_t own = start + i / G;
+        const int64_t *list = idx + (i / G) * S, n = seen[i / G];
         float *row = scores + i * S;
-        int64_t n = visible;
-        while (n > 0 && idx[n - 1] > own) n--;
         float top = -INFINITY;
         for (int64_t j = 0; j < n; j++) {
-            row[j] = row[idx[j]];
+            row[j] = row[list[j]];
             if (row[j] > top) top = row[j];
         }
         $VEC sum = $ZERO();
@@ -591,8 +599,7 @@ __attribute__((target($ISA))) static void attend$SFX(
     /* 3. out_i = sum_j p_j v_idx[j] in j order; tiles of up to 4 query heads of one token (they
      *    share the slot list) x DV vectors of d, so each value vector loaded serves 4 queries */
     for (int64_t t = 0; t < T; t++) {
-        int64_t n = visible;
-        while (n > 0 && idx[n - 1] > start + t) n--;
+        const int64_t *list = idx + t * S, n = seen[t];
         for (int64_t g0 = 0; g0 < G; g0 += 4) {
             const int64_t count = G - g0 < 4 ? G - g0 : 4;
             const float *p[4];
@@ -602,7 +609,7 @@ __attribute__((target($ISA))) static void attend$SFX(
                 $VEC acc[4][DV];
                 for (int j = 0; j < 4; j++) for (int c = 0; c < DV; c++) acc[j][c] = $ZERO();
                 for (int64_t j = 0; j < n; j++) {
-                    const float *v = vc + idx[j] * D + d0;
+                    const float *v = vc + list[j] * D + d0;
                     if (chunks == DV) {
                         _Pragma("GCC unroll 4") for (int c = 0; c < DV; c++) {
                             const $VEC vv = $LOAD(v + c * $LANES);
@@ -853,14 +860,17 @@ static void attention_range(const void *arg, int64_t begin, int64_t end, int isa
 {
     attention_job *job = (attention_job *)arg;
     const int64_t T = job->T, H = job->H, KVH = job->KVH, D = job->D, G = H / KVH, S = job->start + T;
-    int64_t *idx = malloc(sizeof(int64_t) * (size_t)S + sizeof(float) * (size_t)(T * G * S));
+    int64_t *idx = malloc(sizeof(int64_t) * (size_t)(T * S + T) + sizeof(float) * (size_t)(T * G * S));
     if (!idx) { job->failed = 1; return; }
-    float *scores = (float *)(idx + S);
+    int64_t *seen = idx + T * S;
+    float *scores = (float *)(seen + T);
     for (int64_t pair = begin; pair < end; pair++) {
         const int64_t b = pair / KVH, kvh = pair % KVH;
         (isa == 512 ? attend512 : attend256)(job->q + b * T * H * D, job->kc + pair * D * job->cap,
                                              job->vc + pair * job->cap * D, job->vis + b * job->vis_stride,
-                                             job->out + b * T * H * D, T, H, G, D, kvh, job->start, job->scale, scores, idx);
+                                             job->tree ? job->tree + b * T * T : NULL,
+                                             job->out + b * T * H * D, T, H, G, D, kvh, job->start, job->scale,
+                                             scores, idx, seen);
     }
     free(idx);
 }
@@ -869,11 +879,11 @@ static void attention_range256(const void *job, int64_t begin, int64_t end) { at
 
 /* q [B, T, H, D], out [B, T, H, D]; kc [B, KVH, cap/16, D, 16]; vc [B, KVH, cap, D]; vis [B, vis_stride].
  * Returns 0, or -1 if scratch memory ran out. Threads split the (batch row, kv head) pairs. */
-int slot_attention(const float *q, const float *kc, const float *vc, const uint8_t *vis, float *out,
+int slot_attention(const float *q, const float *kc, const float *vc, const uint8_t *vis, const uint8_t *tree, float *out,
                    int64_t B, int64_t T, int64_t H, int64_t KVH, int64_t D, int64_t cap,
                    int64_t vis_stride, int64_t start, float scale, int isa, int threads)
 {
-    attention_job job = {q, kc, vc, vis, out, B, T, H, KVH, D, cap, vis_stride, start, scale, 0};
+    attention_job job = {q, kc, vc, vis, tree, out, B, T, H, KVH, D, cap, vis_stride, start, scale, 0};
     const int small = T * (start + T) * H * D < 65536;
     parallel_for(isa == 512 ? attention_range512 : attention_range256, &job, B * KVH, 1, small ? 1 : threads);
     return job.failed ? -1 : 0;
@@ -945,7 +955,7 @@ _SIGNATURES = {
     "rms_norm": (None, [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_float, ctypes.c_int]),
     "rope": (None, [ctypes.c_void_p] + [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 3),
     "cache_write": (None, [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 6),
-    "slot_attention": (ctypes.c_int, [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 8 + [ctypes.c_float] + [ctypes.c_int] * 2),
+    "slot_attention": (ctypes.c_int, [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 8 + [ctypes.c_float] + [ctypes.c_int] * 2),
 }
 
 
@@ -1188,13 +1198,17 @@ def cache_write(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache
 
 
 def slot_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, visible: torch.Tensor,
-                   start: int, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+                   start: int, scale: float, out: torch.Tensor | None = None, tree: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of T new tokens per row over the visible slots of a cache.
 
     q [B, T, H, D]; k_cache [B, KVH, capacity/16, D, 16] and v_cache [B, KVH, capacity, D], with the
     new tokens' keys/values already at slots start .. start+T-1; visible [B, >= start+T] bool (unit
     column stride). Query t of row b attends to slots s <= start+t with visible[b, s]; a query that
     sees nothing (padding) gets zeros. Returns out [B, T, H, D].
+
+    tree [B, T, T] bool (a token tree: tree[b, t, j] when new token j is t or an ancestor of t, so
+    j <= t): new slot start+j is then seen by query t only where tree[b, t, j]. A token's result is
+    bitwise what it would be with only its own path in the cache.
     """
     batch, width, heads, head_dim = q.shape
     if head_dim % lanes():
@@ -1204,8 +1218,10 @@ def slot_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     _check(q, k_cache, v_cache, out)
     if visible.dtype != torch.bool or visible.stride(-1) != 1:
         raise ValueError("visible must be a bool matrix with unit column stride")
+    if tree is not None and (tree.dtype != torch.bool or tuple(tree.shape) != (batch, width, width) or not tree.is_contiguous()):
+        raise ValueError(f"tree must be a contiguous bool tensor [{batch}, {width}, {width}]")
     status = _library.slot_attention(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), visible.data_ptr(),
-                                     out.data_ptr(), batch, width, heads, k_cache.shape[1], head_dim,
+                                     None if tree is None else tree.data_ptr(), out.data_ptr(), batch, width, heads, k_cache.shape[1], head_dim,
                                      v_cache.shape[2], visible.stride(0), start, scale, _isa, torch.get_num_threads())
     if status:
         raise MemoryError("slot_attention could not allocate its score buffer")

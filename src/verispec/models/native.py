@@ -344,10 +344,13 @@ class NativeCausalLM:
 
     # --- the contract ---------------------------------------------------------------------------
 
+    supports_trees = True
+
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, cache: ModelCache, visible: torch.Tensor | None = None,
-                last_only: bool = False) -> torch.Tensor:
-        """tokens [B, T] long, visible [B, T] bool (False = padding) -> logits [B, T or 1, vocab] float32."""
+                last_only: bool = False, tree: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens [B, T] long, visible [B, T] bool (False = padding), tree [B, T, T] bool (a token tree, see
+        `CausalLM.forward`) -> logits [B, T or 1, vocab] float32."""
         tokens = tokens.to(self.device)
         batch, width = tokens.shape
         if visible is None:
@@ -356,13 +359,15 @@ class NativeCausalLM:
         start = cache.slots.length
         if store.length != start:
             raise RuntimeError(f"cache out of step: {store.length} stored slots, {start} in the slot bookkeeping")
-        _, position_ids = cache.slots.extend(visible.to(self.device))
+        if tree is not None:
+            tree = tree.to(self.device, torch.bool).contiguous()
+        _, position_ids = cache.slots.extend(visible.to(self.device), tree)
         store.reserve(start + width)
         self._rope_tables(int(position_ids.max()) + 1)
         if self._kernels and batch * width <= kernels.MAX_ROWS:
-            hidden = self._small_pass(tokens, position_ids, cache.slots.visible, store, start)
+            hidden = self._small_pass(tokens, position_ids, cache.slots.visible, store, start, tree)
         else:
-            hidden = self._big_pass(tokens, position_ids, cache.slots.visible, store, start)
+            hidden = self._big_pass(tokens, position_ids, cache.slots.visible, store, start, tree)
         store.length = start + width
         if last_only:
             hidden = hidden[:, -1:]  # the LM head is the biggest matrix: score only what the caller reads
@@ -398,7 +403,7 @@ class NativeCausalLM:
             self._prepared = layers, kernels.Linear(self.lm_head, self.lm_head_bias)
         return self._prepared
 
-    def _small_pass(self, tokens, position_ids, visible, store: NativeStore, start: int) -> torch.Tensor:
+    def _small_pass(self, tokens, position_ids, visible, store: NativeStore, start: int, tree=None) -> torch.Tensor:
         """Hidden states [B, T, hidden] after the final norm, every op a row-exact kernel."""
         batch, width = tokens.shape
         rows = batch * width
@@ -418,7 +423,7 @@ class NativeCausalLM:
             kernels.cache_write(buf["k"].view(shape), buf["v"].view(shape), store.keys[index], store.values[index], start)
             kernels.slot_attention(buf["q"].view(batch, width, self.num_heads, self.head_dim), store.keys[index],
                                    store.values[index], visible, start, self.scale,
-                                   out=buf["attended"].view(batch, width, self.num_heads, self.head_dim))
+                                   out=buf["attended"].view(batch, width, self.num_heads, self.head_dim), tree=tree)
             linear["o"](buf["attended"], buf["delta"])
             kernels.rms_norm(x, layer.mlp_norm, self.eps, buf["normed"], buf["delta"])
             linear["gate"](buf["normed"], buf["gate"])
@@ -456,7 +461,7 @@ class NativeCausalLM:
         out = F.linear(x.to(weight.dtype), weight).to(x.dtype)
         return out if bias is None else out + bias
 
-    def _big_pass(self, tokens, position_ids, visible, store: NativeStore, start: int) -> torch.Tensor:
+    def _big_pass(self, tokens, position_ids, visible, store: NativeStore, start: int, tree=None) -> torch.Tensor:
         """Hidden states [B, T, hidden] after the final norm, with PyTorch's kernels."""
         batch, width = tokens.shape
         end = start + width
@@ -466,7 +471,10 @@ class NativeCausalLM:
         own = start + torch.arange(width, device=self.device)
         # Causal over slots with holes and padding masked; every query also sees its own slot, so a
         # padding query (nothing visible) gets a finite result instead of the NaN of an empty softmax.
-        allowed = ((visible[:, None, :end] & (slot <= own[:, None])) | (slot == own[:, None]))[:, None]
+        allowed = (visible[:, None, :end] & (slot <= own[:, None])) | (slot == own[:, None])
+        if tree is not None:  # new slots: only the token's own path
+            allowed[:, :, start:end] &= tree | torch.eye(width, dtype=torch.bool, device=self.device)
+        allowed = allowed[:, None]
         x = F.embedding(tokens, self.embed)
         for index, layer in enumerate(self.layers):
             h = self._rms_norm(x, layer.attn_norm)

@@ -16,9 +16,17 @@ class GreedyVerifier:
     lossless = True
 
     def verify(self, draft: Draft, target_logits: torch.Tensor, sampling: list[SamplingParams], generators: list[torch.Generator]) -> Verdict:
-        target_tokens = target_logits.argmax(-1).cpu()  # [batch, k + 1]
+        target_tokens = target_logits.argmax(-1).cpu()  # [batch, k + 1 (+ alternates)]
         k = draft.draft_len
         accept = (draft.tokens == target_tokens[:, :k]) & drafted_mask(draft)
         num_accepted = accepted_prefix(accept)
         next_tokens = target_tokens.gather(1, num_accepted[:, None]).squeeze(1)
-        return Verdict(num_accepted=num_accepted, next_tokens=next_tokens)
+        if not draft.has_alternates:
+            return Verdict(num_accepted=num_accepted, next_tokens=next_tokens)
+        # Where the chain was rejected, the target's token may be that position's alternate: accept it,
+        # and take the target's token after it from the alternate's own row of the pass.
+        _, _, columns = draft.tree
+        at = num_accepted.clamp(max=k - 1)[:, None]
+        alternate = (num_accepted < draft.num_drafted) & (draft.alternates.gather(1, at).squeeze(1) == next_tokens)
+        after = target_tokens.gather(1, columns.gather(1, at).clamp(min=0)).squeeze(1)
+        return Verdict(num_accepted=num_accepted, next_tokens=torch.where(alternate, after, next_tokens), alternate=alternate)

@@ -23,6 +23,8 @@ class SpeculativeSamplingVerifier:
     lossless = True
 
     def verify(self, draft: Draft, target_logits: torch.Tensor, sampling: list[SamplingParams], generators: list[torch.Generator]) -> Verdict:
+        if draft.has_alternates:
+            raise ValueError("speculative sampling verifies chains: alternates are for greedy drafts only")
         p = warp_rows(target_logits.cpu(), sampling)  # [batch, k + 1, vocab]
         batch, k = draft.tokens.shape
         q = draft.probs if draft.probs is not None else torch.nn.functional.one_hot(draft.tokens, p.shape[-1]).float()
