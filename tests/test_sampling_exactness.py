@@ -252,7 +252,7 @@ class DropsUnlikelyDraws:
         self.inner, self.threshold = inner, threshold
         self.add, self.commit, self.select = inner.add, inner.commit, inner.select
 
-    def propose(self, sequences, draft_len, sampling, generators, stop=None):
+    def propose(self, sequences, draft_len, sampling, generators, stop=None, branch=None):
         draft = self.inner.propose(sequences, draft_len, sampling, generators)
         if draft.probs is None:  # nothing drafted
             return draft
