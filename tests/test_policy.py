@@ -158,7 +158,8 @@ def test_calibration_learns_acceptance_by_confidence():
     assert calibration(torch.tensor([0.05])).item() == pytest.approx(0.05 ** 0.5)  # never seen: the prior, sqrt(c)
 
 
-def confident_steps(policy, draft: float, target, steps: int = 3000, seed: int = 0, chosen: Counter | None = None) -> float:
+def confident_steps(policy, draft: float, target, steps: int = 3000, seed: int = 0, chosen: Counter | None = None,
+                    history: list | None = None) -> float:
     """Tokens per second over a simulated run where each drafted token carries the draft's confidence
     and is accepted with exactly that probability. Text alternates between easy stretches (confidence
     0.9-1.0) and hard ones (0.05-0.5), switching after a token with probability 0.2, as code alternates
@@ -170,6 +171,8 @@ def confident_steps(policy, draft: float, target, steps: int = 3000, seed: int =
         k = policy.choose(1)
         if chosen is not None:
             chosen[k] += 1
+        if history is not None:
+            history.append(k)
         stop = policy.stop_rule(1) if k else None
         confidence = []
         for _ in range(k):
@@ -206,3 +209,18 @@ def test_confident_drafts_stop_when_drafting_does_not_pay():
     confident_steps(AdaptiveDraftLen(), 0.3, cpu_like, steps=400, chosen=chosen)
     assert chosen[0] / sum(chosen.values()) > 0.85
     assert sum(n for k, n in chosen.items() if k > 0) > 10
+
+
+def test_confident_drafts_come_back_soon_after_a_slow_stretch():
+    """A stretch where drafting does not pay (here the draft is slowed, as on a machine busy with other
+    work) switches speculation off; once drafting pays again, the probes must bring it back within a
+    few dozen steps, not after the stale slow stretch has been outvoted step by step."""
+    policy = AdaptiveDraftLen()
+    chosen = Counter()
+    confident_steps(policy, 0.3, cpu_like, steps=300, chosen=chosen)
+    assert chosen[0] / sum(chosen.values()) > 0.8
+    history = []
+    confident_steps(policy, 0.03, cpu_like, steps=200, seed=1, history=history)
+    first_on = next(i for i, k in enumerate(history) if k > 0)
+    assert first_on <= policy.probe_every
+    assert sum(k > 0 for k in history[60:]) / len(history[60:]) > 0.9

@@ -52,6 +52,15 @@ def test_lower_precision_draft_is_exact(smollm, bf16_draft, plain_outputs, draft
         assert result.stats.mean_accepted_tokens > 1.3  # the bf16 copy agrees often: real speculation happened
 
 
+def test_int8_draft_with_tree_alternates_is_exact(smollm, plain_outputs):
+    """draft_len="tree" on the real model: a quantized draft (often wrong) with alternates, outputs unchanged."""
+    draft = verispec.load(smollm.hf_model, tokenizer=smollm.tokenizer, weight_dtype="int8")
+    for prompt, expected in zip(PROMPTS, plain_outputs):
+        assert verispec.generate(smollm, prompt, draft=draft, draft_len="tree", max_new_tokens=40).token_ids == expected
+    batch = verispec.generate(smollm, PROMPTS, draft=draft, draft_len="tree", max_new_tokens=40)
+    assert [r.token_ids for r in batch] == plain_outputs
+
+
 @pytest.mark.parametrize("draft_len", [1, 4, 8])
 def test_ngram_is_exact(smollm, plain_outputs, draft_len):
     for prompt, expected in zip(PROMPTS, plain_outputs):

@@ -31,14 +31,14 @@ needs_kernels = pytest.mark.skipif(not kernels.available(), reason="no C compile
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
 def pair(request):
-    """(native target, native draft that agrees with it often but not always)."""
+    """(native target, native draft that is often wrong: its alternates get their chances, the HF model)."""
     hf = {"llama": tiny_llama, "qwen2": tiny_qwen2}[request.param](seed=0)
-    return NativeCausalLM.from_hf(hf), NativeCausalLM.from_hf(perturbed_copy(hf, scale=0.3))
+    return NativeCausalLM.from_hf(hf), NativeCausalLM.from_hf(perturbed_copy(hf, scale=0.3)), hf
 
 
 @pytest.fixture(params=["kernels", "torch"])
 def target(request, pair, monkeypatch):
-    model, _ = pair
+    model = pair[0]
     if request.param == "kernels":
         if not model._kernels:
             pytest.skip("exact kernels unavailable here")
@@ -139,7 +139,7 @@ class _Always:
         return lambda position, confidence: torch.ones(confidence.shape[0], dtype=torch.bool)
 
     def branch_rule(self, stop):
-        return lambda position, confidence: torch.ones(confidence.shape[0], dtype=torch.bool)
+        return lambda confidence, num_drafted: torch.ones(confidence.shape, dtype=torch.bool)
 
     def observe(self, *args, **kwargs):
         pass
@@ -158,7 +158,7 @@ def _decode(target, drafter, prompts, policy, max_new_tokens=30):
 
 @pytest.mark.parametrize("k", [1, 3, 6])
 def test_alternates_keep_greedy_output_exact(pair, target, k):
-    _, draft = pair
+    draft = pair[1]
     plain = [_decode(target, ModelDrafter(draft, target.vocab_size), [p], _Always(0))[0][0] for p in PROMPTS]
     taken = 0
     for prompt, expected in zip(PROMPTS, plain):
@@ -181,24 +181,29 @@ class _PricedLikeAPair(AdaptiveDraftLen):
 
 
 def test_adaptive_policy_places_alternates_and_stays_exact(pair):
-    """With draft_len='auto' on a tree-capable target, alternates are placed where they pay, and taken."""
-    target, draft = pair
+    """With draft_len="tree" on a tree-capable target, alternates are placed where they pay, and taken."""
+    target, _, hf = pair
+    draft = NativeCausalLM.from_hf(perturbed_copy(hf, scale=0.1))  # right often enough to be worth drafting
     plain = [_decode(target, ModelDrafter(draft, target.vocab_size), [p], _Always(0), 40)[0][0] for p in PROMPTS]
-    got, stats = _decode(target, ModelDrafter(draft, target.vocab_size), PROMPTS, _PricedLikeAPair(), 40)
+    got, stats = _decode(target, ModelDrafter(draft, target.vocab_size), PROMPTS, _PricedLikeAPair(alternates=True), 40)
     assert got == plain
     assert stats.alternates_drafted > 0 and stats.alternates_accepted > 0
 
 
-def test_branch_rule_weighs_reaching_the_position_against_the_rows_cost():
-    """An alternate is placed where P(chain reaches it) * b(its confidence) clears the row's price."""
+def test_branch_rule_places_alternates_by_worth_while_they_pay_for_their_row():
+    """An alternate is worth P(chain reaches it) * b(its confidence) tokens; the best go first, and each
+    must beat the price of the row it adds where it lands (rows get dearer as the pass widens)."""
     policy = AdaptiveDraftLen()
-    stop = ConfidenceStop(policy.calibration, [0.0] * 4, policy.alternate_calibration, [0.3] * 4)
-    assert stop(0, torch.tensor([0.999, 0.999])).all()
-    # reached for sure; b(conf) starts at the bin's middle: 0.35 clears 0.3, 0.05 does not
-    assert stop.branch(0, torch.tensor([0.35, 0.05])).tolist() == [True, False]
-    stop(1, torch.tensor([0.55, 0.55]))
-    stop(2, torch.tensor([0.999, 0.999]))  # position 2 is reached with chance ~ a(0.55) ~ 0.74
-    assert stop.branch(2, torch.tensor([0.35, 0.95])).tolist() == [False, True]  # 0.74 * 0.35 < 0.3 < 0.74 * 0.95
+    prices = [float("inf"), 0.1, 0.1, 0.1, 0.1, 0.2, 0.3, 0.3, 0.3, 0.3]  # by the pass width a row joins
+    stop = ConfidenceStop(policy.calibration, [0.0] * 4, policy.alternate_calibration, prices)
+    for position, confidence in enumerate([0.999, 0.55, 0.999, 0.999]):
+        assert stop(position, torch.tensor([confidence]))[0]
+    # reach: ~1 at positions 0-1, ~a(0.55) ~ 0.74 at 2-3; b(conf) starts at its bin's middle
+    second = torch.tensor([[0.25, 0.35, 0.35, 0.05]])
+    # worth ~0.25, 0.35, 0.26, 0.04: a pass of 5 rows takes 0.35 at width 5 (price 0.2), then 0.26 < 0.3 stops
+    assert stop.branch(second, torch.tensor([4])).tolist() == [[False, True, False, False]]
+    # a chain of 2: the pass is 3 wide, and both alternates within it pay (0.35, then 0.25 at 0.1)
+    assert stop.branch(second, torch.tensor([2])).tolist() == [[True, True, False, False]]
 
 
 def test_alternate_calibration_learns_from_taken_alternates():

@@ -267,7 +267,9 @@ def generate(target, prompt, *, draft=None, drafter: str = "auto", draft_len: in
     "model", "hybrid" (prompt lookup when it finds a match, else the draft model), "ngram", or
     "none" (plain decoding). draft_len: "auto" (the default) drafts while the draft model's confidence
     says the next token pays for itself, up to 10, and decides from measured acceptance and costs
-    whether to draft at all; an int drafts that many tokens each step. draft_confidence: a draft model
+    whether to draft at all; "tree" does the same and also adds the draft's second choice beside
+    positions where that pays for its row (greedy rows, native targets: token-tree verification);
+    an int drafts that many tokens each step. draft_confidence: a draft model
     also stops drafting a row at a token it gives less than this probability. temperature 0 is greedy.
     """
     session = Session(target, prompt, draft=draft, drafter=drafter, draft_len=draft_len, temperature=temperature,

@@ -29,10 +29,12 @@ long-run rate of reward over cost. Whether to draft at all is then decided from 
 against a plain step's. For a batch this treats every row as deciding alike, exact at batch size 1.
 
 The same rule places alternates (a greedy draft's second choice beside chain position i, a leaf of a
-token tree): one is worth its row in the pass when S_{i-1} * b(conf2_i) >= R * dt_target, where b(.)
-is the observed chance that an alternate of that probability is the target's token once the chain
-has reached position i. Taking it adds one token to the step (the alternate, then the target's token
-after it, where the chain would have given the target's correction alone), and it costs no draft pass.
+token tree) once the chain is drafted: one is worth v_i = S_{i-1} * b(conf2_i) tokens, where b(.) is
+the observed chance that an alternate of that probability is the target's token once the chain has
+reached position i (taking it adds one token: the alternate, then the target's token after it, where
+the chain would have given the target's correction alone). It costs no draft pass, only its row in
+the pass, priced where it lands: after the chain and the better alternates, where on a CPU every row
+costs more than the last. Alternates go in by decreasing v while v >= R * dt_target(width).
 Knows nothing about models or tokens: only numbers the engine reports.
 """
 
@@ -142,6 +144,11 @@ class RealizedRate:
         self.seconds = self.seconds * self.decay + seconds
         self.steps = self.steps * self.decay + 1
 
+    def fade(self, factor: float) -> None:
+        """Age the evidence without new steps (the rate stays, its weight against the next steps shrinks)."""
+        self.tokens *= factor
+        self.seconds *= factor
+
     @property
     def rate(self) -> float | None:
         return self.tokens / self.seconds if self.seconds > 0 else None
@@ -151,23 +158,38 @@ class ConfidenceStop:
     """One step's stop rule: keep a row drafting while S_i >= thresholds[i] (see the module docstring)."""
 
     def __init__(self, calibration: Calibration, thresholds: list[float], alternates: Calibration | None = None,
-                 alternate_thresholds: list[float] | None = None):
+                 row_prices: list[float] | None = None):
         self.calibration = calibration
         self.thresholds = thresholds
         self.alternates = alternates
-        self.alternate_thresholds = alternate_thresholds
+        self.row_prices = row_prices  # [w]: tokens a row must be expected to add to a pass already w rows wide
         self.survival: torch.Tensor | None = None
-        self.reached: torch.Tensor | float = 1.0  # S_{i-1}: the chance the chain reaches the position judged last
+        self.reach: list[torch.Tensor] = []  # [i]: S_{i-1} per row, the chance the chain reaches position i
 
     def __call__(self, position: int, confidence: torch.Tensor) -> torch.Tensor:
         accept = self.calibration(confidence)
-        self.reached = 1.0 if self.survival is None else self.survival
+        self.reach.append(torch.ones_like(accept) if self.survival is None else self.survival)
         self.survival = accept if self.survival is None else self.survival * accept
         return self.survival >= self.thresholds[position]
 
-    def branch(self, position: int, confidence: torch.Tensor) -> torch.Tensor:
-        """The `BranchRule`: an alternate at `position` (judged after the stop rule there) pays for its row."""
-        return self.reached * self.alternates(confidence) >= self.alternate_thresholds[position]
+    def branch(self, confidence: torch.Tensor, num_drafted: torch.Tensor) -> torch.Tensor:
+        """The `BranchRule`: alternates by decreasing worth, while each pays for the row it adds."""
+        batch, k = confidence.shape
+        chosen = torch.zeros(batch, k, dtype=torch.bool)
+        judged = min(k, len(self.reach))
+        if not judged or not int(num_drafted.max()):
+            return chosen
+        worth = torch.stack(self.reach[:judged], 1) * self.alternates(confidence[:, :judged])
+        worth[torch.arange(judged)[None, :] >= num_drafted[:, None]] = 0.0
+        for b in range(batch):  # every row is priced as if it set the pass width alone (exact at batch size 1)
+            width = 1 + int(num_drafted.max())
+            values, order = worth[b].sort(descending=True)
+            for value, position in zip(values.tolist(), order.tolist()):
+                if width >= len(self.row_prices) or value <= 0 or value < self.row_prices[width]:
+                    break
+                chosen[b, position] = True
+                width += 1
+        return chosen
 
 
 class CostCurve:
@@ -212,7 +234,7 @@ class AdaptiveDraftLen:
     """Chooses k from running estimates of acceptance and costs; see the module docstring."""
 
     def __init__(self, max_draft_len: int = 10, decay: float = 0.95, probe_every: int = 16, prior_acceptance: float = 0.7,
-                 prior_weight: float = 2.0, first_draft_len: int = 4):
+                 prior_weight: float = 2.0, first_draft_len: int = 4, idle_fade: float = 0.9, alternates: bool = False):
         self.max_draft_len = max_draft_len
         self.decay = decay  # per step, on the acceptance counts: ~20 steps of memory
         self.probe_every = probe_every
@@ -230,6 +252,12 @@ class AdaptiveDraftLen:
         # a draft's second probability is about what it says (prior b(conf) = conf)
         self.alternate_calibration = Calibration(prior_power=1.0)
         self.speculative = RealizedRate()  # tokens per second per sequence that drafting steps delivered
+        # While speculation is off, what it delivered ages with every plain step, so the probes' fresh
+        # evidence decides within a few probes (a slow stretch, e.g. a busy machine, is not held for ever).
+        self.idle_fade = idle_fade
+        # Token-tree alternates (draft_len="tree"): off by default, as on a CPU they did not pay (see README).
+        self.alternates = alternates
+        self.idle = False  # the last step was plain
         self.steps = 0
         self.last_rates: dict[int, float] = {}
 
@@ -304,11 +332,14 @@ class AdaptiveDraftLen:
         # What one more row adds to the pass, as the slope over two rows: single-row differences
         # between noisy medians would be noise.
         extra = [max(0.0, (target[i + 2] - target[i]) / 2) for i in range(self.max_draft_len)]
+        # A row added to a pass w rows wide: the slope over two rows there (alternates sit past the chain).
+        wide = [self.target_cost(batch_size * width) for width in range(1, 2 * self.max_draft_len + 4)]
+        prices = [rate * max(0.0, (wide[w + 1] - wide[w - 1]) / 2) for w in range(1, 2 * self.max_draft_len + 2)]
         return ConfidenceStop(self.calibration, [rate * (draft + extra[i]) for i in range(self.max_draft_len)],
-                              self.alternate_calibration, [rate * extra[i] for i in range(self.max_draft_len)])
+                              self.alternate_calibration, [float("inf")] + prices)
 
     def branch_rule(self, stop: StopRule) -> BranchRule | None:
-        return stop.branch if isinstance(stop, ConfidenceStop) else None
+        return stop.branch if self.alternates and isinstance(stop, ConfidenceStop) else None
 
     def observe(self, batch_size: int, draft_len: int, width: int, num_drafted: torch.Tensor, num_accepted: torch.Tensor,
                 draft_seconds: float, target_seconds: float, confidence: torch.Tensor | None = None,
@@ -323,9 +354,18 @@ class AdaptiveDraftLen:
             gained = gained + taken.long()
         if draft_len > 0:  # including a draft stopped before its first token: that cost a draft pass
             self.speculative.observe(float(gained.float().mean()), draft_seconds + target_seconds)
+        else:
+            self.speculative.fade(self.idle_fade)
+        if draft_len > 0:
+            # Draft passes run: one per token kept, plus the one that judged the token a stop refused
+            # (none past k). Counted even when every row stopped at its first token: otherwise a draft
+            # cost measured on a slow stretch would make the stop refuse every token, and never be re-measured.
+            if self.idle:  # a probe after plain steps: what drafting cost before then is stale
+                self.draft_cost.samples.pop(batch_size, None)
+            self.draft_cost.observe(batch_size, draft_seconds / min(width, draft_len))
+        self.idle = draft_len == 0
         if width <= 1:
             return  # nothing was drafted (k = 0, or every row stopped at once): no acceptance to learn
-        self.draft_cost.observe(batch_size, draft_seconds / (width - 1))
         if confidence is not None:
             self.calibration.observe(confidence[:, : width - 1], num_drafted, num_accepted)
         positions = torch.arange(1, width)
@@ -341,11 +381,14 @@ class AdaptiveDraftLen:
 
 
 def make_policy(draft_len: int | str | None) -> DraftPolicy:
-    """An int gives a fixed draft length; "auto" or None the adaptive policy."""
+    """An int gives a fixed draft length; "auto" or None the adaptive policy; "tree" the adaptive policy that
+    also places alternates (token-tree leaves) where they pay, for greedy rows on targets that verify trees."""
     from verispec.errors import VerispecError
 
     if draft_len is None or draft_len == "auto":
         return AdaptiveDraftLen()
+    if draft_len == "tree":
+        return AdaptiveDraftLen(alternates=True)
     if isinstance(draft_len, bool) or not isinstance(draft_len, int) or draft_len < 1:
-        raise VerispecError(f"draft_len must be an integer >= 1 or 'auto', got {draft_len!r}")
+        raise VerispecError(f"draft_len must be an integer >= 1, 'auto' or 'tree', got {draft_len!r}")
     return FixedDraftLen(draft_len)

@@ -110,9 +110,10 @@ class StopRule(Protocol):
 class BranchRule(Protocol):
     """Decides where a greedy draft adds its second choice as an alternate (see `Draft.alternates`)."""
 
-    def __call__(self, position: int, confidence: torch.Tensor) -> torch.Tensor:
-        """[batch] bool: rows that should add an alternate at chain `position`, given the draft's probability
-        for it. Called after the stop rule has judged the same position."""
+    def __call__(self, confidence: torch.Tensor, num_drafted: torch.Tensor) -> torch.Tensor:
+        """[batch, k] bool: where to add an alternate, given the draft's probability for its second choice at
+        each position [batch, k] and the chain each row drafted [batch]. Called once the chain is drafted
+        (and judged position by position by the same step's stop rule)."""
         ...
 
 

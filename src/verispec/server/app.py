@@ -219,7 +219,7 @@ def build_app(target, draft=None, drafter: str = "auto", draft_len: int | str = 
     """A FastAPI app serving `target` (a zoo name, path or loaded model) with OpenAI's API.
 
     draft / drafter / draft_len: as for `verispec.generate` (drafter "none" serves plain decoding);
-    draft_len is an int >= 1 or "auto". api_key: when set, /v1/* needs `Authorization: Bearer KEY`.
+    draft_len is an int >= 1, "auto" or "tree". api_key: when set, /v1/* needs `Authorization: Bearer KEY`.
     max_batch: most sequences decoded at once; max_queue: most sequences waiting for a row (a request
     beyond it gets a 503). draft_dtype: "fp32", "bf16", "int8" or "int4" (weight-only), the draft model's
     matrices on the native backend. The models load now; the worker starts with the app.
@@ -384,12 +384,12 @@ def serve(target, host: str = "127.0.0.1", port: int = 8000, log_level: str = "i
 
 
 def _draft_len_arg(value: str) -> int | str:
-    if value == "auto":
+    if value in ("auto", "tree"):
         return value
     try:
         return int(value)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1 or 'auto', got {value!r}") from None
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, 'auto' or 'tree', got {value!r}") from None
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -400,8 +400,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--draft", default=None, help="draft model (same tokenizer as the target); omit for n-gram drafting")
     parser.add_argument("--draft-dtype", default="fp32", choices=DRAFT_DTYPES,
                         help="the draft model's matrices on the native backend: bf16 halves their bytes, int8 quarters them, int4 leaves ~1/7 (default: %(default)s)")
-    parser.add_argument("--drafter", default="auto", choices=["auto", "model", "hybrid", "ngram", "none"], help="auto = hybrid with --draft, else ngram; none = plain decoding")
-    parser.add_argument("--draft-len", type=_draft_len_arg, default="auto", help="draft tokens per step, or 'auto' (default: %(default)s)")
+    parser.add_argument("--drafter", default="auto", choices=["auto", "model", "hybrid", "ngram", "none"], help="auto = model with --draft, else ngram; none = plain decoding")
+    parser.add_argument("--draft-len", type=_draft_len_arg, default="auto", help="draft tokens per step, 'auto', or 'tree' (auto plus token-tree alternates) (default: %(default)s)")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s, this machine only)")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--api-key", default=os.environ.get("VERISPEC_API_KEY"),
