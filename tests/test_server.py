@@ -168,6 +168,8 @@ def test_per_request_speculation_settings(server):
     assert short["choices"][0]["text"] == expected
     spec = short["usage"]["speculative"]
     assert spec["drafted_tokens"] <= spec["target_passes"]  # at most one draft token per pass
+    tree = server.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 24, "temperature": 0, "draft_len": "tree"}).json()
+    assert tree["choices"][0]["text"] == expected
 
 
 def test_sampling_with_seed_and_n(server):
@@ -333,6 +335,7 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": PROMPT, "suffix": "end"}, API_KEY, 400, "suffix"),
     ("/v1/completions", {"prompt": PROMPT, "repetition_penalty": 1.1}, API_KEY, 400, "repetition_penalty"),
     ("/v1/completions", {"prompt": PROMPT, "draft_len": 0}, API_KEY, 400, "draft_len"),
+    ("/v1/completions", {"prompt": PROMPT, "draft_len": "deep"}, API_KEY, 400, "draft_len"),
     ("/v1/completions", {"prompt": PROMPT, "draft_len": 3, "speculate": False}, API_KEY, 400, "draft_len"),
     ("/v1/completions", {"prompt": PROMPT, "speculate": "yes"}, API_KEY, 400, "speculate"),
     ("/v1/completions", {"prompt": PROMPT, "stream_options": {"include_usage": True}}, API_KEY, 400, "stream_options"),

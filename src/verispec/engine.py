@@ -3,7 +3,8 @@
 Each step the drafter proposes up to k tokens per row, the target scores [last token, draft] in one
 forward pass, the verifier accepts a prefix and adds one token of the target's own, and every cache
 forgets what was rejected. A greedy draft may add alternates (second guesses beside its positions);
-the pass then carries a token tree, and the target's cache keeps only the accepted path. With no drafter this is plain autoregressive decoding, the baseline.
+the pass then carries a token tree, and the target's cache keeps only the accepted path. With no
+drafter this is plain autoregressive decoding, the baseline.
 Sequences may join and leave between steps (continuous batching); each keeps its own sampling
 settings, random stream, accepted length and rollback, so it decodes exactly as it would alone.
 The engine works on token ids only: it knows nothing about text, except through `stop_checker`.

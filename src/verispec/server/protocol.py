@@ -180,10 +180,14 @@ def parse_common(fields: Fields, config: ServerConfig, prompts: list[list[int]],
 
 
 def parse_draft(fields: Fields, config: ServerConfig) -> DraftSetting:
-    """Per-request speculation: "speculate": false decodes plainly; "draft_len": k (or "auto") drafts k tokens a step."""
+    """Per-request speculation: "speculate": false decodes plainly; "draft_len": k drafts k tokens a step, "auto"
+    adapts, "tree" adapts with token-tree alternates."""
     speculate = fields.boolean("speculate", True)
     draft_len = fields.body.get("draft_len")
-    if draft_len is not None and draft_len != "auto":
+    if isinstance(draft_len, str) and draft_len not in ("auto", "tree"):
+        raise ApiError(400, f"draft_len must be an integer 1-{MAX_DRAFT_LEN}, 'auto' or 'tree', got {draft_len!r}",
+                       param="draft_len", code="invalid_value")
+    if draft_len is not None and draft_len not in ("auto", "tree"):
         draft_len = fields.integer("draft_len", None, 1, MAX_DRAFT_LEN)
     if config.draft_len is None:
         if fields.body.get("speculate") is True or draft_len is not None:
