@@ -50,6 +50,24 @@ def perturbed_copy(model: HFCausalLM, scale: float, seed: int = 123) -> HFCausal
     return HFCausalLM(clone, name=model.name + "-draft")
 
 
+def on_path(model, path: str, monkeypatch):
+    """A native model on its exact C kernels ("kernels"; skips where they cannot run) or on the plain
+    PyTorch path it falls back to ("torch")."""
+    if path == "kernels":
+        if not model._kernels:
+            pytest.skip("exact kernels unavailable here")
+    else:
+        monkeypatch.setattr(model, "_kernels", False)
+    return model
+
+
+def prefilled(model, tokens: list[int]):
+    """A fresh one-row cache holding `tokens`."""
+    cache = model.new_cache(1)
+    model.forward(torch.tensor([tokens]), cache)
+    return cache
+
+
 ARCHITECTURES = {"llama": tiny_llama, "qwen2": tiny_qwen2, "gpt2": tiny_gpt2}
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import verispec
-from conftest import perturbed_copy, tiny_gpt2, tiny_llama, tiny_qwen2
+from conftest import on_path, perturbed_copy, prefilled, tiny_gpt2, tiny_llama, tiny_qwen2
 from verispec.prefill import left_pad
 from verispec.models import kernels
 from verispec.models.native import NativeCausalLM, NativeStore, supports
@@ -34,13 +34,7 @@ def pair(request):
 @pytest.fixture(params=["kernels", "torch"])
 def native(request, pair, monkeypatch):
     """The native model with its exact kernels, and with the plain torch path it falls back to."""
-    _, model = pair
-    if request.param == "kernels":
-        if not model._kernels:
-            pytest.skip("exact kernels unavailable here")
-    else:
-        monkeypatch.setattr(model, "_kernels", False)
-    return model
+    return on_path(pair[1], request.param, monkeypatch)
 
 
 def run(model, chunks, batch_size=1):
@@ -299,19 +293,13 @@ def test_holes_from_rollback_do_not_shift_a_row(pair, native):
     torch.testing.assert_close(step[0], native.forward(torch.tensor([[70]]), alone0)[0], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(step[1], native.forward(torch.tensor([[71]]), alone1)[0], atol=1e-5, rtol=1e-5)
     if native._kernels:  # holes are skipped, not masked: bitwise what the row gives alone
-        assert torch.equal(step[0], native.forward(torch.tensor([[70]]), _prefilled(native, SEQUENCE[:6] + [60]))[0])
-
-
-def _prefilled(model, tokens):
-    cache = model.new_cache(1)
-    model.forward(torch.tensor([tokens]), cache)
-    return cache
+        assert torch.equal(step[0], native.forward(torch.tensor([[70]]), prefilled(native, SEQUENCE[:6] + [60]))[0])
 
 
 def test_select_and_concat_rows(pair, native):
     rows = [SEQUENCE[:4], SEQUENCE[4:11], SEQUENCE[11:14]]
-    caches = [_prefilled(native, r) for r in rows]
-    expected = [native.forward(torch.tensor([[40 + i]]), _prefilled(native, r))[0] for i, r in enumerate(rows)]
+    caches = [prefilled(native, r) for r in rows]
+    expected = [native.forward(torch.tensor([[40 + i]]), prefilled(native, r))[0] for i, r in enumerate(rows)]
 
     cache = caches[0]
     cache.concat(caches[1])  # shorter rows are padded on the slot axis with invisible slots
@@ -344,9 +332,9 @@ def test_width_k_pass_equals_k_single_steps(pair):
     _, model = pair
     tokens = torch.tensor([SEQUENCE])
     for width in (2, 5, 8):
-        cache = _prefilled(model, SEQUENCE[:8])
+        cache = prefilled(model, SEQUENCE[:8])
         wide = model.forward(tokens[:, 8 : 8 + width], cache)
-        cache = _prefilled(model, SEQUENCE[:8])
+        cache = prefilled(model, SEQUENCE[:8])
         singles = torch.cat([model.forward(tokens[:, t : t + 1], cache) for t in range(8, 8 + width)], 1)
         assert torch.equal(wide.argmax(-1), singles.argmax(-1))
         assert torch.equal(wide, singles), f"width {width}: max diff {(wide - singles).abs().max()}"
@@ -355,7 +343,7 @@ def test_width_k_pass_equals_k_single_steps(pair):
 @needs_kernels
 def test_batch_mates_do_not_change_a_row(pair):
     _, model = pair
-    alone = model.forward(torch.tensor([[9, 8, 7]]), _prefilled(model, SEQUENCE[:5]))
+    alone = model.forward(torch.tensor([[9, 8, 7]]), prefilled(model, SEQUENCE[:5]))
     cache = model.new_cache(3)
     model.forward(torch.tensor([SEQUENCE[:5], SEQUENCE[5:10], SEQUENCE[10:15]]), cache)
     together = model.forward(torch.tensor([[9, 8, 7], [1, 2, 3], [4, 5, 6]]), cache)

@@ -13,20 +13,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import perturbed_copy, tiny_llama, tiny_qwen2
+from conftest import on_path, perturbed_copy, prefilled, tiny_llama, tiny_qwen2
 from verispec.cache import SlotCache
 from verispec.drafters import ModelDrafter
 from verispec.drafters.base import Draft
 from verispec.engine import DecodeBatch, Request
-from verispec.models import kernels
 from verispec.models.native import NativeCausalLM
 from verispec.policy import AdaptiveDraftLen, ConfidenceStop
 from verispec.verifiers import GreedyVerifier
 
 PREFIX = [1, 5, 6, 7, 8, 9, 5, 6, 7, 10, 11]
 PROMPTS = [[1, 5, 6, 7, 8, 9, 5, 6, 7], [1, 20, 21], [4], [1, 30, 31, 32, 30, 31, 32, 30, 31, 40, 41, 42]]
-
-needs_kernels = pytest.mark.skipif(not kernels.available(), reason="no C compiler or no AVX2/AVX-512 CPU")
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
@@ -38,19 +35,7 @@ def pair(request):
 
 @pytest.fixture(params=["kernels", "torch"])
 def target(request, pair, monkeypatch):
-    model = pair[0]
-    if request.param == "kernels":
-        if not model._kernels:
-            pytest.skip("exact kernels unavailable here")
-    else:
-        monkeypatch.setattr(model, "_kernels", False)
-    return model
-
-
-def _prefilled(model, tokens):
-    cache = model.new_cache(1)
-    model.forward(torch.tensor([tokens]), cache)
-    return cache
+    return on_path(pair[0], request.param, monkeypatch)
 
 
 def _example_draft() -> Draft:
@@ -74,10 +59,10 @@ def test_tree_pass_scores_each_path_as_if_alone(target):
     draft = _example_draft()
     extra, tree, _ = draft.tree
     tokens = torch.cat([torch.tensor([[PREFIX[-1]]]), draft.tokens, extra], 1)
-    logits = target.forward(tokens, _prefilled(target, PREFIX[:-1]), tree=tree)[0]
+    logits = target.forward(tokens, prefilled(target, PREFIX[:-1]), tree=tree)[0]
     paths = {0: [], 1: [12], 2: [12, 13], 3: [12, 13, 14], 4: [12, 13, 14, 15], 5: [40], 6: [12, 13, 41]}
     for column, path in paths.items():
-        alone = target.forward(torch.tensor([[PREFIX[-1], *path]]), _prefilled(target, PREFIX[:-1]))[0, -1]
+        alone = target.forward(torch.tensor([[PREFIX[-1], *path]]), prefilled(target, PREFIX[:-1]))[0, -1]
         if target._kernels:
             assert torch.equal(logits[column], alone), f"column {column}: max diff {(logits[column] - alone).abs().max()}"
         else:
@@ -88,7 +73,7 @@ def test_retain_keeps_the_accepted_path_and_later_tokens_see_only_it(target):
     """After a tree pass that took position 0's alternate, the cache is the path [last, alternate]."""
     draft = _example_draft()
     extra, tree, _ = draft.tree
-    cache = _prefilled(target, PREFIX[:-1])
+    cache = prefilled(target, PREFIX[:-1])
     start = cache.slots.length
     target.forward(torch.cat([torch.tensor([[PREFIX[-1]]]), draft.tokens, extra], 1), cache, tree=tree)
     keep = torch.zeros(1, tree.shape[1], dtype=torch.bool)
@@ -96,7 +81,7 @@ def test_retain_keeps_the_accepted_path_and_later_tokens_see_only_it(target):
     cache.retain(start, keep)
     assert cache.slots.num_tokens().tolist() == [len(PREFIX) + 1] and cache.slots.length == start + 6
     got = target.forward(torch.tensor([[77]]), cache)[0, -1]
-    expected = target.forward(torch.tensor([[PREFIX[-1], 40, 77]]), _prefilled(target, PREFIX[:-1]))[0, -1]
+    expected = target.forward(torch.tensor([[PREFIX[-1], 40, 77]]), prefilled(target, PREFIX[:-1]))[0, -1]
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from verispec.cli import draft_len_arg
+
 DEFAULT_PROMPTS = "../shared/data/humaneval_dev.jsonl"
 
 
@@ -29,7 +31,7 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default="qwen2.5-coder-1.5b")
     p.add_argument("--draft", default="qwen2.5-coder-0.5b", help="draft model; 'none' for n-gram only")
     p.add_argument("--drafter", default="auto", help="auto | model | hybrid | ngram")
-    p.add_argument("--draft-len", default="auto", help="int, 'auto' (adaptive) or 'tree' (auto plus token-tree alternates)")
+    p.add_argument("--draft-len", type=draft_len_arg, default="auto", help="int, 'auto' (adaptive) or 'tree' (auto plus token-tree alternates)")
     p.add_argument("--draft-dtype", default="int4", help="matrix dtype of a native-backend draft: fp32, bf16 (half the bytes), int8 (weight-only, a quarter) or int4 (grouped, ~1/7) (default: %(default)s)")
     p.add_argument("--draft-int8", action="store_true", help="PyTorch dynamic int8 for the draft model (transformers backend; see --draft-dtype int8 for the native one)")
     p.add_argument("--draft-vocab", type=int, default=None, help="the draft scores only the first N token ids (+ specials)")
@@ -100,7 +102,7 @@ def run_bench(args) -> dict:
 
     if args.quick:
         args.per_category, args.max_new_tokens = 1, 32
-    draft_len = args.draft_len if str(args.draft_len) in ("auto", "tree") else int(args.draft_len)
+    draft_len = args.draft_len
     prompts = read_prompts(args.prompts, args.per_category)
     if args.categories:
         keep = set(args.categories.split(","))

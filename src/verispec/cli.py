@@ -12,20 +12,23 @@ DEFAULT_TARGET = "qwen2.5-coder-1.5b"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b"
 
 
-def _draft_len(value: str) -> int | str:
-    if value in ("auto", "tree"):
+def draft_len_arg(value: str) -> int | str:
+    """--draft-len as typed (for `verispec generate`, `bench` and `serve`): an int, "auto" or "tree"."""
+    from verispec.policy import ADAPTIVE_SETTINGS
+
+    if value in ADAPTIVE_SETTINGS:
         return value
     try:
         return int(value)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, 'auto' or 'tree', got {value!r}") from None
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, {' or '.join(map(repr, ADAPTIVE_SETTINGS))}, got {value!r}") from None
 
 
 def _add_generation_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default=DEFAULT_TARGET, help="zoo name, local directory, .gguf file or hub id (default: %(default)s)")
     p.add_argument("--draft", default=None, help="draft model (same tokenizer as the target); omit for n-gram drafting")
     p.add_argument("--drafter", default="auto", help="auto (the draft model when one is given, else ngram) | model | hybrid (prompt lookup, else the draft model) | ngram | none (plain decoding)")
-    p.add_argument("--draft-len", type=_draft_len, default=None,
+    p.add_argument("--draft-len", type=draft_len_arg, default=None,
                    help="draft tokens per step, 'auto' (the default: adaptive), or 'tree' (auto plus token-tree alternates)")
     p.add_argument("--draft-dtype", default="fp32", help="the draft's matrices on the native backend: fp32, bf16, int8 or int4 (cheaper drafts; output unchanged)")
     p.add_argument("--temperature", type=float, default=0.0)

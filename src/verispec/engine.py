@@ -167,14 +167,14 @@ class DecodeBatch:
             extra, tree, _ = draft.tree
             logits = self.target.forward(torch.cat([last, draft.tokens, extra], 1), self.cache, tree=tree)
         else:
-            extra = tree = None
+            extra = None
             logits = self.target.forward(torch.cat([last, draft.tokens], 1), self.cache)
         t2 = time.perf_counter()
         # 2. Accept a prefix (and perhaps the alternate where it broke off), add the target's own token.
         verdict = verifier_for(sampling).verify(draft, logits, sampling, generators)
         # 3. Roll back: the target keeps the last token and the accepted draft tokens; the drafter its own.
         if verdict.alternate is not None and bool(verdict.alternate.any()):
-            self.cache.retain(start, self._accepted_path(draft, verdict, tree.shape[1]))
+            self.cache.retain(start, self._accepted_path(draft, verdict))
         else:
             self.cache.truncate(start + 1 + verdict.num_accepted)
         self.drafter.commit(verdict)
@@ -198,7 +198,8 @@ class DecodeBatch:
             stats.target_seconds += t2 - t1
             stats.overhead_seconds += t3 - t2
             stats.observe(draft.num_drafted[rows], verdict.num_accepted[rows], width,
-                          *((int(alternates[0][rows].sum()), int(alternates[2][rows].sum())) if alternates else ()))
+                          alternates_drafted=int(alternates[0][rows].sum()) if alternates else 0,
+                          alternates_accepted=int(alternates[2][rows].sum()) if alternates else 0)
             stats.emitted_tokens += sum(len(events[b].tokens) for b in rows.tolist())
         self._keep(running)
         return events
@@ -217,13 +218,13 @@ class DecodeBatch:
         return replace(draft, alternates=torch.where(keep, draft.alternates, -1))
 
     @staticmethod
-    def _accepted_path(draft: Draft, verdict: Verdict, width: int) -> torch.Tensor:
+    def _accepted_path(draft: Draft, verdict: Verdict) -> torch.Tensor:
         """[batch, width] bool over the tree pass: the last token, the accepted chain, the taken alternate."""
+        width = draft.tree[1].shape[1]
         keep = torch.arange(width)[None, :] <= verdict.num_accepted[:, None]
-        _, _, columns = draft.tree
-        at = verdict.num_accepted.clamp(max=draft.draft_len - 1)[:, None]
+        _, column = draft.alternate_at(verdict.num_accepted)
         taken = verdict.alternate.nonzero().squeeze(1)
-        keep[taken, columns.gather(1, at).squeeze(1)[taken]] = True
+        keep[taken, column[taken]] = True
         return keep
 
     def _stat_sinks(self) -> Iterator[tuple[SpecStats, torch.Tensor]]:

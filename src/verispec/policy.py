@@ -328,15 +328,13 @@ class AdaptiveDraftLen:
         # R: the rate a token must beat, the better of what speculation delivers and a plain step.
         rate = max(self.speculative.rate or 0.0, 1.0 / self.target_cost(batch_size))
         draft = self.draft_cost(batch_size) or 0.0
-        target = [self.target_cost(batch_size * width) for width in range(1, self.max_draft_len + 3)]
-        # What one more row adds to the pass, as the slope over two rows: single-row differences
-        # between noisy medians would be noise.
-        extra = [max(0.0, (target[i + 2] - target[i]) / 2) for i in range(self.max_draft_len)]
-        # A row added to a pass w rows wide: the slope over two rows there (alternates sit past the chain).
-        wide = [self.target_cost(batch_size * width) for width in range(1, 2 * self.max_draft_len + 4)]
-        prices = [rate * max(0.0, (wide[w + 1] - wide[w - 1]) / 2) for w in range(1, 2 * self.max_draft_len + 2)]
-        return ConfidenceStop(self.calibration, [rate * (draft + extra[i]) for i in range(self.max_draft_len)],
-                              self.alternate_calibration, [float("inf")] + prices)
+        # extra[w]: what one more row adds to a pass w rows wide, as the slope over two rows there
+        # (single-row differences between noisy medians would be noise). Chain token i joins a pass of
+        # i + 1 rows; alternates sit past the chain, up to twice as wide.
+        cost = [self.target_cost(batch_size * width) for width in range(1, 2 * self.max_draft_len + 4)]
+        extra = [float("inf")] + [max(0.0, (cost[w + 1] - cost[w - 1]) / 2) for w in range(1, 2 * self.max_draft_len + 2)]
+        return ConfidenceStop(self.calibration, [rate * (draft + extra[i + 1]) for i in range(self.max_draft_len)],
+                              self.alternate_calibration, [rate * e for e in extra])
 
     def branch_rule(self, stop: StopRule) -> BranchRule | None:
         return stop.branch if self.alternates and isinstance(stop, ConfidenceStop) else None
@@ -354,15 +352,14 @@ class AdaptiveDraftLen:
             gained = gained + taken.long()
         if draft_len > 0:  # including a draft stopped before its first token: that cost a draft pass
             self.speculative.observe(float(gained.float().mean()), draft_seconds + target_seconds)
-        else:
-            self.speculative.fade(self.idle_fade)
-        if draft_len > 0:
             # Draft passes run: one per token kept, plus the one that judged the token a stop refused
             # (none past k). Counted even when every row stopped at its first token: otherwise a draft
             # cost measured on a slow stretch would make the stop refuse every token, and never be re-measured.
             if self.idle:  # a probe after plain steps: what drafting cost before then is stale
                 self.draft_cost.samples.pop(batch_size, None)
             self.draft_cost.observe(batch_size, draft_seconds / min(width, draft_len))
+        else:
+            self.speculative.fade(self.idle_fade)
         self.idle = draft_len == 0
         if width <= 1:
             return  # nothing was drafted (k = 0, or every row stopped at once): no acceptance to learn
@@ -380,15 +377,16 @@ class AdaptiveDraftLen:
         self.accepted[: width - 1] += accepted.sum(0).float()
 
 
+ADAPTIVE_SETTINGS = ("auto", "tree")  # the draft_len values that name an adaptive policy rather than a k
+
+
 def make_policy(draft_len: int | str | None) -> DraftPolicy:
     """An int gives a fixed draft length; "auto" or None the adaptive policy; "tree" the adaptive policy that
     also places alternates (token-tree leaves) where they pay, for greedy rows on targets that verify trees."""
     from verispec.errors import VerispecError
 
-    if draft_len is None or draft_len == "auto":
-        return AdaptiveDraftLen()
-    if draft_len == "tree":
-        return AdaptiveDraftLen(alternates=True)
+    if draft_len is None or draft_len in ADAPTIVE_SETTINGS:
+        return AdaptiveDraftLen(alternates=draft_len == "tree")
     if isinstance(draft_len, bool) or not isinstance(draft_len, int) or draft_len < 1:
         raise VerispecError(f"draft_len must be an integer >= 1, 'auto' or 'tree', got {draft_len!r}")
     return FixedDraftLen(draft_len)

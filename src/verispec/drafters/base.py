@@ -72,6 +72,13 @@ class Draft:
             tree[b, torch.arange(1 + k, width), torch.arange(1 + k, width)] = True  # and itself
         return extra, tree, columns
 
+    def alternate_at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per row, the alternate beside chain position positions[b] [batch] long (clamped into the chain):
+        (its token, -1 if none; its column in the tree pass)."""
+        at = positions.clamp(max=self.draft_len - 1)[:, None]
+        _, _, columns = self.tree
+        return self.alternates.gather(1, at).squeeze(1), columns.gather(1, at).squeeze(1)
+
 
 @dataclass
 class Verdict:

@@ -63,7 +63,7 @@ class ModelDrafter:
         confidence = torch.zeros(batch, draft_len)
         num_drafted = torch.zeros(batch, dtype=torch.long)
         branch = branch if all_greedy else None
-        seconds = torch.zeros(batch, draft_len, dtype=torch.long) if branch is not None else None
+        second_choice = torch.zeros(batch, draft_len, dtype=torch.long) if branch is not None else None
         alternate_confidence = torch.zeros(batch, draft_len) if branch is not None else None
         going = torch.ones(batch, dtype=torch.bool)
         fed = 0  # draft tokens fed back into the draft cache
@@ -78,7 +78,7 @@ class ModelDrafter:
                     top = logits.softmax(-1).topk(2, -1)
                     confidence[:, i] = top.values[:, 0]
                     alternate_confidence[:, i] = top.values[:, 1]
-                    seconds[:, i] = top.indices[:, 1]
+                    second_choice[:, i] = top.indices[:, 1]
             else:  # greedy rows get a one-hot q, from which sampling returns the argmax
                 q = warp_rows(logits, sampling)
                 probs[:, i] = q
@@ -102,8 +102,8 @@ class ModelDrafter:
         alternates = None
         if branch is not None:
             drafted = torch.arange(draft_len)[None, :] < num_drafted[:, None]
-            wanted = drafted & (seconds != tokens) & branch(alternate_confidence, num_drafted)
-            alternates = torch.where(wanted, seconds, -1)
+            wanted = drafted & (second_choice != tokens) & branch(alternate_confidence, num_drafted)
+            alternates = torch.where(wanted, second_choice, -1)
         return Draft(tokens=tokens, num_drafted=num_drafted, probs=probs, confidence=confidence,
                      alternates=alternates, alternate_confidence=alternate_confidence)
 

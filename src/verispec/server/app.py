@@ -383,17 +383,8 @@ def serve(target, host: str = "127.0.0.1", port: int = 8000, log_level: str = "i
     uvicorn.run(build_app(target, **options), host=host, port=port, log_level=log_level)
 
 
-def _draft_len_arg(value: str) -> int | str:
-    if value in ("auto", "tree"):
-        return value
-    try:
-        return int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, 'auto' or 'tree', got {value!r}") from None
-
-
 def main(argv: list[str] | None = None) -> None:
-    from verispec.cli import DEFAULT_TARGET
+    from verispec.cli import DEFAULT_TARGET, draft_len_arg
 
     parser = argparse.ArgumentParser(prog="verispec serve", description="OpenAI-compatible server with speculative decoding.")
     parser.add_argument("--target", default=DEFAULT_TARGET, help="zoo name, local directory, .gguf file or hub id (default: %(default)s)")
@@ -401,7 +392,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--draft-dtype", default="fp32", choices=DRAFT_DTYPES,
                         help="the draft model's matrices on the native backend: bf16 halves their bytes, int8 quarters them, int4 leaves ~1/7 (default: %(default)s)")
     parser.add_argument("--drafter", default="auto", choices=["auto", "model", "hybrid", "ngram", "none"], help="auto = model with --draft, else ngram; none = plain decoding")
-    parser.add_argument("--draft-len", type=_draft_len_arg, default="auto", help="draft tokens per step, 'auto', or 'tree' (auto plus token-tree alternates) (default: %(default)s)")
+    parser.add_argument("--draft-len", type=draft_len_arg, default="auto", help="draft tokens per step, 'auto', or 'tree' (auto plus token-tree alternates) (default: %(default)s)")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s, this machine only)")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--api-key", default=os.environ.get("VERISPEC_API_KEY"),

@@ -25,8 +25,7 @@ class GreedyVerifier:
             return Verdict(num_accepted=num_accepted, next_tokens=next_tokens)
         # Where the chain was rejected, the target's token may be that position's alternate: accept it,
         # and take the target's token after it from the alternate's own row of the pass.
-        _, _, columns = draft.tree
-        at = num_accepted.clamp(max=k - 1)[:, None]
-        alternate = (num_accepted < draft.num_drafted) & (draft.alternates.gather(1, at).squeeze(1) == next_tokens)
-        after = target_tokens.gather(1, columns.gather(1, at).clamp(min=0)).squeeze(1)
+        token, column = draft.alternate_at(num_accepted)
+        alternate = (num_accepted < draft.num_drafted) & (token == next_tokens)
+        after = target_tokens.gather(1, column.clamp(min=0)[:, None]).squeeze(1)
         return Verdict(num_accepted=num_accepted, next_tokens=torch.where(alternate, after, next_tokens), alternate=alternate)
