@@ -360,14 +360,18 @@ def _int8_rounded_by_group(x: torch.Tensor, group: int = 64) -> torch.Tensor:
 
 @needs_kernels
 @pytest.mark.parametrize("isa", [512, 256])
-@pytest.mark.parametrize("fmt", ["f32", "bf16", "int8", "int4", "int4-vnni"])
+@pytest.mark.parametrize("fmt", ["f32", "bf16", "int8", "int4", "int4-vnni", "int4-avx2"])
 def test_rowwise_linear_rows_are_independent(isa, fmt, monkeypatch):
+    """Each row of a product is bitwise what it is alone, and the product is the dense one (int4
+    matrices on an int8-activation path see the activations rounded per group of 64)."""
     if isa > kernels.isa():
         pytest.skip(f"CPU lacks the {isa}-bit kernel")
     if fmt == "int4-vnni" and not (isa == 512 and kernels._vnni):
-        pytest.skip("the int8-activation int4 path needs AVX-512 VNNI")
+        pytest.skip("the VNNI int8-activation int4 path needs AVX-512 VNNI")
     monkeypatch.setattr(kernels, "_isa", isa)
     monkeypatch.setattr(kernels, "_vnni", fmt == "int4-vnni")
+    monkeypatch.setattr(kernels, "_int8_activations", fmt in ("int4-vnni", "int4-avx2"))
+    assert kernels._int4_code() == {"int4-vnni": 4, "int4-avx2": 5}.get(fmt, 3)
     torch.manual_seed(0)
     int4 = fmt.startswith("int4")
     # tails in k and n, k > KBLOCK; int4 needs k in whole groups of 64
@@ -382,7 +386,7 @@ def test_rowwise_linear_rows_are_independent(isa, fmt, monkeypatch):
             reference = weight.dequantize()
         x = torch.randn(13, in_features)
         full = kernels.rowwise_linear(x, weight, bias)
-        seen = _int8_rounded_by_group(x) if fmt == "int4-vnni" else x
+        seen = _int8_rounded_by_group(x) if fmt in ("int4-vnni", "int4-avx2") else x
         torch.testing.assert_close(full, torch.nn.functional.linear(seen, reference, bias), atol=1e-4, rtol=1e-4)
         for lo in range(13):
             for hi in range(lo + 1, 14):

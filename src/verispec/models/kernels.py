@@ -17,10 +17,12 @@ These kernels fix both in the decode regime:
 Every row's output is thus bitwise independent of how many rows share the pass: a width-k verify
 pass sees exactly the numbers of k single-token steps. Activations and accumulation are float32;
 `rowwise_linear` also takes bfloat16 weights (half the bytes), weight-only int8 (`Int8Matrix`, a
-quarter) and grouped int4 (`Int4Matrix`, about a seventh), all for draft models. Where the CPU has
-AVX-512 VNNI, int4 matrices multiply activations rounded to int8 per group of 64 (one integer dot
-product per 64 weights): unpacking 4-bit weights to float left that kernel compute-bound at about
-int8's speed. The rounding reads only the row's own values, so rows stay independent there too.
+quarter) and grouped int4 (`Int4Matrix`, about a seventh), all for draft models. int4 matrices
+multiply activations rounded to int8 per group of 64 (integer dot products: AVX-512 VNNI's vpdpbusd,
+or AVX2's vpmaddubsw): unpacking 4-bit weights to float left that kernel compute-bound, a 4-bit
+0.5B draft at 37 ms a token on an AVX2 core pair that reads its 0.3 GB in about 12. The rounding
+reads only the row's own values, so rows stay independent there too (VERISPEC_INT4_FLOAT=1 keeps
+the float path).
 
 The C source has AVX-512 and AVX2+FMA variants, picked by what the CPU supports. It is compiled
 once with the system C compiler into the verispec cache and called through ctypes. It runs on
@@ -62,6 +64,7 @@ _PREAMBLE = r"""
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 /* Built with -ffp-contract=off: the compiler never fuses a*b+c by itself, so scalar code rounds
  * exactly as written and only the explicit fmadd intrinsics fuse. */
@@ -767,6 +770,131 @@ static int linear_vnni(const float *x, const uint8_t *w, const float *s, const f
     return 1;
 }
 
+/* ======== int4 weights x int8 activations on AVX2 ========
+ * The arithmetic of the VNNI path above with AVX2's byte products: the activations are rounded to
+ * int8 per group of I4GROUP the same way; vpmaddubsw multiplies 32 weight nibbles (unsigned) by 32
+ * activation bytes into 16 int16 pair sums (at most 2 * 15 * 127, no saturation), the group's two
+ * halves are added (at most 4 * 15 * 127) and vpmaddwd folds pairs into 8 int32 lanes, started from
+ * -8 * the lanes' activation sums: lane l holds sum (q - 8) * x over weights 4l..4l+3 and
+ * 32+4l..32+4l+3, exactly. About a third of the instructions of unpacking nibbles to float, which
+ * leaves a 4-bit draft bound by memory instead of arithmetic on an AVX2 core.
+ * qc [M, K / I4GROUP, 8] int32 starting lanes; qx and qs as above. */
+__attribute__((target("avx2,fma"))) static inline __m256i q8lanes_avx2(__m256i start, __m256i wlo, __m256i whi, const int8_t *x)
+{
+    const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(wlo, _mm256_loadu_si256((const __m256i *)x)),
+                                           _mm256_maddubs_epi16(whi, _mm256_loadu_si256((const __m256i *)(x + 32))));
+    return _mm256_add_epi32(start, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
+
+/* activation rows -> int8 per group (bitwise the VNNI path's rounding: x * (127 / amax), nearest even) */
+__attribute__((target("avx2,fma"))) static void quantize_rows_avx2(const float *x, int8_t *qx, float *qs, int32_t *qc,
+                                                                   int64_t M, int64_t K)
+{
+    const int64_t groups = K / I4GROUP;
+    const __m256i ones = _mm256_set1_epi8(1);
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t g = 0; g < groups; g++) {
+            const float *xg = x + m * K + g * I4GROUP;
+            float amax = 0.0f;
+            for (int c = 0; c < I4GROUP; c++) amax = fmaxf(amax, fabsf(xg[c]));
+            const float inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
+            int8_t *q = qx + m * K + g * I4GROUP;
+            for (int c = 0; c < I4GROUP; c++) {
+                const float r = nearbyintf(xg[c] * inverse);
+                q[c] = (int8_t)(r > 127.0f ? 127.0f : r < -127.0f ? -127.0f : r);
+            }
+            qs[m * groups + g] = amax / 127.0f;
+            const __m256i sums = q8lanes_avx2(_mm256_setzero_si256(), ones, ones, q);
+            _mm256_storeu_si256((__m256i *)(qc + (m * groups + g) * 8), _mm256_mullo_epi32(sums, _mm256_set1_epi32(-8)));
+        }
+}
+
+/* A tile: activation rows m0..m0+mr-1 (mr <= 4) against NR weight rows, over all groups; the sums
+ * go to y[i * ldy + j] for tile row i and weight row j. */
+__attribute__((target("avx2,fma"))) static void tile_q8avx2(const vnni_job *job, int64_t m0, int mr, const uint8_t *w,
+                                                            const float *s, float *y, int64_t ldy, const char *next)
+{
+    const int64_t K = job->K, row_bytes = K / 2, groups = K / I4GROUP;
+    const __m256i low = _mm256_set1_epi8(15);
+    __m256 acc[4][NR];
+    for (int i = 0; i < 4; i++)
+        for (int j = 0; j < NR; j++) acc[i][j] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        __m256i wlo[NR], whi[NR];
+        _Pragma("GCC unroll 4") for (int j = 0; j < NR; j++) {
+            const __m256i bytes = _mm256_loadu_si256((const __m256i *)(w + j * row_bytes + g * (I4GROUP / 2)));
+            if (next) _mm_prefetch(next + j * row_bytes + g * (I4GROUP / 2), _MM_HINT_T0);
+            wlo[j] = _mm256_and_si256(bytes, low);
+            whi[j] = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low);
+        }
+        for (int i = 0; i < mr; i++) {
+            const int64_t m = m0 + i;
+            const int8_t *xq = job->qx + m * K + g * I4GROUP;
+            const __m256i start = _mm256_loadu_si256((const __m256i *)(job->qc + (m * groups + g) * 8));
+            const float xs = job->qs[m * groups + g];
+            _Pragma("GCC unroll 4") for (int j = 0; j < NR; j++) {
+                const __m256i lanes = q8lanes_avx2(start, wlo[j], whi[j], xq);
+                acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes), _mm256_set1_ps(s[j * groups + g] * xs), acc[i][j]);
+            }
+        }
+    }
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < NR; j++) y[i * ldy + j] = hsum256(acc[i][j]);
+}
+
+/* Weight-row tiles [begin, end) of an AVX2 int8-activation job; the bias is added after the sum. */
+static void linear_range_q8avx2(const void *arg, int64_t begin, int64_t end)
+{
+    const vnni_job *job = arg;
+    const int64_t K = job->K, groups = K / I4GROUP;
+    for (int64_t t = begin; t < end; t++) {
+        const uint8_t *w = job->w + t * NR * (K / 2);
+        const char *next = t + 1 < end ? (const char *)(w + NR * (K / 2)) : 0;
+        for (int64_t m0 = 0; m0 < job->M; m0 += 4) {
+            const int mr = job->M - m0 < 4 ? (int)(job->M - m0) : 4;
+            tile_q8avx2(job, m0, mr, w, job->s + t * NR * groups, job->y + m0 * job->N + t * NR, job->N, m0 == 0 ? next : 0);
+        }
+        if (job->b)
+            for (int64_t m = 0; m < job->M; m++)
+                for (int j = 0; j < NR; j++) job->y[m * job->N + t * NR + j] += job->b[t * NR + j];
+    }
+}
+
+/* 0 when the scratch memory ran out. The last N % NR weight rows run as a tile of NR whose extra
+ * rows repeat the last one (each output is a function of its own weight row: nothing else changes). */
+static int linear_q8avx2(const float *x, const uint8_t *w, const float *s, const float *b, float *y, int64_t M, int64_t N,
+                         int64_t K, int threads)
+{
+    const int64_t groups = K / I4GROUP;
+    const size_t bytes = (size_t)(M * K + M * groups * (8 * 4 + 4));
+    int8_t *qx = aligned_alloc(64, (bytes + 63) / 64 * 64);
+    if (!qx) return 0;
+    int32_t *qc = (int32_t *)(qx + M * K);
+    float *qs = (float *)(qc + M * groups * 8);
+    quantize_rows_avx2(x, qx, qs, qc, M, K);
+    const vnni_job job = {qx, qs, qc, w, s, b, y, M, N, K};
+    const int64_t tiles = N / NR, grain = M * N * K < 65536 ? tiles : (tiles + 63) / 64;
+    if (tiles) parallel_for(linear_range_q8avx2, &job, tiles, grain > 0 ? grain : 1, threads);
+    for (int64_t n = tiles * NR; n < N; n++) {  /* the edge: one weight row at a time, same arithmetic */
+        float out[4 * NR];
+        uint8_t *packed = malloc((size_t)(NR * (K / 2)));
+        float *scales = malloc(sizeof(float) * (size_t)(NR * groups));
+        if (!packed || !scales) { free(packed); free(scales); free(qx); return 0; }
+        for (int j = 0; j < NR; j++) {
+            memcpy(packed + j * (K / 2), w + n * (K / 2), (size_t)(K / 2));
+            memcpy(scales + j * groups, s + n * groups, sizeof(float) * (size_t)groups);
+        }
+        for (int64_t m0 = 0; m0 < M; m0 += 4) {
+            const int mr = M - m0 < 4 ? (int)(M - m0) : 4;
+            tile_q8avx2(&job, m0, mr, packed, scales, out, NR, 0);
+            for (int i = 0; i < mr; i++) y[(m0 + i) * N + n] = out[i * NR] + (b ? b[n] : 0.0f);
+        }
+        free(packed); free(scales);
+    }
+    free(qx);
+    return 1;
+}
+
 int kernels_isa(void)
 {
     __builtin_cpu_init();
@@ -784,12 +912,14 @@ int kernels_vnni(void)
 /* weights: 0 = float32, 1 = bfloat16 (stored as uint16; converted exactly, accumulated in float32),
  * 2 = int8 with a float32 scale per row in s (accumulated in float32, scaled once at the end),
  * 3 = int4 in groups of I4GROUP along k, a float32 scale per group in s [N, K / I4GROUP],
- * 4 = the same int4 matrices with activations rounded to int8 per group (AVX-512 VNNI).
+ * 4 = the same int4 matrices with activations rounded to int8 per group (AVX-512 VNNI),
+ * 5 = the same on AVX2 (byte products through vpmaddubsw).
  * Returns 0, or -1 if scratch memory ran out. */
 int rowwise_linear(const float *x, const void *w, const float *s, const float *b, float *y, int64_t M, int64_t N,
                    int64_t K, int weights, int isa, int threads)
 {
     if (weights == 4) return linear_vnni(x, w, s, b, y, M, N, K, threads) ? 0 : -1;
+    if (weights == 5) return linear_q8avx2(x, w, s, b, y, M, N, K, threads) ? 0 : -1;
     const linear_job job = {x, w, s, b, y, M, N, K};
     const int64_t tiles = N / NR;
     /* ~64 chunks per call balance threads; below ~64k multiply-adds one thread is quicker than waking another */
@@ -915,7 +1045,8 @@ _LIBS = ["-lm"]
 
 _library: ctypes.CDLL | None = None
 _isa = 0
-_vnni = False  # AVX-512 VNNI: int4 matrices multiply int8-rounded activations (see the C comment)
+_vnni = False  # AVX-512 VNNI present (used for int4 matrices when _int8_activations)
+_int8_activations = False  # int4 matrices multiply int8-rounded activations (see the C comments)
 _tried = False
 
 
@@ -960,7 +1091,7 @@ _SIGNATURES = {
 
 
 def _load() -> None:
-    global _library, _isa, _tried, _vnni
+    global _library, _isa, _tried, _vnni, _int8_activations
     if _tried:
         return
     _tried = True
@@ -980,7 +1111,9 @@ def _load() -> None:
     if wanted and int(wanted) <= isa:
         isa = int(wanted)
     _library, _isa = (library, isa) if isa else (None, 0)
-    _vnni = bool(isa == 512 and library.kernels_vnni() and not os.environ.get("VERISPEC_NO_VNNI"))
+    _vnni = bool(isa == 512 and library.kernels_vnni())
+    # VERISPEC_INT4_FLOAT=1 keeps int4 drafts on the float path (unpacked weights x float32 activations)
+    _int8_activations = bool(isa and not os.environ.get("VERISPEC_INT4_FLOAT") and not os.environ.get("VERISPEC_NO_VNNI"))
 
 
 def available() -> bool:
@@ -1134,8 +1267,8 @@ class Linear:
         self._matrix, self._bias = matrix.data_ptr(), None if bias is None else bias.data_ptr()
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        # the C kernel's weight codes; int4 takes the int8-activation path where the CPU has VNNI
-        kind = _FORMAT_CODES[self._format] if self._format != "int4" else 4 if _vnni and _isa == 512 else 3
+        # the C kernel's weight codes; int4 takes an int8-activation path unless told not to
+        kind = _FORMAT_CODES[self._format] if self._format != "int4" else _int4_code()
         if _library.rowwise_linear(x.data_ptr(), self._matrix, self._scale, self._bias, out.data_ptr(), x.shape[0],
                                    self.n, self.k, kind, _isa, torch.get_num_threads()):
             raise MemoryError("rowwise_linear: out of memory for its scratch buffer")
@@ -1145,14 +1278,21 @@ class Linear:
 _FORMAT_CODES = {"f32": 0, "bf16": 1, "int8": 2}
 
 
+def _int4_code() -> int:
+    """3: unpack nibbles to float; 4: int8 activations, AVX-512 VNNI; 5: int8 activations, AVX2 byte products."""
+    if not _int8_activations:
+        return 3
+    return 4 if _isa == 512 and _vnni else 5
+
+
 def rowwise_linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None,
                    out: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ weight [N, K].T (+ bias [N]) -> out [M, N], float32. Each output row depends on its input row only, bitwise.
 
     weight may be float32, bfloat16 (half the bytes), an `Int8Matrix` (a quarter) or an `Int4Matrix`
     (about a seventh): the narrower formats are converted exactly and accumulated in float32, but
-    their rounded weights change the result: a draft-model option, not for a target. On a CPU with
-    AVX-512 VNNI, int4 matrices also round each activation row to int8 per group of 64.
+    their rounded weights change the result: a draft-model option, not for a target. int4 matrices
+    also round each activation row to int8 per group of 64 (unless VERISPEC_INT4_FLOAT is set).
     """
     rows, k = x.shape
     if weight.shape[1] != k:
