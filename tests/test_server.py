@@ -184,6 +184,15 @@ def test_sampling_with_seed_and_n(server):
     assert alone["choices"][0]["text"] == texts[1]
 
 
+def test_coupled_sampling_is_the_same_with_or_without_speculation(server):
+    """"coupled": true: a seeded sampled request gets the tokens plain sampling gets with that seed."""
+    body = {"prompt": PROMPT, "max_tokens": 16, "temperature": 0.8, "top_p": 0.95, "seed": 3, "coupled": True}
+    plain = server.post("/v1/completions", {**body, "speculate": False}).json()
+    spec = server.post("/v1/completions", body).json()
+    assert spec["choices"][0]["text"] == plain["choices"][0]["text"]
+    assert spec["usage"]["speculative"]["drafted_tokens"] > 0 and plain["usage"]["speculative"]["drafted_tokens"] == 0
+
+
 def test_stop_sequence(server):
     full = server.plain[(PROMPT, 24, False)]
     stop = full.strip().split()[2]  # a word the model will produce
@@ -336,6 +345,7 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": PROMPT, "repetition_penalty": 1.1}, API_KEY, 400, "repetition_penalty"),
     ("/v1/completions", {"prompt": PROMPT, "draft_len": 0}, API_KEY, 400, "draft_len"),
     ("/v1/completions", {"prompt": PROMPT, "draft_len": "deep"}, API_KEY, 400, "draft_len"),
+    ("/v1/completions", {"prompt": PROMPT, "coupled": "yes"}, API_KEY, 400, "coupled"),
     ("/v1/completions", {"prompt": PROMPT, "draft_len": 3, "speculate": False}, API_KEY, 400, "draft_len"),
     ("/v1/completions", {"prompt": PROMPT, "speculate": "yes"}, API_KEY, 400, "speculate"),
     ("/v1/completions", {"prompt": PROMPT, "stream_options": {"include_usage": True}}, API_KEY, 400, "stream_options"),

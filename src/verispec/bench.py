@@ -41,6 +41,8 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--coupled", action="store_true",
+                   help="sample by the Gumbel-max coupling: sampled outputs are then compared with plain sampling token by token")
     p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face peers")
     p.add_argument("--sweep", default="1,2,3,4,6,8", help="fixed draft lengths to measure against the formula ('' to skip)")
     p.add_argument("--sweep-prompts", type=int, default=3, help="prompts used for the draft-length sweep")
@@ -130,11 +132,11 @@ def run_bench(args) -> dict:
     warm = encode_prompt(target.tokenizer, "def f(x):\n    return x + 1\n\n" * 8, chat=False)
     verispec.generate(target, warm, drafter="none", max_new_tokens=4)
     verispec.generate(target, warm, draft=draft, drafter=args.drafter, draft_len=draft_len, max_new_tokens=4)
-    if args.temperature > 0:
+    if args.temperature > 0 and not args.coupled:
         print("[bench] sampling: outputs are not compared token by token (exactness is a distribution "
               "property, tested statistically by the test suite); Hugging Face peers are greedy-only here", file=sys.stderr)
 
-    common = dict(temperature=args.temperature, seed=args.seed, max_new_tokens=args.max_new_tokens)
+    common = dict(temperature=args.temperature, seed=args.seed, coupled=args.coupled, max_new_tokens=args.max_new_tokens)
     spec_options = dict(draft=draft, drafter=args.drafter, draft_len=draft_len, draft_confidence=args.draft_confidence, **common)
     results = []
     for i, p in enumerate(prompts):
@@ -144,7 +146,8 @@ def run_bench(args) -> dict:
         spec, m.seconds["verispec"] = _timed(lambda: verispec.generate(target, ids, **spec_options))
         m.tokens["plain"], m.tokens["verispec"] = len(base.token_ids), len(spec.token_ids)
         m.prefill_seconds = base.stats.prefill_seconds
-        m.identical = None if sampled else base.token_ids == spec.token_ids
+        # a coupled sample is plain sampling's sample for the seed: comparable token by token like greedy
+        m.identical = None if sampled and not args.coupled else base.token_ids == spec.token_ids
         m.stats = spec.stats.to_dict()
         if not args.no_hf and hf_target is not None and not sampled:
             out, m.seconds["hf"] = _timed(lambda: _hf_generate(hf_target, ids, args.max_new_tokens, eos_ids, pad_id))
@@ -168,6 +171,22 @@ def run_bench(args) -> dict:
         report["sweep"] = sweep_draft_len(target, results[: args.sweep_prompts], spec_options, report["verify_cost"], args)
     write_reports(report, results, args)
     return report
+
+
+def _cpu_name() -> str:
+    """The CPU's model name and the vector width verispec's kernels use on it ("AMD EPYC, AVX2")."""
+    from verispec.models import kernels
+
+    name = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    vector = {512: "AVX-512", 256: "AVX2"}.get(kernels.isa(), "no C kernels")
+    return f"{name}, {vector}"
 
 
 def measure_verify_curve(target, args) -> dict:
@@ -217,7 +236,7 @@ def sweep_draft_len(target, results: list[Measurement], spec_options: dict, veri
     # Plain decoding is timed again here, beside the sweep: the machine's speed drifts over a run, and a
     # ratio to a plain run from minutes earlier would measure the drift too.
     prompt_ids = {m.prompt.id: encode_prompt(target.tokenizer, m.prompt.text, chat=m.prompt.chat) for m in results}
-    plain, plain_options = {}, {key: spec_options[key] for key in ("temperature", "seed", "max_new_tokens")}
+    plain, plain_options = {}, {key: spec_options[key] for key in ("temperature", "seed", "coupled", "max_new_tokens")}
     for m in results:
         base, seconds = _timed(lambda: verispec.generate(target, prompt_ids[m.prompt.id], drafter="none", **plain_options))
         plain[m.prompt.id] = (len(base.token_ids), seconds, base.stats.prefill_seconds)
@@ -334,7 +353,7 @@ def summarize(results: list[Measurement], args, verify_ratio: dict[int, float]) 
         }
     return {
         "settings": {k: v for k, v in vars(args).items() if k not in ("run",)},
-        "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+        "machine": {"platform": platform.platform(), "processor": _cpu_name(),
                     "cpus": torch.get_num_threads(), "torch": torch.__version__, "cuda": torch.cuda.is_available()},
         "categories": rows,
         "prompts": [{"category": m.prompt.category, "id": m.prompt.id, "seconds": m.seconds, "tokens": m.tokens,
@@ -374,8 +393,8 @@ def write_reports(report: dict, results: list[Measurement], args) -> None:
     (out / f"{stem}.json").write_text(json.dumps(report, indent=2))
     s = report["settings"]
     header = (f"verispec bench: `{s['prompts']}`, target `{s['target']}`, draft `{s['draft']}` ({_draft_variant(s)}), drafter {s['drafter']}, "
-              f"draft_len {s['draft_len']}, {s['max_new_tokens']} new tokens, temperature {s['temperature']}, "
-              f"machine: {report['machine']['processor']}, {report['machine']['cpus']} threads, torch {report['machine']['torch']}. "
+              f"draft_len {s['draft_len']}, {s['max_new_tokens']} new tokens, temperature {s['temperature']}"
+              f"{' (coupled sampling)' if s.get('coupled') else ''}, machine: {report['machine']['processor']}, {report['machine']['cpus']} threads, torch {report['machine']['torch']}. "
               "Speedups are medians of per-prompt tokens/s ratios measured in the same run, end to end (prompt prefill "
               "included); 'after prefill' takes the target's prompt prefill, which plain decoding pays too, out of both times.")
     table = markdown_table(report)

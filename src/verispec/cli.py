@@ -35,6 +35,8 @@ def _add_generation_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--coupled", action="store_true",
+                   help="sample by the Gumbel-max coupling: a seed gives the same text with or without a draft")
     p.add_argument("--dtype", default=None, help="float32 (default), bfloat16, float16")
 
 
@@ -53,7 +55,8 @@ def cmd_generate(args) -> int:
     target = verispec.load(args.target, dtype=args.dtype)
     draft = verispec.load(args.draft, dtype=args.dtype, weight_dtype=args.draft_dtype) if args.draft else None
     options = dict(draft=draft, drafter=args.drafter, draft_len=args.draft_len, temperature=args.temperature,
-                   top_k=args.top_k, top_p=args.top_p, seed=args.seed, max_new_tokens=args.max_new_tokens,
+                   top_k=args.top_k, top_p=args.top_p, seed=args.seed, coupled=args.coupled,
+                   max_new_tokens=args.max_new_tokens,
                    chat=args.chat, stop=args.stop or None)
     if args.json:
         result = verispec.generate(target, args.prompt, **options)

@@ -59,6 +59,7 @@ class _Row:
     sequence: list[int]  # prompt + generated
     limit: int  # most new tokens this row may produce
     generator: torch.Generator
+    sampling: SamplingParams  # the request's, with a seed drawn for a coupled request that had none
 
     @property
     def generated(self) -> list[int]:
@@ -111,7 +112,10 @@ class DecodeBatch:
         self.drafter.add([list(r.prompt) for r in requests])
         for r in requests:
             limit = min(r.max_new_tokens, self.target.max_context - len(r.prompt))
-            self.rows.append(_Row(request=r, sequence=list(r.prompt), limit=limit, generator=make_generator(r.sampling)))
+            generator, sampling = make_generator(r.sampling), r.sampling
+            if sampling.coupled and sampling.seed is None:  # the coupled rule keys its noise by a seed
+                sampling = replace(sampling, seed=int(torch.randint(2**62, (1,), generator=generator)))
+            self.rows.append(_Row(request=r, sequence=list(r.prompt), limit=limit, generator=generator, sampling=sampling))
         self.stats.prefill_seconds += time.perf_counter() - started
 
     def remove(self, request_id: Hashable) -> None:
@@ -147,7 +151,7 @@ class DecodeBatch:
         if not self.rows:
             return []
         k = self.next_draft_len()
-        sampling = [row.request.sampling for row in self.rows]
+        sampling = [row.sampling for row in self.rows]
         generators = [row.generator for row in self.rows]
         t0 = time.perf_counter()
         stop = self.policy.stop_rule(len(self.rows)) if k else None
@@ -171,7 +175,8 @@ class DecodeBatch:
             logits = self.target.forward(torch.cat([last, draft.tokens], 1), self.cache)
         t2 = time.perf_counter()
         # 2. Accept a prefix (and perhaps the alternate where it broke off), add the target's own token.
-        verdict = verifier_for(sampling).verify(draft, logits, sampling, generators)
+        positions = [len(row.sequence) for row in self.rows]
+        verdict = verifier_for(sampling).verify(draft, logits, sampling, generators, positions)
         # 3. Roll back: the target keeps the last token and the accepted draft tokens; the drafter its own.
         if verdict.alternate is not None and bool(verdict.alternate.any()):
             self.cache.retain(start, self._accepted_path(draft, verdict))

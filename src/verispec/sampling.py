@@ -22,6 +22,10 @@ class SamplingParams:
     top_k: int = 0  # 0: no top-k filter
     top_p: float = 1.0  # 1.0: no nucleus filter
     seed: int | None = None
+    # Gumbel-max coupling (see `coupled_choice`): each sampled token is a function of (seed, position, p)
+    # alone, so a seeded request gets the same tokens from any drafter, draft length or batch, plain
+    # decoding included. Exact like speculative sampling, with somewhat fewer draft tokens accepted.
+    coupled: bool = False
 
     def __post_init__(self):
         if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
@@ -32,6 +36,8 @@ class SamplingParams:
             raise VerispecError(f"top_p must be in (0, 1] (1 disables it), got {self.top_p!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
             raise VerispecError(f"seed must be an integer or None, got {self.seed!r}")
+        if not isinstance(self.coupled, bool):
+            raise VerispecError(f"coupled must be true or false, got {self.coupled!r}")
 
     @property
     def greedy(self) -> bool:
@@ -104,3 +110,65 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> int
     cdf = probs.to(torch.float64).cumsum(-1)
     u = torch.rand((1,), generator=generator, dtype=torch.float64, device=probs.device) * cdf[-1]
     return int(torch.searchsorted(cdf, u, right=True).clamp(max=probs.shape[-1] - 1))
+
+
+
+# --- Gumbel-max coupling -------------------------------------------------------------------------
+
+_M32 = 0xFFFFFFFF
+# Tokens below this probability race as one aggregate "tail" entry (exactly: see `coupled_choice`), so
+# a 152k-token vocabulary costs a few hundred noise values per position instead of 152k.
+COUPLING_HEAD_MIN = 1e-6
+
+
+def _fmix32(x):
+    """murmur3's 32-bit finalizer, on a Python int or an int64 tensor holding values in [0, 2^32)."""
+    x = x ^ (x >> 16)
+    x = (x * 0x85EBCA6B) & _M32
+    x = x ^ (x >> 13)
+    x = (x * 0xC2B2AE35) & _M32
+    return x ^ (x >> 16)
+
+
+def _position_key(seed: int, position: int) -> int:
+    return _fmix32(_fmix32(_fmix32(seed & _M32) ^ ((seed >> 32) & _M32)) ^ (position & _M32))
+
+
+def coupling_noise(seed: int, position: int, tokens: torch.Tensor) -> torch.Tensor:
+    """Exp(1) noise [n] float64 for token ids `tokens` [n] at one position: a function of (seed, position,
+    token id) only, so two distributions that rank the same tokens see the same noise for them."""
+    h = _fmix32(_fmix32((tokens.to(torch.int64) ^ _position_key(seed, position)) & _M32) ^ 0x5BD1E995)
+    u = (h.to(torch.float64) + 0.5) / 4294967296.0  # in (0, 1)
+    return -torch.log(u)
+
+
+def coupled_choice(probs: torch.Tensor, seed: int, position: int) -> int:
+    """A draw from probs [V] by the Gumbel-max trick in exponential form: argmax_x probs[x] / E[x] with
+    E[x] ~ Exp(1) iid is token x with probability probs[x] (the exponential race; Gumbel 1954).
+
+    The noise depends on (seed, position, token) only. A draft that draws its token at a position from
+    q with the same noise agrees with the target's draw there as often as the noise lets both pick the
+    same token (at least (1 - TV) / (1 + TV): Daliri et al. 2024, "Coupling without communication and
+    drafter-invariant speculative decoding"), and the target's token is the one plain sampling with this
+    seed picks, whatever was drafted. A token of probability zero is never drawn.
+
+    Tokens below COUPLING_HEAD_MIN race as one entry of their total mass T: the fastest of them arrives
+    at min E[x] / p[x], which is Exp(1) / T, and which of them it is follows p restricted to them, apart
+    from when it arrives; so the aggregate gets noise of its own and, if it wins, a second draw picks the
+    token. The result is still exactly distributed as probs.
+    """
+    p = probs.to(torch.float64)
+    in_head = p >= COUPLING_HEAD_MIN
+    head = in_head.nonzero().squeeze(1)
+    rest = p.masked_fill(in_head, 0.0)  # the tail's probabilities (0 in the head)
+    tail = float(rest.sum())
+    vocab = p.shape[-1]
+    scores = p[head] / coupling_noise(seed, position, head)
+    best = int(scores.argmax()) if len(head) else -1
+    if tail > 0:
+        tail_score = tail / float(coupling_noise(seed, position, torch.tensor([vocab]))[0])
+        if best < 0 or tail_score > float(scores[best]):
+            cdf = rest.cumsum(0)
+            u = torch.exp(-coupling_noise(seed, position, torch.tensor([vocab + 1])))  # back to a uniform in (0, 1)
+            return int(torch.searchsorted(cdf, u * cdf[-1], right=True).clamp(max=vocab - 1))
+    return int(head[best])

@@ -2,7 +2,8 @@
 
 The draft model keeps its own cache. Each round it first catches up on the tokens it has not seen
 (the last accepted tokens and the target's own token), then drafts k tokens one at a time,
-sampling from the same warped distribution q it reports to the verifier. It reports its probability
+sampling from the same warped distribution q it reports to the verifier (a coupled row draws with the
+noise of its seed and position, `sampling.coupled_choice`, which the verifier's race on p reuses). It reports its probability
 for each token it proposes, and a row stops early where the step's stop rule says the chance of
 acceptance no longer pays for another token (or, with `min_confidence`, at any token below that
 probability). Where `branch` says so (greedy rows only), it adds its second choice at a position as an
@@ -17,7 +18,7 @@ import torch
 from verispec.drafters.base import BranchRule, Draft, StopRule, Verdict, empty_draft
 from verispec.models.base import CausalLM
 from verispec.prefill import left_pad, prefill
-from verispec.sampling import SamplingParams, sample, warp_rows
+from verispec.sampling import SamplingParams, coupled_choice, sample, warp_rows
 
 
 class ModelDrafter:
@@ -82,7 +83,8 @@ class ModelDrafter:
             else:  # greedy rows get a one-hot q, from which sampling returns the argmax
                 q = warp_rows(logits, sampling)
                 probs[:, i] = q
-                tokens[:, i] = torch.tensor([sample(q[b], generators[b]) for b in range(batch)])
+                tokens[:, i] = torch.tensor([coupled_choice(q[b], sampling[b].seed, len(sequences[b]) + i) if sampling[b].coupled
+                                             else sample(q[b], generators[b]) for b in range(batch)])
                 # Confidence is q's top probability, never q of the sampled token: a stop that depends
                 # on which token was drawn keeps some draws and drops others, and the kept ones no longer
                 # follow q, so the verifier's min(1, p/q) would be applied to the wrong proposal.

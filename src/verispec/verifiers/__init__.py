@@ -2,13 +2,19 @@
 
 from verispec.sampling import SamplingParams
 from verispec.verifiers.base import Verifier
+from verispec.verifiers.coupled import CoupledVerifier
 from verispec.verifiers.greedy import GreedyVerifier
 from verispec.verifiers.speculative_sampling import SpeculativeSamplingVerifier
 
 
 def verifier_for(sampling: list[SamplingParams]) -> Verifier:
-    """All-greedy rows verify by argmax equality; otherwise speculative sampling (which is greedy on greedy rows)."""
-    return GreedyVerifier() if all(s.greedy for s in sampling) else SpeculativeSamplingVerifier()
+    """All-greedy rows verify by argmax equality; rows that asked for coupling by the coupled rule;
+    otherwise speculative sampling (which is greedy on greedy rows)."""
+    if all(s.greedy for s in sampling):
+        return GreedyVerifier()
+    if any(s.coupled for s in sampling):
+        return CoupledVerifier()
+    return SpeculativeSamplingVerifier()
 
 
-__all__ = ["Verifier", "GreedyVerifier", "SpeculativeSamplingVerifier", "verifier_for"]
+__all__ = ["Verifier", "GreedyVerifier", "SpeculativeSamplingVerifier", "CoupledVerifier", "verifier_for"]

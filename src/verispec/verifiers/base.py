@@ -13,9 +13,12 @@ from verispec.sampling import SamplingParams
 class Verifier(Protocol):
     lossless: bool  # True: output follows the target's own distribution exactly
 
-    def verify(self, draft: Draft, target_logits: torch.Tensor, sampling: list[SamplingParams], generators: list[torch.Generator]) -> Verdict:
+    def verify(self, draft: Draft, target_logits: torch.Tensor, sampling: list[SamplingParams], generators: list[torch.Generator],
+               positions: list[int] | None = None) -> Verdict:
         """sampling, generators: per row. target_logits: [batch, k + 1, vocab]; position i scores the token after draft position i - 1
-        (position 0 follows the last accepted token), so position k gives the bonus token."""
+        (position 0 follows the last accepted token), so position k gives the bonus token. positions: per row,
+        the sequence length before the draft (the index draft token 0 would take), for rules whose
+        randomness is keyed by position (`CoupledVerifier`); others ignore it."""
         ...
 
 

@@ -15,7 +15,8 @@ from verispec.verifiers.base import accepted_prefix, drafted_mask
 class GreedyVerifier:
     lossless = True
 
-    def verify(self, draft: Draft, target_logits: torch.Tensor, sampling: list[SamplingParams], generators: list[torch.Generator]) -> Verdict:
+    def verify(self, draft: Draft, target_logits: torch.Tensor, sampling: list[SamplingParams], generators: list[torch.Generator],
+               positions: list[int] | None = None) -> Verdict:
         target_tokens = target_logits.argmax(-1).cpu()  # [batch, k + 1 (+ alternates)]
         k = draft.draft_len
         accept = (draft.tokens == target_tokens[:, :k]) & drafted_mask(draft)

@@ -22,7 +22,8 @@ from verispec.verifiers.base import accepted_prefix, drafted_mask
 class SpeculativeSamplingVerifier:
     lossless = True
 
-    def verify(self, draft: Draft, target_logits: torch.Tensor, sampling: list[SamplingParams], generators: list[torch.Generator]) -> Verdict:
+    def verify(self, draft: Draft, target_logits: torch.Tensor, sampling: list[SamplingParams], generators: list[torch.Generator],
+               positions: list[int] | None = None) -> Verdict:
         if draft.has_alternates:
             raise ValueError("speculative sampling verifies chains: alternates are for greedy drafts only")
         p = warp_rows(target_logits.cpu(), sampling)  # [batch, k + 1, vocab]
