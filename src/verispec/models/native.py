@@ -29,6 +29,7 @@ The model knows nothing about drafting, verification or tokenization; logits com
 from __future__ import annotations
 
 import copy
+import functools
 import weakref
 from dataclasses import dataclass
 
@@ -192,6 +193,16 @@ class NativeStore:
         self.keys, self.values = self._resized(self.batch_size + other.batch_size, max(self.capacity, other.capacity, length),
                                                (self, 0), (other, self.batch_size))
         self.length = length
+
+
+@functools.cache
+def _fast_bfloat16_matmul() -> bool:
+    """Whether this CPU multiplies bfloat16 matrices natively (AVX-512 BF16 or AMX); without, PyTorch
+    emulates them and a bfloat16 GEMM runs ~5x slower than a float32 one."""
+    try:
+        return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+    except AttributeError:  # an older PyTorch: assume not
+        return False
 
 
 class NativeCausalLM:
@@ -450,11 +461,13 @@ class NativeCausalLM:
 
     def _linear(self, x: torch.Tensor, weight, bias: torch.Tensor | None) -> torch.Tensor:
         if isinstance(weight, kernels.QuantizedMatrix):
-            # weight-only int8 or int4 (a draft): a big pass multiplies a bfloat16 copy (half the bytes of
-            # float32, and a compute-bound prefill runs as fast), widened at the first big pass and kept:
-            # widening every prefill cost ~1 s for a 0.5B draft. PyTorch's own int8-weight matmul is
-            # ~100x slower on a CPU without AMX.
-            weight = weight.widened(torch.bfloat16)
+            # weight-only int8 or int4 (a draft): a big pass multiplies a widened copy, made at the first big
+            # pass and kept (widening every prefill cost ~1 s for a 0.5B draft; PyTorch's own int8-weight
+            # matmul is ~100x slower on a CPU without AMX): bfloat16 where the CPU multiplies it natively,
+            # else float32 (bfloat16 matmul measured 5x slower than float32 on an AVX2-only CPU).
+            weight = weight.widened(torch.bfloat16 if _fast_bfloat16_matmul() else torch.float32)
+        elif weight.dtype == torch.bfloat16 and self.device.type == "cpu" and not _fast_bfloat16_matmul():
+            weight = weight.float()  # a transient copy: converting is cheaper than the slow bfloat16 GEMM
         if weight.dtype == x.dtype:
             return F.linear(x, weight, bias)
         # lower-precision matrices (a draft): multiply in their dtype, return to the activations' dtype
