@@ -123,10 +123,12 @@ def test_coupled_engine_samples_target_distribution(pair):
 
 
 def test_unseeded_coupled_call_runs():
+    """Without a seed the engine draws one per request: a normal run (it may end at EOS)."""
     target = tiny_llama(seed=0)
     result = verispec.generate(target, [1, 5, 6], draft=perturbed_copy(target, scale=0.3), temperature=0.9, coupled=True,
                                max_new_tokens=8)
-    assert len(result.token_ids) == 8
+    assert 1 <= len(result.token_ids) <= 8
+    assert len(result.token_ids) == 8 or result.finish_reason == "stop"
 
 
 def test_coupled_must_be_a_bool():
