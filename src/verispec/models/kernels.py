@@ -263,13 +263,13 @@ __attribute__((target("avx2,fma"))) static inline float hsum256(__m256 v)
 }
 
 _ISAS = {
-    "512": {"$SFX": "512", "$ISA": '"avx512f"', "$VEC": "__m512", "$LANES": "16", "$MAXMR": "6", "$QTILE": "8", "$DVECS": "4",
+    "512": {"$SFX": "512", "$ISA": '"avx512f"', "$VEC": "__m512", "$LANES": "16", "$MAXMR": "6", "$ROWS": "6", "$FULLMR": "6", "$QTILE": "8", "$DVECS": "4",
             "$ZERO": "_mm512_setzero_ps", "$SET1": "_mm512_set1_ps", "$LOADN": "loadn512", "$STOREN": "storen512",
             "$KEEPN": "keepn512", "$LOAD": "_mm512_loadu_ps", "$STORE": "_mm512_storeu_ps", "$ADD": "_mm512_add_ps",
             "$SUB": "_mm512_sub_ps", "$MUL": "_mm512_mul_ps", "$DIV": "_mm512_div_ps", "$FMA": "_mm512_fmadd_ps",
             "$MAX": "_mm512_max_ps", "$MIN": "_mm512_min_ps", "$HSUM": "_mm512_reduce_add_ps", "$ROUND": "round512",
             "$POW2MUL": "pow2mul512"},
-    "256": {"$SFX": "256", "$ISA": '"avx2,fma"', "$VEC": "__m256", "$LANES": "8", "$MAXMR": "3", "$QTILE": "4", "$DVECS": "2",
+    "256": {"$SFX": "256", "$ISA": '"avx2,fma"', "$VEC": "__m256", "$LANES": "8", "$MAXMR": "3", "$ROWS": "6", "$FULLMR": "2", "$QTILE": "4", "$DVECS": "2",
             "$ZERO": "_mm256_setzero_ps", "$SET1": "_mm256_set1_ps", "$LOADN": "loadn256", "$STOREN": "storen256",
             "$KEEPN": "keepn256", "$LOAD": "_mm256_loadu_ps", "$STORE": "_mm256_storeu_ps", "$ADD": "_mm256_add_ps",
             "$SUB": "_mm256_sub_ps", "$MUL": "_mm256_mul_ps", "$DIV": "_mm256_div_ps", "$FMA": "_mm256_fmadd_ps",
@@ -284,46 +284,55 @@ _LINEAR_TEMPLATE = r"""
  * multiply-add per L lanes in increasing k (a zero-filled tail last), then reduced by a fixed
  * shuffle sequence. The tile shape (how many rows share a pass over the weights) only decides which
  * accumulators are live together, never the arithmetic one of them sees. */
-#define TILE_$SFX$W(MR)                                                                             \
-__attribute__((target($ISA))) static void tile$SFX$W##_##MR(                                        \
+#define TILE_$SFX$W(MR, JN)                                                                         \
+__attribute__((target($ISA))) static void tile$SFX$W##_##MR##x##JN(                                 \
     const float *x, const $WT *w, $VEC *saved, int64_t k0, int64_t k1, int64_t K, const char *next) \
 {                                                                                                 \
-    /* continue the accumulators saved [MR][NR] over k in [k0, k1) (plus the masked tail at the end); \
-     * `next`, if set, is the next tile's weights: fetched into cache while this one computes */   \
-    $VEC acc[MR][NR];                                                                             \
+    /* continue the accumulators saved [MR][NR] (columns 0 .. JN-1 of them) over k in [k0, k1) (plus \
+     * the masked tail at the end); `next`, if set, is the next tile's weights: fetched into cache   \
+     * while this one computes */                                                                 \
+    $VEC acc[MR][JN];                                                                             \
     _Pragma("GCC unroll 8") for (int i = 0; i < MR; i++)                                         \
-        _Pragma("GCC unroll 4") for (int j = 0; j < NR; j++) acc[i][j] = k0 ? saved[i * NR + j] : $ZERO(); \
+        _Pragma("GCC unroll 4") for (int j = 0; j < JN; j++) acc[i][j] = k0 ? saved[i * NR + j] : $ZERO(); \
     for (int64_t k = k0; k < k1; k += $LANES) {                                                   \
-        $VEC wv[NR];                                                                              \
-        _Pragma("GCC unroll 4") for (int j = 0; j < NR; j++) {                                   \
+        $VEC wv[JN];                                                                              \
+        _Pragma("GCC unroll 4") for (int j = 0; j < JN; j++) {                                   \
             wv[j] = $WLOAD(w + j * K + k);                                                        \
             if (next) _mm_prefetch(next + (j * K + k) * (int64_t)sizeof($WT), _MM_HINT_T0);       \
         }                                                                                         \
         _Pragma("GCC unroll 8") for (int i = 0; i < MR; i++) {                                   \
             $VEC xv = $LOAD(x + i * K + k);                                                       \
-            _Pragma("GCC unroll 4") for (int j = 0; j < NR; j++) acc[i][j] = $FMA(xv, wv[j], acc[i][j]); \
+            _Pragma("GCC unroll 4") for (int j = 0; j < JN; j++) acc[i][j] = $FMA(xv, wv[j], acc[i][j]); \
         }                                                                                         \
     }                                                                                             \
     if (k1 == K - K % $LANES && K > k1) {                                                         \
-        $VEC wv[NR];                                                                              \
-        for (int j = 0; j < NR; j++) wv[j] = $WLOADN(w + j * K + k1, K - k1);                      \
+        $VEC wv[JN];                                                                              \
+        for (int j = 0; j < JN; j++) wv[j] = $WLOADN(w + j * K + k1, K - k1);                      \
         for (int i = 0; i < MR; i++) {                                                            \
             $VEC xv = $LOADN(x + i * K + k1, K - k1);                                             \
-            for (int j = 0; j < NR; j++) acc[i][j] = $FMA(xv, wv[j], acc[i][j]);                  \
+            for (int j = 0; j < JN; j++) acc[i][j] = $FMA(xv, wv[j], acc[i][j]);                  \
         }                                                                                         \
     }                                                                                             \
     _Pragma("GCC unroll 8") for (int i = 0; i < MR; i++)                                         \
-        _Pragma("GCC unroll 4") for (int j = 0; j < NR; j++) saved[i * NR + j] = acc[i][j];      \
+        _Pragma("GCC unroll 4") for (int j = 0; j < JN; j++) saved[i * NR + j] = acc[i][j];      \
 }
-TILE_$SFX$W(1) TILE_$SFX$W(2) TILE_$SFX$W(3)
-#if $MAXMR > 3
-TILE_$SFX$W(4) TILE_$SFX$W(5) TILE_$SFX$W(6)
+/* Tiles of MR activation rows x all NR weight rows, and (for more rows than fit the vector registers
+ * that way: MR * NR accumulators + NR weight vectors) MR rows x half the weight rows, called twice. */
+TILE_$SFX$W(1, 4) TILE_$SFX$W(2, 4) TILE_$SFX$W(3, 4)
+TILE_$SFX$W(3, 2) TILE_$SFX$W(4, 2) TILE_$SFX$W(5, 2) TILE_$SFX$W(6, 2)
+#if $FULLMR > 3
+TILE_$SFX$W(4, 4) TILE_$SFX$W(5, 4) TILE_$SFX$W(6, 4)
 typedef void (*tile$SFX$W_fn)(const float *, const $WT *, $VEC *, int64_t, int64_t, int64_t, const char *);
-static const tile$SFX$W_fn tiles$SFX$W[7] = {0, tile$SFX$W_1, tile$SFX$W_2, tile$SFX$W_3, tile$SFX$W_4, tile$SFX$W_5, tile$SFX$W_6};
+static const tile$SFX$W_fn tiles$SFX$W[7] = {0, tile$SFX$W_1x4, tile$SFX$W_2x4, tile$SFX$W_3x4, tile$SFX$W_4x4, tile$SFX$W_5x4, tile$SFX$W_6x4};
 #else
 typedef void (*tile$SFX$W_fn)(const float *, const $WT *, $VEC *, int64_t, int64_t, int64_t, const char *);
-static const tile$SFX$W_fn tiles$SFX$W[4] = {0, tile$SFX$W_1, tile$SFX$W_2, tile$SFX$W_3};
+static const tile$SFX$W_fn tiles$SFX$W[$FULLMR + 1] = {0, tile$SFX$W_1x4, tile$SFX$W_2x4
+#if $FULLMR > 2
+    , tile$SFX$W_3x4
 #endif
+};
+#endif
+static const tile$SFX$W_fn halves$SFX$W[7] = {0, 0, 0, tile$SFX$W_3x2, tile$SFX$W_4x2, tile$SFX$W_5x2, tile$SFX$W_6x2};
 
 /* The last N % 4 weight rows: one weight row at a time, the same per-element arithmetic. */
 __attribute__((target($ISA))) static void edge$SFX$W(const float *x, const $WT *w, const float *s, const float *b,
@@ -354,12 +363,18 @@ __attribute__((target($ISA))) static void linear_range$SFX$W(const void *arg, in
             const int64_t k1 = k0 + KBLOCK < kfull ? k0 + KBLOCK : kfull;
             for (int64_t m0 = 0; m0 < M;) {
                 /* Rows split evenly over the fewest passes: 8 rows -> 4 + 4 rather than 6 + 2. */
-                const int64_t passes = (M - m0 + $MAXMR - 1) / $MAXMR;
+                const int64_t passes = (M - m0 + $ROWS - 1) / $ROWS;
                 const int mr = (int)((M - m0 + passes - 1) / passes);
                 /* the first row tile also prefetches the next weight tile: the hardware prefetcher
                  * needs a while to pick up 4 new rows, and the tiles' rows are short (6-35 KB) */
                 const char *next = m0 == 0 && t + 1 < end ? (const char *)(w + NR * K) : 0;
-                tiles$SFX$W[mr](job->x + m0 * K, w, saved + m0 * NR, k0, k1, K, next);
+                if (mr <= $FULLMR) {
+                    tiles$SFX$W[mr](job->x + m0 * K, w, saved + m0 * NR, k0, k1, K, next);
+                } else {
+                    halves$SFX$W[mr](job->x + m0 * K, w, saved + m0 * NR, k0, k1, K, next);
+                    halves$SFX$W[mr](job->x + m0 * K, w + 2 * K, saved + m0 * NR + 2, k0, k1, K,
+                                     next ? next + 2 * K * (int64_t)sizeof($WT) : 0);
+                }
                 m0 += mr;
             }
             if (k1 >= kfull) break;
