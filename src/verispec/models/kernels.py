@@ -826,35 +826,43 @@ __attribute__((target("avx2,fma"))) static void quantize_rows_avx2(const float *
 
 /* A tile: activation rows m0..m0+mr-1 (mr <= 4) against NR weight rows, over all groups; the sums
  * go to y[i * ldy + j] for tile row i and weight row j. */
-__attribute__((target("avx2,fma"))) static void tile_q8avx2(const vnni_job *job, int64_t m0, int mr, const uint8_t *w,
-                                                            const float *s, float *y, int64_t ldy, const char *next)
+/* A tile: activation rows m0..m0+mr-1 (mr <= Q8ROWS) against NR weight rows, over all groups; the
+ * sums go to y[i * ldy + j] for tile row i and weight row j. Each weight row is unpacked and used
+ * by every tile row before the next is loaded, so accumulators, one row's nibbles and temporaries
+ * fit AVX2's 16 registers; the row count is a constant in each instance (a runtime count would
+ * index the accumulators in memory: a store and a load per multiply-add). */
+#define Q8ROWS 2
+__attribute__((target("avx2,fma"), always_inline)) static inline void tile_q8avx2_rows(
+    const vnni_job *job, int64_t m0, const int mr, const uint8_t *w, const float *s, float *y, int64_t ldy, const char *next)
 {
     const int64_t K = job->K, row_bytes = K / 2, groups = K / I4GROUP;
     const __m256i low = _mm256_set1_epi8(15);
-    __m256 acc[4][NR];
-    for (int i = 0; i < 4; i++)
+    __m256 acc[Q8ROWS][NR];
+    for (int i = 0; i < Q8ROWS; i++)
         for (int j = 0; j < NR; j++) acc[i][j] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
-        __m256i wlo[NR], whi[NR];
         _Pragma("GCC unroll 4") for (int j = 0; j < NR; j++) {
             const __m256i bytes = _mm256_loadu_si256((const __m256i *)(w + j * row_bytes + g * (I4GROUP / 2)));
             if (next) _mm_prefetch(next + j * row_bytes + g * (I4GROUP / 2), _MM_HINT_T0);
-            wlo[j] = _mm256_and_si256(bytes, low);
-            whi[j] = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low);
-        }
-        for (int i = 0; i < mr; i++) {
-            const int64_t m = m0 + i;
-            const int8_t *xq = job->qx + m * K + g * I4GROUP;
-            const __m256i start = _mm256_loadu_si256((const __m256i *)(job->qc + (m * groups + g) * 8));
-            const float xs = job->qs[m * groups + g];
-            _Pragma("GCC unroll 4") for (int j = 0; j < NR; j++) {
-                const __m256i lanes = q8lanes_avx2(start, wlo[j], whi[j], xq);
-                acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes), _mm256_set1_ps(s[j * groups + g] * xs), acc[i][j]);
+            const __m256i wlo = _mm256_and_si256(bytes, low), whi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low);
+            const float sw = s[j * groups + g];
+            _Pragma("GCC unroll 2") for (int i = 0; i < mr; i++) {
+                const int64_t m = m0 + i;
+                const __m256i start = _mm256_loadu_si256((const __m256i *)(job->qc + (m * groups + g) * 8));
+                const __m256i lanes = q8lanes_avx2(start, wlo, whi, job->qx + m * K + g * I4GROUP);
+                acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes), _mm256_set1_ps(sw * job->qs[m * groups + g]), acc[i][j]);
             }
         }
     }
     for (int i = 0; i < mr; i++)
         for (int j = 0; j < NR; j++) y[i * ldy + j] = hsum256(acc[i][j]);
+}
+
+__attribute__((target("avx2,fma"))) static void tile_q8avx2(const vnni_job *job, int64_t m0, int mr, const uint8_t *w,
+                                                            const float *s, float *y, int64_t ldy, const char *next)
+{
+    if (mr == 1) tile_q8avx2_rows(job, m0, 1, w, s, y, ldy, next);
+    else tile_q8avx2_rows(job, m0, 2, w, s, y, ldy, next);
 }
 
 /* Weight-row tiles [begin, end) of an AVX2 int8-activation job; the bias is added after the sum. */
@@ -865,8 +873,8 @@ static void linear_range_q8avx2(const void *arg, int64_t begin, int64_t end)
     for (int64_t t = begin; t < end; t++) {
         const uint8_t *w = job->w + t * NR * (K / 2);
         const char *next = t + 1 < end ? (const char *)(w + NR * (K / 2)) : 0;
-        for (int64_t m0 = 0; m0 < job->M; m0 += 4) {
-            const int mr = job->M - m0 < 4 ? (int)(job->M - m0) : 4;
+        for (int64_t m0 = 0; m0 < job->M; m0 += Q8ROWS) {
+            const int mr = job->M - m0 < Q8ROWS ? (int)(job->M - m0) : Q8ROWS;
             tile_q8avx2(job, m0, mr, w, job->s + t * NR * groups, job->y + m0 * job->N + t * NR, job->N, m0 == 0 ? next : 0);
         }
         if (job->b)
@@ -891,7 +899,7 @@ static int linear_q8avx2(const float *x, const uint8_t *w, const float *s, const
     const int64_t tiles = N / NR, grain = M * N * K < 65536 ? tiles : (tiles + 63) / 64;
     if (tiles) parallel_for(linear_range_q8avx2, &job, tiles, grain > 0 ? grain : 1, threads);
     for (int64_t n = tiles * NR; n < N; n++) {  /* the edge: one weight row at a time, same arithmetic */
-        float out[4 * NR];
+        float out[Q8ROWS * NR];
         uint8_t *packed = malloc((size_t)(NR * (K / 2)));
         float *scales = malloc(sizeof(float) * (size_t)(NR * groups));
         if (!packed || !scales) { free(packed); free(scales); free(qx); return 0; }
@@ -899,8 +907,8 @@ static int linear_q8avx2(const float *x, const uint8_t *w, const float *s, const
             memcpy(packed + j * (K / 2), w + n * (K / 2), (size_t)(K / 2));
             memcpy(scales + j * groups, s + n * groups, sizeof(float) * (size_t)groups);
         }
-        for (int64_t m0 = 0; m0 < M; m0 += 4) {
-            const int mr = M - m0 < 4 ? (int)(M - m0) : 4;
+        for (int64_t m0 = 0; m0 < M; m0 += Q8ROWS) {
+            const int mr = M - m0 < Q8ROWS ? (int)(M - m0) : Q8ROWS;
             tile_q8avx2(&job, m0, mr, packed, scales, out, NR, 0);
             for (int i = 0; i < mr; i++) y[(m0 + i) * N + n] = out[i * NR] + (b ? b[n] : 0.0f);
         }
