@@ -395,6 +395,36 @@ def test_rowwise_linear_rows_are_independent(isa, fmt, monkeypatch):
 
 @needs_kernels
 @pytest.mark.parametrize("isa", [512, 256])
+@pytest.mark.parametrize("fmt", ["f32", "bf16", "int8", "int4", "int4-avx2"])
+def test_linear_group_equals_its_linears_called_alone(isa, fmt, monkeypatch):
+    """q/k/v and gate/up run as one grouped call: every output bitwise what its own call gives, edges
+    (widths not a multiple of the tile) and every row count of a verify pass included."""
+    if isa > kernels.isa():
+        pytest.skip(f"CPU lacks the {isa}-bit kernel")
+    monkeypatch.setattr(kernels, "_isa", isa)
+    monkeypatch.setattr(kernels, "_vnni", False)
+    monkeypatch.setattr(kernels, "_int8_activations", fmt == "int4-avx2")
+    torch.manual_seed(0)
+    in_features = 192
+    linears = []
+    for out_features in (64, 18, 7):
+        dense = torch.randn(out_features, in_features)
+        weight = {"f32": dense, "bf16": dense.to(torch.bfloat16), "int8": kernels.Int8Matrix.quantize(dense)}.get(
+            fmt, kernels.Int4Matrix.quantize(dense) if fmt.startswith("int4") else None)
+        linears.append(kernels.Linear(weight, torch.randn(out_features)))
+    group = kernels.LinearGroup(linears)
+    for rows in range(1, 10):
+        x = torch.randn(rows, in_features)
+        outs = [torch.full((rows, lin.n), float("nan")) for lin in linears]
+        group(x, outs)
+        for lin, out in zip(linears, outs):
+            assert torch.equal(out, lin(x, torch.empty(rows, lin.n)))
+    with pytest.raises(ValueError, match="input width"):
+        kernels.LinearGroup([linears[0], kernels.Linear(torch.randn(4, 64))])
+
+
+@needs_kernels
+@pytest.mark.parametrize("isa", [512, 256])
 def test_slot_attention_matches_masked_softmax(isa, monkeypatch):
     if isa > kernels.isa():
         pytest.skip(f"CPU lacks the {isa}-bit kernel")

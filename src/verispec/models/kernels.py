@@ -883,10 +883,38 @@ static void linear_range_q8avx2(const void *arg, int64_t begin, int64_t end)
     }
 }
 
+/* Several products of one x (a layer's q, k and v, or gate and up) as one job over all their weight
+ * tiles: one wake of the pool, one rounding of x. */
+#define MAX_GROUP 4
+typedef struct { range_fn fn; const void *jobs[MAX_GROUP]; int64_t first[MAX_GROUP + 1]; int count; } group_job;
+
+static void group_range(const void *arg, int64_t begin, int64_t end)
+{
+    const group_job *group = arg;
+    for (int i = 0; i < group->count; i++) {
+        const int64_t lo = begin > group->first[i] ? begin : group->first[i];
+        const int64_t hi = end < group->first[i + 1] ? end : group->first[i + 1];
+        if (lo < hi) group->fn(group->jobs[i], lo - group->first[i], hi - group->first[i]);
+    }
+}
+
+static void run_group(range_fn fn, const void *const *jobs, const int64_t *tiles, int count, int64_t work, int threads)
+{
+    group_job group = {fn, {0}, {0}, count};
+    for (int i = 0; i < count; i++) {
+        group.jobs[i] = jobs[i];
+        group.first[i + 1] = group.first[i] + tiles[i];
+    }
+    const int64_t total = group.first[count];
+    /* ~64 chunks per call balance threads; below ~64k multiply-adds one thread is quicker than waking another */
+    const int64_t grain = work < 65536 ? total : (total + 63) / 64;
+    if (total) parallel_for(group_range, &group, total, grain > 0 ? grain : 1, threads);
+}
+
 /* 0 when the scratch memory ran out. The last N % NR weight rows run as a tile of NR whose extra
  * rows repeat the last one (each output is a function of its own weight row: nothing else changes). */
-static int linear_q8avx2(const float *x, const uint8_t *w, const float *s, const float *b, float *y, int64_t M, int64_t N,
-                         int64_t K, int threads)
+static int linear_q8avx2(const float *x, int count, const uint8_t *const *w, const float *const *s, const float *const *b,
+                         float *const *y, const int64_t *N, int64_t M, int64_t K, int threads)
 {
     const int64_t groups = K / I4GROUP;
     const size_t bytes = (size_t)(M * K + M * groups * (8 * 4 + 4));
@@ -895,25 +923,33 @@ static int linear_q8avx2(const float *x, const uint8_t *w, const float *s, const
     int32_t *qc = (int32_t *)(qx + M * K);
     float *qs = (float *)(qc + M * groups * 8);
     quantize_rows_avx2(x, qx, qs, qc, M, K);
-    const vnni_job job = {qx, qs, qc, w, s, b, y, M, N, K};
-    const int64_t tiles = N / NR, grain = M * N * K < 65536 ? tiles : (tiles + 63) / 64;
-    if (tiles) parallel_for(linear_range_q8avx2, &job, tiles, grain > 0 ? grain : 1, threads);
-    for (int64_t n = tiles * NR; n < N; n++) {  /* the edge: one weight row at a time, same arithmetic */
-        float out[Q8ROWS * NR];
-        uint8_t *packed = malloc((size_t)(NR * (K / 2)));
-        float *scales = malloc(sizeof(float) * (size_t)(NR * groups));
-        if (!packed || !scales) { free(packed); free(scales); free(qx); return 0; }
-        for (int j = 0; j < NR; j++) {
-            memcpy(packed + j * (K / 2), w + n * (K / 2), (size_t)(K / 2));
-            memcpy(scales + j * groups, s + n * groups, sizeof(float) * (size_t)groups);
-        }
-        for (int64_t m0 = 0; m0 < M; m0 += Q8ROWS) {
-            const int mr = M - m0 < Q8ROWS ? (int)(M - m0) : Q8ROWS;
-            tile_q8avx2(&job, m0, mr, packed, scales, out, NR, 0);
-            for (int i = 0; i < mr; i++) y[(m0 + i) * N + n] = out[i * NR] + (b ? b[n] : 0.0f);
-        }
-        free(packed); free(scales);
+    vnni_job jobs[MAX_GROUP];
+    const void *job_ptrs[MAX_GROUP];
+    int64_t tiles[MAX_GROUP], work = 0;
+    for (int i = 0; i < count; i++) {
+        jobs[i] = (vnni_job){qx, qs, qc, w[i], s[i], b[i], y[i], M, N[i], K};
+        job_ptrs[i] = &jobs[i];
+        tiles[i] = N[i] / NR;
+        work += M * N[i] * K;
     }
+    run_group(linear_range_q8avx2, job_ptrs, tiles, count, work, threads);
+    for (int i = 0; i < count; i++)
+        for (int64_t n = tiles[i] * NR; n < N[i]; n++) {  /* the edge: one weight row at a time, same arithmetic */
+            float out[Q8ROWS * NR];
+            uint8_t *packed = malloc((size_t)(NR * (K / 2)));
+            float *scales = malloc(sizeof(float) * (size_t)(NR * groups));
+            if (!packed || !scales) { free(packed); free(scales); free(qx); return 0; }
+            for (int j = 0; j < NR; j++) {
+                memcpy(packed + j * (K / 2), w[i] + n * (K / 2), (size_t)(K / 2));
+                memcpy(scales + j * groups, s[i] + n * groups, sizeof(float) * (size_t)groups);
+            }
+            for (int64_t m0 = 0; m0 < M; m0 += Q8ROWS) {
+                const int mr = M - m0 < Q8ROWS ? (int)(M - m0) : Q8ROWS;
+                tile_q8avx2(&jobs[i], m0, mr, packed, scales, out, NR, 0);
+                for (int r = 0; r < mr; r++) y[i][(m0 + r) * N[i] + n] = out[r * NR] + (b[i] ? b[i][n] : 0.0f);
+            }
+            free(packed); free(scales);
+        }
     free(qx);
     return 1;
 }
@@ -937,28 +973,48 @@ int kernels_vnni(void)
  * 3 = int4 in groups of I4GROUP along k, a float32 scale per group in s [N, K / I4GROUP],
  * 4 = the same int4 matrices with activations rounded to int8 per group (AVX-512 VNNI),
  * 5 = the same on AVX2 (byte products through vpmaddubsw).
- * Returns 0, or -1 if scratch memory ran out. */
+ * A group is `count` (at most MAX_GROUP) matrices of one format and width K applied to the same x,
+ * y[i] = x w[i]^T, as one job. Returns 0, or -1 if scratch memory ran out. */
+int rowwise_linear_group(const float *x, int count, const void *const *w, const float *const *s, const float *const *b,
+                         float *const *y, const int64_t *N, int64_t M, int64_t K, int weights, int isa, int threads)
+{
+    if (count < 1 || count > MAX_GROUP) return -1;
+    if (weights == 4) {
+        for (int i = 0; i < count; i++)
+            if (!linear_vnni(x, w[i], s[i], b[i], y[i], M, N[i], K, threads)) return -1;
+        return 0;
+    }
+    if (weights == 5) return linear_q8avx2(x, count, (const uint8_t *const *)w, s, b, y, N, M, K, threads) ? 0 : -1;
+    linear_job jobs[MAX_GROUP];
+    const void *job_ptrs[MAX_GROUP];
+    int64_t tiles[MAX_GROUP], work = 0;
+    for (int i = 0; i < count; i++) {
+        jobs[i] = (linear_job){x, w[i], s[i], b[i], y[i], M, N[i], K};
+        job_ptrs[i] = &jobs[i];
+        tiles[i] = N[i] / NR;
+        work += M * N[i] * K;
+    }
+    const range_fn ranges[2][4] = {{linear_range256f32, linear_range256bf16, linear_range256i8, linear_range256i4},
+                                   {linear_range512f32, linear_range512bf16, linear_range512i8, linear_range512i4}};
+    run_group(ranges[isa == 512][weights], job_ptrs, tiles, count, work, threads);
+    for (int i = 0; i < count; i++)
+        for (int64_t n = tiles[i] * NR; n < N[i]; n++) {
+            const float *bn = b[i] ? b[i] + n : 0, *sn = s[i] ? s[i] + n : 0;
+            float *yn = y[i] + n;
+            const int64_t Ni = N[i];
+            if (weights == 3)
+                (isa == 512 ? edge512i4 : edge256i4)(x, (const uint8_t *)w[i] + n * (K / 2), s[i] + n * (K / I4GROUP), bn, yn, M, Ni, K);
+            else if (weights == 2) (isa == 512 ? edge512i8 : edge256i8)(x, (const int8_t *)w[i] + n * K, sn, bn, yn, M, Ni, K);
+            else if (weights == 1) (isa == 512 ? edge512bf16 : edge256bf16)(x, (const uint16_t *)w[i] + n * K, sn, bn, yn, M, Ni, K);
+            else (isa == 512 ? edge512f32 : edge256f32)(x, (const float *)w[i] + n * K, sn, bn, yn, M, Ni, K);
+        }
+    return 0;
+}
+
 int rowwise_linear(const float *x, const void *w, const float *s, const float *b, float *y, int64_t M, int64_t N,
                    int64_t K, int weights, int isa, int threads)
 {
-    if (weights == 4) return linear_vnni(x, w, s, b, y, M, N, K, threads) ? 0 : -1;
-    if (weights == 5) return linear_q8avx2(x, w, s, b, y, M, N, K, threads) ? 0 : -1;
-    const linear_job job = {x, w, s, b, y, M, N, K};
-    const int64_t tiles = N / NR;
-    /* ~64 chunks per call balance threads; below ~64k multiply-adds one thread is quicker than waking another */
-    const int64_t grain = M * N * K < 65536 ? tiles : (tiles + 63) / 64;
-    const range_fn ranges[2][4] = {{linear_range256f32, linear_range256bf16, linear_range256i8, linear_range256i4},
-                                   {linear_range512f32, linear_range512bf16, linear_range512i8, linear_range512i4}};
-    parallel_for(ranges[isa == 512][weights], &job, tiles, grain > 0 ? grain : 1, threads);
-    for (int64_t n = tiles * NR; n < N; n++) {
-        const float *bn = b ? b + n : 0, *sn = s ? s + n : 0;
-        if (weights == 3)
-            (isa == 512 ? edge512i4 : edge256i4)(x, (const uint8_t *)w + n * (K / 2), s + n * (K / I4GROUP), bn, y + n, M, N, K);
-        else if (weights == 2) (isa == 512 ? edge512i8 : edge256i8)(x, (const int8_t *)w + n * K, sn, bn, y + n, M, N, K);
-        else if (weights == 1) (isa == 512 ? edge512bf16 : edge256bf16)(x, (const uint16_t *)w + n * K, sn, bn, y + n, M, N, K);
-        else (isa == 512 ? edge512f32 : edge256f32)(x, (const float *)w + n * K, sn, bn, y + n, M, N, K);
-    }
-    return 0;
+    return rowwise_linear_group(x, 1, &w, &s, &b, &y, &N, M, K, weights, isa, threads);
 }
 
 void silu_mul(float *gate, const float *up, int64_t n, int isa)
@@ -1105,6 +1161,7 @@ _SIGNATURES = {
     "kernels_isa": (ctypes.c_int, []),
     "kernels_vnni": (ctypes.c_int, []),
     "rowwise_linear": (ctypes.c_int, [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_int] * 3),
+    "rowwise_linear_group": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 2 + [ctypes.c_int] * 3),
     "silu_mul": (None, [ctypes.c_void_p] * 2 + [ctypes.c_int64, ctypes.c_int]),
     "rms_norm": (None, [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_float, ctypes.c_int]),
     "rope": (None, [ctypes.c_void_p] + [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 3),
@@ -1296,6 +1353,41 @@ class Linear:
                                    self.n, self.k, kind, _isa, torch.get_num_threads()):
             raise MemoryError("rowwise_linear: out of memory for its scratch buffer")
         return out
+
+
+class LinearGroup:
+    """Several `Linear`s of one input width and weight format applied to the same x (a layer's q, k and v;
+    gate and up) as one kernel call: one wake of the thread pool, and int4 drafts round x to int8
+    once. `group(x, outs)` writes outs[i] = linears[i](x); each output is bitwise what its own call gives."""
+
+    __slots__ = ("linears", "_count", "_weights", "_scales", "_biases", "_widths", "_outs", "_out_ptrs")
+
+    def __init__(self, linears: list[Linear]):
+        if not 1 <= len(linears) <= 4:
+            raise ValueError("a LinearGroup holds 1 to 4 linears")
+        if len({(lin.k, lin._format) for lin in linears}) != 1:
+            raise ValueError("a LinearGroup's linears must share the input width and the weight format")
+        self.linears = list(linears)
+        count = self._count = len(linears)
+        self._weights = (ctypes.c_void_p * count)(*(lin._matrix for lin in linears))
+        self._scales = (ctypes.c_void_p * count)(*(lin._scale for lin in linears))
+        self._biases = (ctypes.c_void_p * count)(*(lin._bias for lin in linears))
+        self._widths = (ctypes.c_int64 * count)(*(lin.n for lin in linears))
+        self._outs = None  # the last call's output pointers, reused while the buffers stay
+        self._out_ptrs = (ctypes.c_void_p * count)()
+
+    def __call__(self, x: torch.Tensor, outs) -> tuple:
+        first = self.linears[0]
+        pointers = tuple(out.data_ptr() for out in outs)
+        if pointers != self._outs:
+            self._outs = pointers
+            self._out_ptrs[:] = pointers
+        kind = _FORMAT_CODES[first._format] if first._format != "int4" else _int4_code()
+        if _library.rowwise_linear_group(x.data_ptr(), self._count, self._weights, self._scales, self._biases,
+                                         self._out_ptrs, self._widths, x.shape[0], first.k, kind, _isa,
+                                         torch.get_num_threads()):
+            raise MemoryError("rowwise_linear_group: out of memory for its scratch buffer")
+        return tuple(outs)
 
 
 _FORMAT_CODES = {"f32": 0, "bf16": 1, "int8": 2}

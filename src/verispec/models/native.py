@@ -405,11 +405,17 @@ class NativeCausalLM:
             self._buffers = {name: torch.empty(rows, width, dtype=torch.float32) for name, width in widths.items()}
         return {name: buffer[:rows] for name, buffer in self._buffers.items()}
 
-    def _linears(self) -> tuple[list[dict[str, kernels.Linear]], kernels.Linear]:
-        """(per layer {q, k, v, o, gate, up, down}, the LM head): each matrix checked once for the kernels."""
+    def _linears(self) -> tuple[list[dict], kernels.Linear]:
+        """(per layer {qkv, o, gate_up, down}, the LM head): each matrix checked once for the kernels; the
+        products that share an input (q, k, v; gate, up) run as one `kernels.LinearGroup` call."""
         if self._prepared is None:
-            names = ("q", "k", "v", "o", "gate", "up", "down")
-            layers = [{name: kernels.Linear(getattr(layer, name), getattr(layer, f"{name}_bias")) for name in names}
+            def linear(layer, name):
+                return kernels.Linear(getattr(layer, name), getattr(layer, f"{name}_bias"))
+
+            layers = [{"qkv": kernels.LinearGroup([linear(layer, "q"), linear(layer, "k"), linear(layer, "v")]),
+                       "o": linear(layer, "o"),
+                       "gate_up": kernels.LinearGroup([linear(layer, "gate"), linear(layer, "up")]),
+                       "down": linear(layer, "down")}
                       for layer in self.layers]
             self._prepared = layers, kernels.Linear(self.lm_head, self.lm_head_bias)
         return self._prepared
@@ -425,9 +431,7 @@ class NativeCausalLM:
         residual = None  # the last sublayer's output, added to x inside the next rms_norm
         for index, (layer, linear) in enumerate(zip(self.layers, linears)):
             kernels.rms_norm(x, layer.attn_norm, self.eps, buf["normed"], residual)
-            linear["q"](buf["normed"], buf["q"])
-            linear["k"](buf["normed"], buf["k"])
-            linear["v"](buf["normed"], buf["v"])
+            linear["qkv"](buf["normed"], (buf["q"], buf["k"], buf["v"]))
             kernels.rope_(buf["q"], self.num_heads, positions, self._cos, self._sin)
             kernels.rope_(buf["k"], self.num_kv_heads, positions, self._cos, self._sin)
             shape = (batch, width, self.num_kv_heads, self.head_dim)
@@ -437,8 +441,7 @@ class NativeCausalLM:
                                    out=buf["attended"].view(batch, width, self.num_heads, self.head_dim), tree=tree)
             linear["o"](buf["attended"], buf["delta"])
             kernels.rms_norm(x, layer.mlp_norm, self.eps, buf["normed"], buf["delta"])
-            linear["gate"](buf["normed"], buf["gate"])
-            linear["up"](buf["normed"], buf["up"])
+            linear["gate_up"](buf["normed"], (buf["gate"], buf["up"]))
             kernels.silu_mul_(buf["gate"], buf["up"])
             residual = linear["down"](buf["gate"], buf["delta"])
         out = torch.empty(rows, self.hidden_size)  # returned to the caller: not a reused buffer
