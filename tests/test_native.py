@@ -223,6 +223,32 @@ def test_quantized_draft_prefill_uses_a_kept_bf16_copy(pair, weight_dtype):
     assert copy.dtype == torch.bfloat16 and copy is draft.layers[0].gate.widened(torch.bfloat16)
 
 
+@pytest.mark.parametrize("batch", [1, 3])
+def test_int4_draft_prefills_in_small_passes(pair, batch, monkeypatch):
+    """With int8-rounded activations a 4-bit draft prefills through its decode kernels, MAX_ROWS rows at a
+    time: bitwise what one-token passes give (padding included), and no widened float copy is made."""
+    hf, _ = pair
+    draft = NativeCausalLM.from_hf(hf, weight_dtype=torch.quint4x2)
+    if not draft._kernels:
+        pytest.skip("exact kernels unavailable here")
+    monkeypatch.setattr(kernels, "_int8_activations", True)
+    monkeypatch.setattr(kernels, "_vnni", kernels._isa == 512 and kernels._vnni)
+    assert draft._prefills_in_chunks(batch)
+    lengths = [60, 45, 12][:batch]  # batch x width within _CHUNKED_PREFILL_ROWS: the chunked path
+    prompts = [[4 + (7 * b + 3 * i) % 90 for i in range(n)] for b, n in enumerate(lengths)]
+    tokens, visible = left_pad(prompts)
+    cache = draft.new_cache(batch)
+    last = draft.forward(tokens, cache, visible, last_only=True)[:, -1]
+    step = draft.forward(torch.tensor([[5]] * batch), cache)[:, -1]
+    assert not draft.layers[0].gate._widened  # never widened
+    for b, prompt in enumerate(prompts):
+        alone = draft.new_cache(1)
+        for token in prompt:
+            one = draft.forward(torch.tensor([[token]]), alone)[:, -1]
+        assert torch.equal(one[0], last[b])
+        assert torch.equal(draft.forward(torch.tensor([[5]]), alone)[0, -1], step[b])
+
+
 @pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.int8, torch.quint4x2])
 @pytest.mark.parametrize("vocab", [None, 48])
 def test_cheap_native_drafts_keep_the_targets_output(pair, native, weight_dtype, vocab):
