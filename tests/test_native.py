@@ -234,7 +234,7 @@ def test_int4_draft_prefills_in_small_passes(pair, batch, monkeypatch):
     monkeypatch.setattr(kernels, "_int8_activations", True)
     monkeypatch.setattr(kernels, "_vnni", kernels._isa == 512 and kernels._vnni)
     assert draft._prefills_in_chunks(batch)
-    lengths = [60, 45, 12][:batch]  # batch x width within _CHUNKED_PREFILL_ROWS: the chunked path
+    lengths = [70, 45, 12][:batch]
     prompts = [[4 + (7 * b + 3 * i) % 90 for i in range(n)] for b, n in enumerate(lengths)]
     tokens, visible = left_pad(prompts)
     cache = draft.new_cache(batch)

@@ -206,13 +206,6 @@ def _fast_bfloat16_matmul() -> bool:
         return False
 
 
-# A 4-bit draft (int8 activations) prefills prompts up to this many token rows through its decode kernels,
-# longer ones through PyTorch on a widened copy. Measured on 2 AVX2 cores, Qwen2.5 0.5B: 128 tokens
-# 0.63 s against 0.73 s, 192 even (0.97 / 0.99), 512 2.56 s against 2.40 s (the float32 GEMM gains
-# with the width; the kernels stream the weights again for every 32 rows).
-_CHUNKED_PREFILL_ROWS = 192
-
-
 class NativeCausalLM:
     """A Llama/Qwen2-family causal LM behind the verispec `CausalLM` contract; see the module docstring."""
 
@@ -374,7 +367,7 @@ class NativeCausalLM:
         batch, width = tokens.shape
         if visible is None:
             visible = torch.ones_like(tokens, dtype=torch.bool)
-        if last_only and tree is None and kernels.MAX_ROWS < batch * width <= _CHUNKED_PREFILL_ROWS and self._prefills_in_chunks(batch):
+        if last_only and tree is None and batch * width > kernels.MAX_ROWS and self._prefills_in_chunks(batch):
             rows = kernels.MAX_ROWS // batch
             for begin in range(0, width, rows):
                 logits = self.forward(tokens[:, begin : begin + rows], cache, visible[:, begin : begin + rows], last_only=True)
@@ -407,10 +400,12 @@ class NativeCausalLM:
         return logits.view(batch, -1, self.vocab_size).float()
 
     def _prefills_in_chunks(self, batch: int) -> bool:
-        """Whether a prompt prefill of up to `_CHUNKED_PREFILL_ROWS` token rows runs as small passes of
-        `kernels.MAX_ROWS` rows: for 4-bit matrices multiplied with int8-rounded activations, whose byte
-        products outrun a float32 GEMM on widened weights for short prompts (and need no widened copy); a
-        draft's prefill then also uses the very arithmetic of its decode steps."""
+        """Whether a prompt prefill runs as small passes of `kernels.MAX_ROWS` token rows: for 4-bit matrices
+        multiplied with int8-rounded activations. Measured on 2 AVX2 cores, Qwen2.5 0.5B, against a float32
+        GEMM on a widened copy: 128 tokens 0.63 s against 0.73 s, 192 even, 512 2.56 s against 2.40 s (the
+        GEMM gains with the width; the kernels stream the weights again every 32 rows). Chunks win where
+        drafts pay (short prompts), need no widened copy (1.4 GB for that draft, and ~2 s to make at the first
+        long prompt), and give a draft's prefill the very arithmetic of its decode steps."""
         return (self._kernels and batch <= kernels.MAX_ROWS and self.weight_dtype == torch.quint4x2
                 and kernels._int4_code() in (4, 5) and not os.environ.get("VERISPEC_WIDE_PREFILL"))
 
