@@ -403,7 +403,7 @@ def write_reports(report: dict, results: list[Measurement], args) -> None:
         ratio = report["verify_cost"]["ratio"]
         extra += ("\n\nTarget forward cost by width, relative to width 1: "
                   + ", ".join(f"{w}: {r:.2f}" for w, r in ratio.items()) + "\n")
-    if "sweep" in report:
+    if report.get("sweep", {}).get("measured"):
         sw = report["sweep"]
         extra += "\n| draft length k | measured speedup (after prefill) | predicted E/(k·c + v(k+1)) |\n| --- | --- | --- |\n"
         extra += "\n".join(f"| {k} | {v:.2f}x | {_fmt(sw['predicted'].get(k))} |" for k, v in sw["measured"].items()) + "\n"
@@ -422,8 +422,12 @@ def plot(report: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     cats = [c for c in report["categories"]]
-    fig, axes = plt.subplots(1, 4, figsize=(22, 4.5))
-    ax1, ax2, ax3, ax4 = axes
+    has_verify, has_sweep = "verify_cost" in report, bool(report.get("sweep", {}).get("measured"))
+    panels = 2 + has_verify + has_sweep  # no empty panels for what the run did not measure
+    fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 4.5))
+    ax1, ax2, *rest = axes
+    ax3 = rest.pop(0) if has_verify else None
+    ax4 = rest.pop(0) if has_sweep else None
     names = [("speedup_vs_plain", "verispec vs plain"), ("speedup_vs_hf", "verispec vs HF generate"),
              ("hf_assisted_vs_hf", "HF assisted vs HF"), ("hf_prompt_lookup_vs_hf", "HF prompt lookup vs HF")]
     width = 0.8 / len(names)
@@ -443,7 +447,7 @@ def plot(report: dict, path: Path) -> None:
     ax2.set_ylim(0, 1)
     ax2.set_title("Acceptance by draft position")
     ax2.legend(fontsize=7)
-    if "verify_cost" in report:
+    if has_verify:
         ratio = report["verify_cost"]["ratio"]
         ws = sorted(int(w) for w in ratio)
         ax3.plot(ws, [ratio[w] if w in ratio else ratio[str(w)] for w in ws], marker="o", label="measured")
@@ -452,12 +456,12 @@ def plot(report: dict, path: Path) -> None:
         ax3.set_ylabel("cost / cost(width 1)")
         ax3.set_title("Verify cost by width")
         ax3.legend(fontsize=8)
-    if "sweep" in report:
-        sw = report["sweep"]
-        ks = sorted(int(k) for k in sw["measured"])
-        ax4.plot(ks, [sw["measured"][k] for k in ks], "o", label="measured")
-        pk = sorted(int(k) for k in sw["predicted"])
-        ax4.plot(pk, [sw["predicted"][k] for k in pk], "-", label="E/(k·c + v(k+1))")
+    if has_sweep:
+        # keys are ints in a fresh report, strings in one read back from its JSON
+        measured = {int(k): v for k, v in report["sweep"]["measured"].items()}
+        predicted = {int(k): v for k, v in report["sweep"]["predicted"].items()}
+        ax4.plot(sorted(measured), [measured[k] for k in sorted(measured)], "o", label="measured")
+        ax4.plot(sorted(predicted), [predicted[k] for k in sorted(predicted)], "-", label="E/(k·c + v(k+1))")
         ax4.axhline(1.0, color="k", lw=0.8)
         ax4.set_xlabel("draft length k")
         ax4.set_ylabel("speedup over plain (after prefill)")
