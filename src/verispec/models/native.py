@@ -403,9 +403,11 @@ class NativeCausalLM:
         """Whether a prompt prefill runs as small passes of `kernels.MAX_ROWS` token rows: for 4-bit matrices
         multiplied with int8-rounded activations. Measured on 2 AVX2 cores, Qwen2.5 0.5B, against a float32
         GEMM on a widened copy: 128 tokens 0.63 s against 0.73 s, 192 even, 512 2.56 s against 2.40 s (the
-        GEMM gains with the width; the kernels stream the weights again every 32 rows). Chunks win where
-        drafts pay (short prompts), need no widened copy (1.4 GB for that draft, and ~2 s to make at the first
-        long prompt), and give a draft's prefill the very arithmetic of its decode steps."""
+        GEMM gains with the width; the kernels stream the weights again every 32 rows, and their attention
+        is slower than PyTorch's on long contexts). Chunks win where drafts pay (short prompts), need no
+        widened copy (~2 GB of float32 for that draft, seconds to make at the first long prompt), and
+        give a draft's prefill the very arithmetic of its decode steps. VERISPEC_WIDE_PREFILL=1 turns
+        them off."""
         return (self._kernels and batch <= kernels.MAX_ROWS and self.weight_dtype == torch.quint4x2
                 and kernels._int4_code() in (4, 5) and not os.environ.get("VERISPEC_WIDE_PREFILL"))
 
