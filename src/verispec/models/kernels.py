@@ -318,19 +318,14 @@ __attribute__((target($ISA))) static void tile$SFX$W##_##MR##x##JN(             
 }
 /* Tiles of MR activation rows x all NR weight rows, and (for more rows than fit the vector registers
  * that way: MR * NR accumulators + NR weight vectors) MR rows x half the weight rows, called twice. */
-TILE_$SFX$W(1, 4) TILE_$SFX$W(2, 4) TILE_$SFX$W(3, 4)
+typedef void (*tile$SFX$W_fn)(const float *, const $WT *, $VEC *, int64_t, int64_t, int64_t, const char *);
+TILE_$SFX$W(1, 4) TILE_$SFX$W(2, 4)
 TILE_$SFX$W(3, 2) TILE_$SFX$W(4, 2) TILE_$SFX$W(5, 2) TILE_$SFX$W(6, 2)
-#if $FULLMR > 3
-TILE_$SFX$W(4, 4) TILE_$SFX$W(5, 4) TILE_$SFX$W(6, 4)
-typedef void (*tile$SFX$W_fn)(const float *, const $WT *, $VEC *, int64_t, int64_t, int64_t, const char *);
+#if $FULLMR == 6  /* AVX-512: 32 registers hold 6 x 4 accumulators */
+TILE_$SFX$W(3, 4) TILE_$SFX$W(4, 4) TILE_$SFX$W(5, 4) TILE_$SFX$W(6, 4)
 static const tile$SFX$W_fn tiles$SFX$W[7] = {0, tile$SFX$W_1x4, tile$SFX$W_2x4, tile$SFX$W_3x4, tile$SFX$W_4x4, tile$SFX$W_5x4, tile$SFX$W_6x4};
-#else
-typedef void (*tile$SFX$W_fn)(const float *, const $WT *, $VEC *, int64_t, int64_t, int64_t, const char *);
-static const tile$SFX$W_fn tiles$SFX$W[$FULLMR + 1] = {0, tile$SFX$W_1x4, tile$SFX$W_2x4
-#if $FULLMR > 2
-    , tile$SFX$W_3x4
-#endif
-};
+#else  /* AVX2: 16 registers hold 2 x 4 */
+static const tile$SFX$W_fn tiles$SFX$W[3] = {0, tile$SFX$W_1x4, tile$SFX$W_2x4};
 #endif
 static const tile$SFX$W_fn halves$SFX$W[7] = {0, 0, 0, tile$SFX$W_3x2, tile$SFX$W_4x2, tile$SFX$W_5x2, tile$SFX$W_6x2};
 
