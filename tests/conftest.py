@@ -58,6 +58,7 @@ def on_path(model, path: str, monkeypatch):
             pytest.skip("exact kernels unavailable here")
     else:
         monkeypatch.setattr(model, "_kernels", False)
+        monkeypatch.setattr(model, "_blocked", False)
     return model
 
 

@@ -120,6 +120,19 @@ def test_left_padding_matches_each_row_alone(pair, native):
         torch.testing.assert_close(step[b], native.forward(torch.tensor([[30 + b]]), alone_cache)[0], atol=1e-5, rtol=1e-5)
 
 
+def test_long_prompt_prefill_matches_hf(pair, native):
+    """A prompt wider than a small pass (a big pass: on AVX2 CPUs through `kernels.blocked_linear`)
+    gives HF's logits, and greedy decoding after it HF's tokens."""
+    hf, _ = pair
+    prompt = torch.arange(75).mul(7).remainder(90).add(4)[None]
+    expected, _ = run(hf, [prompt])
+    got, _ = run(native, [prompt])
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    tokens = prompt[0].tolist()
+    assert (verispec.generate(native, tokens, drafter="none", max_new_tokens=12).token_ids
+            == verispec.generate(hf, tokens, drafter="none", max_new_tokens=12).token_ids)
+
+
 # --- greedy tokens through the engine -------------------------------------------------------------
 
 def test_plain_greedy_equals_hf(pair, native):
@@ -447,6 +460,32 @@ def test_linear_group_equals_its_linears_called_alone(isa, fmt, monkeypatch):
             assert torch.equal(out, lin(x, torch.empty(rows, lin.n)))
     with pytest.raises(ValueError, match="input width"):
         kernels.LinearGroup([linears[0], kernels.Linear(torch.randn(4, 64))])
+
+
+@pytest.mark.skipif(not (kernels.available() and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")),
+                    reason="blocked_linear needs AVX2+FMA")
+def test_blocked_linear_is_the_dense_product_and_rows_are_independent():
+    """The prefill GEMM: close to a float64 product over tails in every dimension (rows not a multiple
+    of its 6-row tile, columns of its 16, k of its 8-wide packing and 256-long blocks), biases or none,
+    several matrices sharing x; and each row bitwise what it is alone or with any other rows."""
+    torch.manual_seed(0)
+    for in_features in (1, 9, 256, 300, 600):
+        weights = [torch.randn(n, in_features) for n in (1, 17, 40)]
+        biases = [torch.randn(1), None, torch.randn(40)]
+        x = torch.randn(37, in_features)
+        full = kernels.blocked_linear(x, weights[1:], biases[1:])
+        alone = kernels.blocked_linear(x, weights, biases)
+        for out, weight, bias in zip(alone, weights, biases):
+            reference = x.double() @ weight.double().T + (0 if bias is None else bias.double())
+            torch.testing.assert_close(out.double(), reference, atol=1e-4 * in_features ** 0.5, rtol=1e-5)
+        assert all(torch.equal(a, b) for a, b in zip(alone[1:], full))  # group mates change nothing
+        for lo, hi in ((0, 1), (5, 6), (3, 10), (6, 12), (30, 37), (1, 36)):
+            part = kernels.blocked_linear(x[lo:hi], weights[1:], biases[1:])
+            assert all(torch.equal(p, f[lo:hi]) for p, f in zip(part, full))
+    batched = kernels.blocked_linear(x.view(1, 37, -1), weights[2:])[0]  # leading dims kept
+    assert batched.shape == (1, 37, 40) and torch.equal(batched[0], kernels.blocked_linear(x, weights[2:])[0])
+    with pytest.raises(ValueError, match="float32"):
+        kernels.blocked_linear(x, [weights[0].double()])
 
 
 @needs_kernels

@@ -267,6 +267,8 @@ class NativeCausalLM:
             and all(w.is_contiguous() for w in (self.embed, self.lm_head))
             and all(t is None or t.is_contiguous() for layer in self.layers for t in vars(layer).values())
         )
+        # Big float32 passes (prefill) through verispec's blocked GEMM where it beats PyTorch's (AVX2 CPUs).
+        self._blocked = self._kernels and kernels.blocked_preferred()
         self._buffers: dict[str, torch.Tensor] | None = None
         self._prepared: tuple[list[dict[str, kernels.Linear]], kernels.Linear] | None = None  # see _linears
         # Token rows a pass may carry and still be bitwise row-exact (the engine keeps verify passes within).
@@ -393,7 +395,7 @@ class NativeCausalLM:
             _, head = self._linears()
             logits = head(rows.contiguous(), torch.empty(rows.shape[0], self.lm_head.shape[0]))
         else:
-            logits = self._linear(rows, self.lm_head, self.lm_head_bias)
+            logits = self._linears_of(rows, (self.lm_head, self.lm_head_bias))[0]
         if self.output_ids is not None:  # a restricted head: every other token gets probability 0
             full = logits.new_full((logits.shape[0], self.vocab_size), float("-inf"))
             logits = full.index_copy_(1, self.output_ids, logits.to(full.dtype))
@@ -495,6 +497,14 @@ class NativeCausalLM:
         out = F.linear(x.to(weight.dtype), weight).to(x.dtype)
         return out if bias is None else out + bias
 
+    def _linears_of(self, x: torch.Tensor, *pairs) -> list[torch.Tensor]:
+        """`_linear(x, weight, bias)` for each (weight, bias) pair sharing x: one `kernels.blocked_linear`
+        call (x packed once) when the big-pass GEMM is verispec's own."""
+        if self._blocked and x.dtype == torch.float32 and all(isinstance(w, torch.Tensor) and w.dtype == torch.float32
+                                                             for w, _ in pairs):
+            return kernels.blocked_linear(x, [w for w, _ in pairs], [b for _, b in pairs])
+        return [self._linear(x, weight, bias) for weight, bias in pairs]
+
     def _big_pass(self, tokens, position_ids, visible, store: NativeStore, start: int, tree=None) -> torch.Tensor:
         """Hidden states [B, T, hidden] after the final norm, with PyTorch's kernels."""
         batch, width = tokens.shape
@@ -512,15 +522,14 @@ class NativeCausalLM:
         x = F.embedding(tokens, self.embed)
         for index, layer in enumerate(self.layers):
             h = self._rms_norm(x, layer.attn_norm)
-            q = self._linear(h, layer.q, layer.q_bias).view(batch, width, -1, self.head_dim).transpose(1, 2)
-            k = self._linear(h, layer.k, layer.k_bias).view(batch, width, -1, self.head_dim).transpose(1, 2)
-            v = self._linear(h, layer.v, layer.v_bias).view(batch, width, -1, self.head_dim).transpose(1, 2)
+            q, k, v = (t.view(batch, width, -1, self.head_dim).transpose(1, 2) for t in self._linears_of(
+                h, (layer.q, layer.q_bias), (layer.k, layer.k_bias), (layer.v, layer.v_bias)))
             store.write(index, start, self._rotate(k, cos, sin), v)
             attended = F.scaled_dot_product_attention(
                 self._rotate(q, cos, sin), store.key_view(index, end), store.value_view(index, end),
                 attn_mask=allowed, scale=self.scale, enable_gqa=self.num_kv_heads != self.num_heads)
-            x = x + self._linear(attended.transpose(1, 2).reshape(batch, width, -1), layer.o, layer.o_bias)
+            x = x + self._linears_of(attended.transpose(1, 2).reshape(batch, width, -1), (layer.o, layer.o_bias))[0]
             h = self._rms_norm(x, layer.mlp_norm)
-            gate = self._linear(h, layer.gate, layer.gate_bias)
-            x = x + self._linear(F.silu(gate) * self._linear(h, layer.up, layer.up_bias), layer.down, layer.down_bias)
+            gate, up = self._linears_of(h, (layer.gate, layer.gate_bias), (layer.up, layer.up_bias))
+            x = x + self._linears_of(F.silu(gate) * up, (layer.down, layer.down_bias))[0]
         return self._rms_norm(x, self.final_norm)
