@@ -246,7 +246,7 @@ def test_int4_draft_prefills_in_small_passes(pair, batch, monkeypatch):
         pytest.skip("exact kernels unavailable here")
     monkeypatch.setattr(kernels, "_int8_activations", True)
     monkeypatch.setattr(kernels, "_vnni", kernels._isa == 512 and kernels._vnni)
-    assert draft._prefills_in_chunks(batch)
+    assert draft._prefills_in_chunks(batch, 70)
     lengths = [70, 45, 12][:batch]
     prompts = [[4 + (7 * b + 3 * i) % 90 for i in range(n)] for b, n in enumerate(lengths)]
     tokens, visible = left_pad(prompts)
@@ -486,6 +486,13 @@ def test_blocked_linear_is_the_dense_product_and_rows_are_independent():
     assert batched.shape == (1, 37, 40) and torch.equal(batched[0], kernels.blocked_linear(x, weights[2:])[0])
     with pytest.raises(ValueError, match="float32"):
         kernels.blocked_linear(x, [weights[0].double()])
+    for in_features in (64, 320):  # int4 matrices, widened panel by panel, beside a float32 one
+        x = torch.randn(37, in_features)
+        quantized, dense, bias = kernels.Int4Matrix.quantize(torch.randn(40, in_features)), torch.randn(9, in_features), torch.randn(40)
+        full = kernels.blocked_linear(x, [quantized, dense], [bias, None])
+        torch.testing.assert_close(full[0], x @ quantized.dequantize().T + bias, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(full[1], x @ dense.T, atol=1e-4, rtol=1e-4)
+        assert torch.equal(kernels.blocked_linear(x[3:10], [quantized], [bias])[0], full[0][3:10])
 
 
 @needs_kernels

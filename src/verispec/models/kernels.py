@@ -201,8 +201,10 @@ __attribute__((target("avx2,fma"))) static inline void transpose8x8(__m256 *r)
 
 #define GMAX 4      /* matrices per blocked_linear_group call */
 
-/* One product of a group: y [M, N] = x . w^T (+ b); panels [first, first + ceil(N / 16)) of the job. */
-typedef struct { const float *w; const float *b; float *y; int64_t N, first; } blocked_part;
+/* One product of a group: y [M, N] = x . w^T (+ b); panels [first, first + ceil(N / 16)) of the job.
+ * w is float32 [N, K] (s unused), or int4 codes [N, K / 2] with scales s [N, K / I4GROUP] (int4 != 0),
+ * the `Int4Matrix` layout, widened to float32 as its panels are packed. */
+typedef struct { const void *w; const float *s; const float *b; float *y; int64_t N, first; int int4; } blocked_part;
 typedef struct { const float *x; float *xp; int64_t M, K; int count; blocked_part parts[GMAX]; } blocked_job;
 
 /* x rows -> xp [M / 6][K][6], rows past M zero. Range over 6-row blocks. */
@@ -227,22 +229,42 @@ __attribute__((target("avx2,fma"))) static void blocked_pack_x(const void *arg, 
     }
 }
 
-/* w rows [n0, n0 + 16) x k [k0, k0 + kc) -> wp [kc][16], rows past N zero. */
-__attribute__((target("avx2,fma"))) static void blocked_pack_w(const float *w, int64_t N, int64_t K, int64_t n0,
-                                                                int64_t k0, int64_t kc, float *wp)
+/* rows [0, rows) of a float32 block (row j at src + j * stride, kc values) -> wp [kc][16], rows past
+ * `rows` zero. */
+__attribute__((target("avx2,fma"))) static void blocked_pack_w(const float *src, int64_t stride, int64_t rows,
+                                                                int64_t kc, float *wp)
 {
-    if (n0 + GNR <= N && kc % 8 == 0) {
+    if (rows == GNR && kc % 8 == 0) {
         for (int half = 0; half < 2; half++)
             for (int64_t k = 0; k < kc; k += 8) {
                 __m256 r[8];
-                for (int j = 0; j < 8; j++) r[j] = _mm256_loadu_ps(w + (n0 + half * 8 + j) * K + k0 + k);
+                for (int j = 0; j < 8; j++) r[j] = _mm256_loadu_ps(src + (half * 8 + j) * stride + k);
                 transpose8x8(r);
                 for (int j = 0; j < 8; j++) _mm256_store_ps(wp + (k + j) * GNR + half * 8, r[j]);
             }
         return;
     }
     for (int64_t k = 0; k < kc; k++)
-        for (int j = 0; j < GNR; j++) wp[k * GNR + j] = n0 + j < N ? w[(n0 + j) * K + k0 + k] : 0.0f;
+        for (int j = 0; j < GNR; j++) wp[k * GNR + j] = j < rows ? src[j * stride + k] : 0.0f;
+}
+
+/* int4 rows [n0, n0 + rows) x k [k0, k0 + kc) (whole groups) -> float32 rows out [rows][GKC]:
+ * byte i of a group holds weight i (low nibble) and weight i + 32 (high), w = (code - 8) * scale. */
+__attribute__((target("avx2,fma"))) static void blocked_widen_int4(const uint8_t *w, const float *s, int64_t K,
+                                                                    int64_t n0, int64_t rows, int64_t k0, int64_t kc,
+                                                                    float *out)
+{
+    const int64_t groups = K / I4GROUP;
+    for (int64_t j = 0; j < rows; j++)
+        for (int64_t g = k0 / I4GROUP; g < (k0 + kc) / I4GROUP; g++) {
+            const uint8_t *codes = w + (n0 + j) * (K / 2) + g * (I4GROUP / 2);
+            const float scale = s[(n0 + j) * groups + g];
+            float *dst = out + j * GKC + g * I4GROUP - k0;
+            for (int i = 0; i < I4GROUP / 2; i++) {
+                dst[i] = (float)((int)(codes[i] & 15) - 8) * scale;
+                dst[i + I4GROUP / 2] = (float)((int)(codes[i] >> 4) - 8) * scale;
+            }
+        }
 }
 
 /* y[6][16] (row stride ldy) = (accumulate ? y : bias or 0) + xp[kc][6] . wp[kc][16] */
@@ -275,13 +297,22 @@ __attribute__((target("avx2,fma"))) static void blocked_panels(const blocked_job
 {
     const int64_t M = job->M, N = part->N, K = job->K, mblocks = (M + GMR - 1) / GMR;
     float wp[GPANELS * GKC * GNR] __attribute__((aligned(64)));
+    float widened[part->int4 ? GNR * GKC : 1];
     float edge[GMR * GNR] __attribute__((aligned(32)));
     float bias[GNR];
     for (int64_t p0 = begin; p0 < end; p0 += GPANELS) {
         const int64_t p1 = p0 + GPANELS < end ? p0 + GPANELS : end;
         for (int64_t k0 = 0; k0 < K; k0 += GKC) {
             const int64_t kc = K - k0 < GKC ? K - k0 : GKC;
-            for (int64_t p = p0; p < p1; p++) blocked_pack_w(part->w, N, K, p * GNR, k0, kc, wp + (p - p0) * GKC * GNR);
+            for (int64_t p = p0; p < p1; p++) {
+                const int64_t n0 = p * GNR, rows = N - n0 < GNR ? N - n0 : GNR;
+                if (part->int4) {
+                    blocked_widen_int4(part->w, part->s, K, n0, rows, k0, kc, widened);
+                    blocked_pack_w(widened, GKC, rows, kc, wp + (p - p0) * GKC * GNR);
+                } else {
+                    blocked_pack_w((const float *)part->w + n0 * K + k0, K, rows, kc, wp + (p - p0) * GKC * GNR);
+                }
+            }
             for (int64_t mb0 = 0; mb0 < mblocks; mb0 += GMC / GMR) {
                 const int64_t mb1 = mb0 + GMC / GMR < mblocks ? mb0 + GMC / GMR : mblocks;
                 for (int64_t p = p0; p < p1; p++) {
@@ -324,16 +355,17 @@ static void blocked_range(const void *arg, int64_t begin, int64_t end)
     }
 }
 
-/* y[i] = x . w[i]^T (+ b[i]) for `count` (at most GMAX) matrices of width K sharing x [M, K]: x is
+/* y[i] = x . w[i]^T (+ b[i]) for `count` (at most GMAX) matrices of width K sharing x [M, K] (int4
+ * where s[i] is not null, see blocked_part): x is
  * packed once into xp (ceil(M / 6) * 6 * K floats of scratch), then threads split all the parts'
  * weight panels. */
-void blocked_linear_group(const float *x, int count, const float *const *w, const float *const *b,
+void blocked_linear_group(const float *x, int count, const void *const *w, const float *const *s, const float *const *b,
                           float *const *y, const int64_t *N, int64_t M, int64_t K, float *xp, int threads)
 {
     blocked_job job = {x, xp, M, K, count < GMAX ? count : GMAX, {{0}}};
     int64_t panels = 0;
     for (int i = 0; i < job.count; i++) {
-        job.parts[i] = (blocked_part){w[i], b[i], y[i], N[i], panels};
+        job.parts[i] = (blocked_part){w[i], s[i], b[i], y[i], N[i], panels, s[i] != 0};
         panels += (N[i] + GNR - 1) / GNR;
     }
     parallel_for(blocked_pack_x, &job, (M + GMR - 1) / GMR, 4, threads);
@@ -1335,7 +1367,7 @@ _SIGNATURES = {
     "rms_norm": (None, [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_float, ctypes.c_int]),
     "rope": (None, [ctypes.c_void_p] + [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 3),
     "cache_write": (None, [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 6),
-    "blocked_linear_group": (None, [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_void_p, ctypes.c_int]),
+    "blocked_linear_group": (None, [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 2 + [ctypes.c_void_p, ctypes.c_int]),
     "slot_attention": (ctypes.c_int, [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 8 + [ctypes.c_float] + [ctypes.c_int] * 2),
 }
 
@@ -1598,7 +1630,8 @@ def blocked_preferred() -> bool:
 def blocked_linear(x: torch.Tensor, weights, biases=None) -> list[torch.Tensor]:
     """x [..., K] @ weights[i] [N_i, K].T (+ biases[i] [N_i]) -> [..., N_i] float32 for each of up to 4
     matrices sharing x, for many rows at once (a prompt's prefill): a blocked GEMM with packed register
-    tiles, AVX2+FMA, x packed once for the group. Rows are independent (a row's numbers do not depend
+    tiles, AVX2+FMA, x packed once for the group. A weight is float32 or an `Int4Matrix` (widened to
+    float32 panel by panel, no widened copy kept). Rows are independent (a row's numbers do not depend
     on the others or on how many there are) but differ from `rowwise_linear`'s in the last bits:
     another summation order."""
     count = len(weights)
@@ -1607,16 +1640,21 @@ def blocked_linear(x: torch.Tensor, weights, biases=None) -> list[torch.Tensor]:
         raise ValueError("blocked_linear takes 1 to 4 matrices, and as many biases (or None)")
     k = x.shape[-1]
     for weight in weights:
-        if weight.dtype != torch.float32 or weight.dim() != 2 or weight.shape[1] != k:
-            raise ValueError(f"weights must be float32 [N, {k}] matrices, got {weight.dtype} {tuple(weight.shape)}")
+        if not (isinstance(weight, Int4Matrix) or weight.dtype == torch.float32) or weight.shape[1] != k:
+            raise ValueError(f"weights must be float32 [N, {k}] matrices or Int4Matrix, got {weight.dtype} {tuple(weight.shape)}")
     rows = x.reshape(-1, k).contiguous()
     outs = [torch.empty(*x.shape[:-1], weight.shape[0], dtype=torch.float32) for weight in weights]
-    _check(rows, *weights, *outs, *(b for b in biases if b is not None))
+    codes = [w.values if isinstance(w, Int4Matrix) else w for w in weights]
+    scales = [w.scale if isinstance(w, Int4Matrix) else None for w in weights]
+    _check(rows, *outs, *(t for t in (*biases, *scales) if t is not None))
+    if any(not c.is_contiguous() or c.device.type != "cpu" for c in codes):
+        raise ValueError("weights must be contiguous CPU matrices")
     if rows.shape[0] and k:
         packed = torch.empty(-(-rows.shape[0] // 6) * 6 * k, dtype=torch.float32)  # x in 6-row panels
         pointers = ctypes.c_void_p * count
         _library.blocked_linear_group(
-            rows.data_ptr(), count, pointers(*(w.data_ptr() for w in weights)),
+            rows.data_ptr(), count, pointers(*(c.data_ptr() for c in codes)),
+            pointers(*(None if t is None else t.data_ptr() for t in scales)),
             pointers(*(None if b is None else b.data_ptr() for b in biases)), pointers(*(o.data_ptr() for o in outs)),
             (ctypes.c_int64 * count)(*(w.shape[0] for w in weights)), rows.shape[0], k, packed.data_ptr(),
             torch.get_num_threads())

@@ -13,7 +13,9 @@ need not get bitwise the logits it gets alone. So a pass has two paths:
 - small passes (batch * width <= `kernels.MAX_ROWS`, float32 on a CPU with the C kernels): every
   op runs in `verispec.models.kernels`, whose results are bitwise independent of the pass width,
   the batch mates and the holes rollback left; plain decoding and verification see the same numbers;
-- big passes (prefill), other devices and dtypes: `F.linear` and `scaled_dot_product_attention`.
+- big passes (prefill), other devices and dtypes: `scaled_dot_product_attention`, and products by
+  `kernels.blocked_linear` (float32 and int4 matrices on AVX2 CPUs, where it measured ~1.4x faster
+  than PyTorch's GEMM) or `F.linear`.
 Both compute the same function; they differ in float rounding only (~1e-6 relative), and never
 within one decode: prefill is the same call for plain and speculative decoding.
 
@@ -45,6 +47,10 @@ from verispec.models.hf import _eos_ids
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "qwen2"})
 # RoPE variants whose frequencies are fixed at load time (`dynamic`/`longrope` rescale with length).
 STATIC_ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn"})
+
+# Prompt token rows up to which a 4-bit draft prefills through its decode kernels rather than the
+# blocked GEMM (see NativeCausalLM._prefills_in_chunks).
+CHUNKED_PREFILL_ROWS = 256
 
 
 def _rope_type(config) -> str:
@@ -369,7 +375,7 @@ class NativeCausalLM:
         batch, width = tokens.shape
         if visible is None:
             visible = torch.ones_like(tokens, dtype=torch.bool)
-        if last_only and tree is None and batch * width > kernels.MAX_ROWS and self._prefills_in_chunks(batch):
+        if last_only and tree is None and batch * width > kernels.MAX_ROWS and self._prefills_in_chunks(batch, width):
             rows = kernels.MAX_ROWS // batch
             for begin in range(0, width, rows):
                 logits = self.forward(tokens[:, begin : begin + rows], cache, visible[:, begin : begin + rows], last_only=True)
@@ -401,17 +407,20 @@ class NativeCausalLM:
             logits = full.index_copy_(1, self.output_ids, logits.to(full.dtype))
         return logits.view(batch, -1, self.vocab_size).float()
 
-    def _prefills_in_chunks(self, batch: int) -> bool:
+    def _prefills_in_chunks(self, batch: int, width: int) -> bool:
         """Whether a prompt prefill runs as small passes of `kernels.MAX_ROWS` token rows: for 4-bit matrices
-        multiplied with int8-rounded activations. Measured on 2 AVX2 cores, Qwen2.5 0.5B, against a float32
-        GEMM on a widened copy: 128 tokens 0.63 s against 0.73 s, 192 even, 512 2.56 s against 2.40 s (the
-        GEMM gains with the width; the kernels stream the weights again every 32 rows, and their attention
-        is slower than PyTorch's on long contexts). Chunks win where drafts pay (short prompts), need no
-        widened copy (~2 GB of float32 for that draft, seconds to make at the first long prompt), and
-        give a draft's prefill the very arithmetic of its decode steps. VERISPEC_WIDE_PREFILL=1 turns
-        them off."""
-        return (self._kernels and batch <= kernels.MAX_ROWS and self.weight_dtype == torch.quint4x2
-                and kernels._int4_code() in (4, 5) and not os.environ.get("VERISPEC_WIDE_PREFILL"))
+        multiplied with int8-rounded activations, up to `CHUNKED_PREFILL_ROWS` rows where the big pass
+        would use `kernels.blocked_linear` (which widens int4 panels as it packs them), at any width
+        otherwise. Measured on 2 AVX2 cores, Qwen2.5 0.5B, chunks against the blocked GEMM (paired
+        runs): 51 tokens 0.41 s against 0.75, 147 even (1.2 s), 201 even (1.6 s), 709 5.9 s against
+        5.0 (the GEMM's packing pays off with the rows; the chunks stream the weights again every 32
+        rows, and their attention is slower than PyTorch's on long contexts). Chunks give a draft's
+        prefill the very arithmetic of its decode steps, and neither path keeps a widened copy
+        (~2 GB of float32 for that draft). VERISPEC_WIDE_PREFILL=1 turns chunks off."""
+        if not (self._kernels and batch <= kernels.MAX_ROWS and self.weight_dtype == torch.quint4x2
+                and kernels._int4_code() in (4, 5) and not os.environ.get("VERISPEC_WIDE_PREFILL")):
+            return False
+        return not self._blocked or batch * width <= CHUNKED_PREFILL_ROWS
 
     # --- small passes: the exact C kernels --------------------------------------------------------
 
@@ -500,8 +509,9 @@ class NativeCausalLM:
     def _linears_of(self, x: torch.Tensor, *pairs) -> list[torch.Tensor]:
         """`_linear(x, weight, bias)` for each (weight, bias) pair sharing x: one `kernels.blocked_linear`
         call (x packed once) when the big-pass GEMM is verispec's own."""
-        if self._blocked and x.dtype == torch.float32 and all(isinstance(w, torch.Tensor) and w.dtype == torch.float32
-                                                             for w, _ in pairs):
+        if self._blocked and x.dtype == torch.float32 and all(
+                isinstance(w, kernels.Int4Matrix) or (isinstance(w, torch.Tensor) and w.dtype == torch.float32)
+                for w, _ in pairs):
             return kernels.blocked_linear(x, [w for w, _ in pairs], [b for _, b in pairs])
         return [self._linear(x, weight, bias) for weight, bias in pairs]
 
