@@ -88,12 +88,18 @@ def test_logits_match_hf_prefill_then_decode(pair, native):
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
 
 
-def test_last_only_scores_the_last_position(pair, native):
-    tokens = torch.tensor([SEQUENCE[:9]])
-    full = native.forward(tokens, native.new_cache(1))
-    last = native.forward(tokens, native.new_cache(1), last_only=True)
-    assert last.shape == (1, 1, native.vocab_size)
+@pytest.mark.parametrize("width", [9, 45])
+def test_last_only_scores_the_last_position(pair, native, width):
+    """last_only logits are the full pass's last row, and the cache it leaves (a wide pass skips the
+    last layer's other rows past their keys and values) continues exactly like the full pass's."""
+    tokens, visible = left_pad([(SEQUENCE * 3)[:width], (SEQUENCE * 3)[3:width]])
+    full_cache, last_cache = native.new_cache(2), native.new_cache(2)
+    full = native.forward(tokens, full_cache, visible)
+    last = native.forward(tokens, last_cache, visible, last_only=True)
+    assert last.shape == (2, 1, native.vocab_size)
     torch.testing.assert_close(last[:, 0], full[:, -1], atol=1e-5, rtol=1e-5)
+    step = torch.tensor([[7], [8]])
+    assert torch.equal(native.forward(step, last_cache), native.forward(step, full_cache))
 
 
 def test_cache_grows_past_its_first_capacity(pair, native):

@@ -392,7 +392,7 @@ class NativeCausalLM:
         if self._kernels and batch * width <= kernels.MAX_ROWS:
             hidden = self._small_pass(tokens, position_ids, cache.slots.visible, store, start, tree)
         else:
-            hidden = self._big_pass(tokens, position_ids, cache.slots.visible, store, start, tree)
+            hidden = self._big_pass(tokens, position_ids, cache.slots.visible, store, start, tree, last_only)
         store.length = start + width
         if last_only:
             hidden = hidden[:, -1:]  # the LM head is the biggest matrix: score only what the caller reads
@@ -515,8 +515,10 @@ class NativeCausalLM:
             return kernels.blocked_linear(x, [w for w, _ in pairs], [b for _, b in pairs])
         return [self._linear(x, weight, bias) for weight, bias in pairs]
 
-    def _big_pass(self, tokens, position_ids, visible, store: NativeStore, start: int, tree=None) -> torch.Tensor:
-        """Hidden states [B, T, hidden] after the final norm, with PyTorch's kernels."""
+    def _big_pass(self, tokens, position_ids, visible, store: NativeStore, start: int, tree=None,
+                  last_only: bool = False) -> torch.Tensor:
+        """Hidden states [B, T, hidden] after the final norm (last_only: [B, 1, hidden], the last layer
+        computing only the last row past its keys and values: a prefill reads nothing else)."""
         batch, width = tokens.shape
         end = start + width
         cos = self._cos[position_ids][:, None]  # [B, 1, T, D], broadcast over heads
@@ -532,13 +534,20 @@ class NativeCausalLM:
         x = F.embedding(tokens, self.embed)
         for index, layer in enumerate(self.layers):
             h = self._rms_norm(x, layer.attn_norm)
-            q, k, v = (t.view(batch, width, -1, self.head_dim).transpose(1, 2) for t in self._linears_of(
-                h, (layer.q, layer.q_bias), (layer.k, layer.k_bias), (layer.v, layer.v_bias)))
+            final = last_only and index == len(self.layers) - 1  # keys and values for every row, the rest for the last
+            if final:
+                k, v = self._linears_of(h, (layer.k, layer.k_bias), (layer.v, layer.v_bias))
+                q = self._linears_of(h[:, -1:], (layer.q, layer.q_bias))[0]
+            else:
+                q, k, v = self._linears_of(h, (layer.q, layer.q_bias), (layer.k, layer.k_bias), (layer.v, layer.v_bias))
+            q, k, v = (t.view(batch, t.shape[1], -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
             store.write(index, start, self._rotate(k, cos, sin), v)
+            if final:
+                x, cos, sin, allowed = x[:, -1:], cos[:, :, -1:], sin[:, :, -1:], allowed[:, :, -1:]
             attended = F.scaled_dot_product_attention(
                 self._rotate(q, cos, sin), store.key_view(index, end), store.value_view(index, end),
                 attn_mask=allowed, scale=self.scale, enable_gqa=self.num_kv_heads != self.num_heads)
-            x = x + self._linears_of(attended.transpose(1, 2).reshape(batch, width, -1), (layer.o, layer.o_bias))[0]
+            x = x + self._linears_of(attended.transpose(1, 2).reshape(batch, x.shape[1], -1), (layer.o, layer.o_bias))[0]
             h = self._rms_norm(x, layer.mlp_norm)
             gate, up = self._linears_of(h, (layer.gate, layer.gate_bias), (layer.up, layer.up_bias))
             x = x + self._linears_of(F.silu(gate) * up, (layer.down, layer.down_bias))[0]
