@@ -58,7 +58,6 @@ def on_path(model, path: str, monkeypatch):
             pytest.skip("exact kernels unavailable here")
     else:
         monkeypatch.setattr(model, "_kernels", False)
-        monkeypatch.setattr(model, "_blocked", False)
     return model
 
 

@@ -1632,6 +1632,11 @@ def blocked_preferred() -> bool:
     return isa() == 256 and not os.environ.get("VERISPEC_TORCH_GEMM")
 
 
+def blocked_takes(weight) -> bool:
+    """Whether `blocked_linear` multiplies this weight: a float32 matrix or an `Int4Matrix`."""
+    return isinstance(weight, Int4Matrix) or (isinstance(weight, torch.Tensor) and weight.dtype == torch.float32)
+
+
 def blocked_linear(x: torch.Tensor, weights, biases=None) -> list[torch.Tensor]:
     """x [..., K] @ weights[i] [N_i, K].T (+ biases[i] [N_i]) -> [..., N_i] float32 for each of up to 4
     matrices sharing x, for many rows at once (a prompt's prefill): a blocked GEMM with packed register
@@ -1645,7 +1650,7 @@ def blocked_linear(x: torch.Tensor, weights, biases=None) -> list[torch.Tensor]:
         raise ValueError("blocked_linear takes 1 to 4 matrices, and as many biases (or None)")
     k = x.shape[-1]
     for weight in weights:
-        if not (isinstance(weight, Int4Matrix) or weight.dtype == torch.float32) or weight.shape[1] != k:
+        if not blocked_takes(weight) or weight.shape[1] != k:
             raise ValueError(f"weights must be float32 [N, {k}] matrices or Int4Matrix, got {weight.dtype} {tuple(weight.shape)}")
     rows = x.reshape(-1, k).contiguous()
     outs = [torch.empty(*x.shape[:-1], weight.shape[0], dtype=torch.float32) for weight in weights]

@@ -273,8 +273,6 @@ class NativeCausalLM:
             and all(w.is_contiguous() for w in (self.embed, self.lm_head))
             and all(t is None or t.is_contiguous() for layer in self.layers for t in vars(layer).values())
         )
-        # Big float32 passes (prefill) through verispec's blocked GEMM where it beats PyTorch's (AVX2 CPUs).
-        self._blocked = self._kernels and kernels.blocked_preferred()
         self._buffers: dict[str, torch.Tensor] | None = None
         self._prepared: tuple[list[dict[str, kernels.Linear]], kernels.Linear] | None = None  # see _linears
         # Token rows a pass may carry and still be bitwise row-exact (the engine keeps verify passes within).
@@ -407,6 +405,11 @@ class NativeCausalLM:
             logits = full.index_copy_(1, self.output_ids, logits.to(full.dtype))
         return logits.view(batch, -1, self.vocab_size).float()
 
+    @property
+    def _blocked(self) -> bool:
+        """Big passes (prefill) multiply with verispec's blocked GEMM where it beats PyTorch's (AVX2 CPUs)."""
+        return self._kernels and kernels.blocked_preferred()
+
     def _prefills_in_chunks(self, batch: int, width: int) -> bool:
         """Whether a prompt prefill runs as small passes of `kernels.MAX_ROWS` token rows: for 4-bit matrices
         multiplied with int8-rounded activations, up to `CHUNKED_PREFILL_ROWS` rows where the big pass
@@ -509,9 +512,7 @@ class NativeCausalLM:
     def _linears_of(self, x: torch.Tensor, *pairs) -> list[torch.Tensor]:
         """`_linear(x, weight, bias)` for each (weight, bias) pair sharing x: one `kernels.blocked_linear`
         call (x packed once) when the big-pass GEMM is verispec's own."""
-        if self._blocked and x.dtype == torch.float32 and all(
-                isinstance(w, kernels.Int4Matrix) or (isinstance(w, torch.Tensor) and w.dtype == torch.float32)
-                for w, _ in pairs):
+        if self._blocked and x.dtype == torch.float32 and all(kernels.blocked_takes(w) for w, _ in pairs):
             return kernels.blocked_linear(x, [w for w, _ in pairs], [b for _, b in pairs])
         return [self._linear(x, weight, bias) for weight, bias in pairs]
 
