@@ -409,6 +409,17 @@ __attribute__((target("avx512f"))) static inline __m512 i8loadn512(const int8_t 
     for (int64_t i = 0; i < n; i++) part[i] = p[i];
     return i8load512(part);
 }
+/* exact k-quant weights rebuilt in registers, as widen_q4k / widen_q6k do (16 bytes of codes) */
+__attribute__((target("avx512f"))) static inline __m512 q4kweights512(const uint8_t *p, int shift, __m512 scale, __m512 min)
+{
+    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    const __m512i q = _mm512_and_si512(_mm512_srli_epi32(bytes, shift), _mm512_set1_epi32(15));
+    return _mm512_sub_ps(_mm512_mul_ps(scale, _mm512_cvtepi32_ps(q)), min);
+}
+__attribute__((target("avx512f"))) static inline __m512 q6kweights512(const int8_t *p, __m512 scale)
+{
+    return _mm512_mul_ps(scale, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p))));
+}
 /* int4: a group's 16 possible weights (q - 8) * scale, looked up by nibble in one permute */
 __attribute__((target("avx512f"))) static inline __m512 i4table512(float scale)
 {
@@ -454,6 +465,17 @@ __attribute__((target("avx2,fma"))) static inline __m256 i8loadn256(const int8_t
     int8_t part[8] = {0};
     for (int64_t i = 0; i < n; i++) part[i] = p[i];
     return i8load256(part);
+}
+/* exact k-quant weights rebuilt in registers, as widen_q4k / widen_q6k do (8 bytes of codes) */
+__attribute__((target("avx2,fma"))) static inline __m256 q4kweights256(const uint8_t *p, int shift, __m256 scale, __m256 min)
+{
+    const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    const __m256i q = _mm256_and_si256(_mm256_srli_epi32(bytes, shift), _mm256_set1_epi32(15));
+    return _mm256_sub_ps(_mm256_mul_ps(scale, _mm256_cvtepi32_ps(q)), min);
+}
+__attribute__((target("avx2,fma"))) static inline __m256 q6kweights256(const int8_t *p, __m256 scale)
+{
+    return _mm256_mul_ps(scale, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p))));
 }
 /* int4: (q - 8) converted exactly, times the group's scale (one rounding, as the table lookup) */
 __attribute__((target("avx2,fma"))) static inline __m256 i4table256(float scale) { return _mm256_set1_ps(scale); }
@@ -688,6 +710,168 @@ __attribute__((target($ISA))) static void edge$SFXi4(const float *x, const uint8
         }
         y[i * N] = $HSUM(acc) + (b ? b[0] : 0.0f);
     }
+}
+"""
+
+_EXACT_WIDEN = r"""
+/* ======== GGUF k-quant blocks, widened to the very float32 weights they stand for ========
+ * A model converted from a GGUF file holds float32 weights that gguf's reference dequantizer
+ * computed from the file's blocks. Kept as those blocks, a weight is rebuilt here with the same
+ * operations, rounded the same way (the file is built with -ffp-contract=off, so nothing fuses):
+ * q4k: codes [N, K / 2] in 64-weight groups, byte j holding weight j (low nibble) and weight j + 32
+ *      (high), the Q4_K super-block order; sm [N, K / 32, 2] each 32-weight sub-block's (scale, min),
+ *      w = (scale * q) - min with q in [0, 15].
+ * q6k: codes [N, K] int8, q in [-32, 31]; s [N, K / 16] a scale per 16 weights, w = scale * q.
+ * Rows [0, rows) starting at w, k in [k0, k1) (whole groups), to out [rows][K] (row stride K). */
+__attribute__((target("avx2"))) static void widen_q4k(const void *w, const float *sm, int64_t K, int rows,
+                                                      int64_t k0, int64_t k1, float *out)
+{
+    const __m256i low = _mm256_set1_epi32(15);
+    for (int j = 0; j < rows; j++) {
+        const uint8_t *codes = (const uint8_t *)w + j * (K / 2);
+        const float *pairs = sm + j * (K / 16);
+        float *o = out + j * K;
+        for (int64_t g = k0 / 64; g < k1 / 64; g++) {
+            const __m256 sa = _mm256_set1_ps(pairs[4 * g]), ma = _mm256_set1_ps(pairs[4 * g + 1]);
+            const __m256 sb = _mm256_set1_ps(pairs[4 * g + 2]), mb = _mm256_set1_ps(pairs[4 * g + 3]);
+            for (int c = 0; c < 32; c += 8) {
+                const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(codes + g * 32 + c)));
+                const __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(bytes, low));
+                const __m256 hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4));
+                _mm256_storeu_ps(o + g * 64 + c, _mm256_sub_ps(_mm256_mul_ps(sa, lo), ma));
+                _mm256_storeu_ps(o + g * 64 + 32 + c, _mm256_sub_ps(_mm256_mul_ps(sb, hi), mb));
+            }
+        }
+    }
+}
+
+__attribute__((target("avx2"))) static void widen_q6k(const void *w, const float *s, int64_t K, int rows,
+                                                      int64_t k0, int64_t k1, float *out)
+{
+    for (int j = 0; j < rows; j++) {
+        const int8_t *codes = (const int8_t *)w + j * K;
+        const float *scales = s + j * (K / 16);
+        float *o = out + j * K;
+        for (int64_t g = k0 / 16; g < k1 / 16; g++) {
+            const __m256 scale = _mm256_set1_ps(scales[g]);
+            for (int c = 0; c < 16; c += 8) {
+                const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(codes + g * 16 + c))));
+                _mm256_storeu_ps(o + g * 16 + c, _mm256_mul_ps(scale, q));
+            }
+        }
+    }
+}
+
+typedef void (*widen_fn)(const void *w, const float *s, int64_t K, int rows, int64_t k0, int64_t k1, float *out);
+"""
+
+# Exact k-quant matrices: each tile's weight rows widened one k block at a time into a float32 scratch
+# laid out like a float32 matrix, then the float32 tiles: bit for bit the float32 arithmetic.
+_EXACT_TEMPLATE = r"""
+/* ======== exact k-quant weights: widen a block, then the float32 tiles on it ========
+ * The same tiles, blocks, row passes and final reduction as linear_range$SFXf32, on weights rebuilt
+ * exactly: every output is bitwise what the float32 matrix gives, from a fifth to a third of its
+ * bytes. Both formats keep K / 16 floats of scales per row. */
+/* For one or two activation rows (a decode step) the weights are rebuilt in registers instead, fed
+ * straight to the same fused multiply-adds in the same k order: the float32 tile's arithmetic again,
+ * with no scratch round trip. */
+#define FUSED_$SFX(MR)                                                                              \
+__attribute__((target($ISA))) static void fusedq4k$SFX_##MR(const float *x, const uint8_t *w, const float *sm, \
+                                                         $VEC *saved, int64_t K)                   \
+{                                                                                                 \
+    $VEC acc[MR][NR];                                                                             \
+    _Pragma("GCC unroll 2") for (int i = 0; i < MR; i++)                                         \
+        _Pragma("GCC unroll 4") for (int j = 0; j < NR; j++) acc[i][j] = $ZERO();               \
+    for (int64_t g = 0; g < K / 64; g++) {                                                        \
+        _Pragma("GCC unroll 2") for (int half = 0; half < 2; half++) {                           \
+            $VEC scale[NR], low[NR];                                                              \
+            _Pragma("GCC unroll 4") for (int j = 0; j < NR; j++) {                               \
+                scale[j] = $SET1(sm[j * (K / 16) + 4 * g + 2 * half]);                            \
+                low[j] = $SET1(sm[j * (K / 16) + 4 * g + 2 * half + 1]);                          \
+            }                                                                                     \
+            _Pragma("GCC unroll 4") for (int c = 0; c < 32; c += $LANES) {                       \
+                $VEC wv[NR];                                                                      \
+                _Pragma("GCC unroll 4") for (int j = 0; j < NR; j++)                             \
+                    wv[j] = q4kweights$SFX(w + j * (K / 2) + g * 32 + c, 4 * half, scale[j], low[j]); \
+                _Pragma("GCC unroll 2") for (int i = 0; i < MR; i++) {                           \
+                    const $VEC xv = $LOAD(x + i * K + g * 64 + half * 32 + c);                    \
+                    _Pragma("GCC unroll 4") for (int j = 0; j < NR; j++) acc[i][j] = $FMA(xv, wv[j], acc[i][j]); \
+                }                                                                                 \
+            }                                                                                     \
+        }                                                                                         \
+    }                                                                                             \
+    _Pragma("GCC unroll 2") for (int i = 0; i < MR; i++)                                         \
+        _Pragma("GCC unroll 4") for (int j = 0; j < NR; j++) saved[i * NR + j] = acc[i][j];      \
+}                                                                                                 \
+__attribute__((target($ISA))) static void fusedq6k$SFX_##MR(const float *x, const uint8_t *w, const float *s, \
+                                                         $VEC *saved, int64_t K)                   \
+{                                                                                                 \
+    $VEC acc[MR][NR];                                                                             \
+    _Pragma("GCC unroll 2") for (int i = 0; i < MR; i++)                                         \
+        _Pragma("GCC unroll 4") for (int j = 0; j < NR; j++) acc[i][j] = $ZERO();               \
+    for (int64_t g = 0; g < K / 16; g++) {                                                        \
+        $VEC scale[NR];                                                                           \
+        _Pragma("GCC unroll 4") for (int j = 0; j < NR; j++) scale[j] = $SET1(s[j * (K / 16) + g]); \
+        _Pragma("GCC unroll 2") for (int c = 0; c < 16; c += $LANES) {                           \
+            $VEC wv[NR];                                                                          \
+            _Pragma("GCC unroll 4") for (int j = 0; j < NR; j++)                                 \
+                wv[j] = q6kweights$SFX((const int8_t *)w + j * K + g * 16 + c, scale[j]);         \
+            _Pragma("GCC unroll 2") for (int i = 0; i < MR; i++) {                               \
+                const $VEC xv = $LOAD(x + i * K + g * 16 + c);                                    \
+                _Pragma("GCC unroll 4") for (int j = 0; j < NR; j++) acc[i][j] = $FMA(xv, wv[j], acc[i][j]); \
+            }                                                                                     \
+        }                                                                                         \
+    }                                                                                             \
+    _Pragma("GCC unroll 2") for (int i = 0; i < MR; i++)                                         \
+        _Pragma("GCC unroll 4") for (int j = 0; j < NR; j++) saved[i * NR + j] = acc[i][j];      \
+}
+FUSED_$SFX(1) FUSED_$SFX(2)
+typedef void (*fused$SFX_fn)(const float *, const uint8_t *, const float *, $VEC *, int64_t);
+#define FUSED_ROWS 2  /* activation rows up to which the weights are rebuilt in registers */
+
+__attribute__((target($ISA))) static void linear_range_widened$SFX(const linear_job *job, int64_t begin, int64_t end,
+                                                                 widen_fn widen, int64_t row_bytes,
+                                                                 const fused$SFX_fn *fused)
+{
+    const int64_t M = job->M, N = job->N, K = job->K;
+    $VEC local[64 * NR];
+    $VEC *saved = M <= 64 ? local : aligned_alloc(64, sizeof($VEC) * (size_t)(M * NR));
+    float *wide = M <= FUSED_ROWS ? 0 : aligned_alloc(64, sizeof(float) * (size_t)(NR * K));  /* K: a multiple of 256 */
+    for (int64_t t = begin; t < end; t++) {
+        const char *w = (const char *)job->w + t * NR * row_bytes;
+        const float *s = job->s + t * NR * (K / 16);
+        if (M <= FUSED_ROWS) fused[M](job->x, (const uint8_t *)w, s, saved, K);
+        else for (int64_t k0 = 0; k0 < K; k0 += KBLOCK) {
+            const int64_t k1 = k0 + KBLOCK < K ? k0 + KBLOCK : K;
+            widen(w, s, K, NR, k0, k1, wide);
+            for (int64_t m0 = 0; m0 < M;) {
+                const int64_t passes = (M - m0 + $ROWS - 1) / $ROWS;
+                const int mr = (int)((M - m0 + passes - 1) / passes);
+                if (mr <= $FULLMR) {
+                    tiles$SFXf32[mr](job->x + m0 * K, wide, saved + m0 * NR, k0, k1, K, 0);
+                } else {
+                    halves$SFXf32[mr](job->x + m0 * K, wide, saved + m0 * NR, k0, k1, K, 0);
+                    halves$SFXf32[mr](job->x + m0 * K, wide + 2 * K, saved + m0 * NR + 2, k0, k1, K, 0);
+                }
+                m0 += mr;
+            }
+        }
+        for (int64_t m = 0; m < M; m++)
+            for (int j = 0; j < NR; j++)
+                job->y[m * N + t * NR + j] = $HSUM(saved[m * NR + j]) + (job->b ? job->b[t * NR + j] : 0.0f);
+    }
+    free(wide);
+    if (saved != local) free(saved);
+}
+__attribute__((target($ISA))) static void linear_range$SFXq4k(const void *arg, int64_t begin, int64_t end)
+{
+    static const fused$SFX_fn fused[3] = {0, fusedq4k$SFX_1, fusedq4k$SFX_2};
+    linear_range_widened$SFX(arg, begin, end, widen_q4k, ((const linear_job *)arg)->K / 2, fused);
+}
+__attribute__((target($ISA))) static void linear_range$SFXq6k(const void *arg, int64_t begin, int64_t end)
+{
+    static const fused$SFX_fn fused[3] = {0, fusedq6k$SFX_1, fusedq6k$SFX_2};
+    linear_range_widened$SFX(arg, begin, end, widen_q6k, ((const linear_job *)arg)->K, fused);
 }
 """
 
@@ -1178,7 +1362,8 @@ int kernels_vnni(void)
  * 2 = int8 with a float32 scale per row in s (accumulated in float32, scaled once at the end),
  * 3 = int4 in groups of I4GROUP along k, a float32 scale per group in s [N, K / I4GROUP],
  * 4 = the same int4 matrices with activations rounded to int8 per group (AVX-512 VNNI),
- * 5 = the same on AVX2 (byte products through vpmaddubsw).
+ * 5 = the same on AVX2 (byte products through vpmaddubsw),
+ * 6 = exact Q4_K blocks, 7 = exact Q6_K blocks (see widen_q4k / widen_q6k; s holds their scales).
  * A group is `count` (at most MAX_GROUP) matrices of one format and width K applied to the same x,
  * y[i] = x w[i]^T, as one job. Returns 0, or -1 if scratch memory ran out. */
 int rowwise_linear_group(const float *x, int count, const void *const *w, const float *const *s, const float *const *b,
@@ -1200,21 +1385,47 @@ int rowwise_linear_group(const float *x, int count, const void *const *w, const 
         tiles[i] = N[i] / NR;
         work += M * N[i] * K;
     }
-    const range_fn ranges[2][4] = {{linear_range256f32, linear_range256bf16, linear_range256i8, linear_range256i4},
-                                   {linear_range512f32, linear_range512bf16, linear_range512i8, linear_range512i4}};
+    const range_fn ranges[2][8] = {{linear_range256f32, linear_range256bf16, linear_range256i8, linear_range256i4, 0, 0,
+                                    linear_range256q4k, linear_range256q6k},
+                                   {linear_range512f32, linear_range512bf16, linear_range512i8, linear_range512i4, 0, 0,
+                                    linear_range512q4k, linear_range512q6k}};
+    if (weights < 0 || weights > 7 || !ranges[0][weights]) return -1;
     run_group(ranges[isa == 512][weights], job_ptrs, tiles, count, work, threads);
     for (int i = 0; i < count; i++)
         for (int64_t n = tiles[i] * NR; n < N[i]; n++) {
             const float *bn = b[i] ? b[i] + n : 0, *sn = s[i] ? s[i] + n : 0;
             float *yn = y[i] + n;
             const int64_t Ni = N[i];
-            if (weights == 3)
+            if (weights == 6 || weights == 7) {  /* one exact k-quant row: widen it whole, then float32 */
+                float *wide = malloc(sizeof(float) * (size_t)(K ? K : 1));
+                if (!wide) return -1;
+                if (weights == 6) widen_q4k((const uint8_t *)w[i] + n * (K / 2), s[i] + n * (K / 16), K, 1, 0, K, wide);
+                else widen_q6k((const int8_t *)w[i] + n * K, s[i] + n * (K / 16), K, 1, 0, K, wide);
+                (isa == 512 ? edge512f32 : edge256f32)(x, wide, sn, bn, yn, M, Ni, K);
+                free(wide);
+            } else if (weights == 3)
                 (isa == 512 ? edge512i4 : edge256i4)(x, (const uint8_t *)w[i] + n * (K / 2), s[i] + n * (K / I4GROUP), bn, yn, M, Ni, K);
             else if (weights == 2) (isa == 512 ? edge512i8 : edge256i8)(x, (const int8_t *)w[i] + n * K, sn, bn, yn, M, Ni, K);
             else if (weights == 1) (isa == 512 ? edge512bf16 : edge256bf16)(x, (const uint16_t *)w[i] + n * K, sn, bn, yn, M, Ni, K);
             else (isa == 512 ? edge512f32 : edge256f32)(x, (const float *)w[i] + n * K, sn, bn, yn, M, Ni, K);
         }
     return 0;
+}
+
+/* The first row of the exact k-quant matrix (weights 6 or 7) whose rebuilt weights differ from
+ * `dense` [N, K] in any bit; N when none does; -1 when scratch memory ran out. */
+int64_t exact_blocks_mismatch(const void *w, const float *s, const float *dense, int64_t N, int64_t K, int weights)
+{
+    float *wide = malloc(sizeof(float) * (size_t)(K ? K : 1));
+    if (!wide) return -1;
+    int64_t n = 0;
+    for (; n < N; n++) {
+        if (weights == 6) widen_q4k((const uint8_t *)w + n * (K / 2), s + n * (K / 16), K, 1, 0, K, wide);
+        else widen_q6k((const int8_t *)w + n * K, s + n * (K / 16), K, 1, 0, K, wide);
+        if (memcmp(wide, dense + n * K, sizeof(float) * (size_t)K)) break;
+    }
+    free(wide);
+    return n;
 }
 
 int rowwise_linear(const float *x, const void *w, const float *s, const float *b, float *y, int64_t M, int64_t N,
@@ -1321,10 +1532,10 @@ def _replace(text: str, table: dict[str, str]) -> str:
 
 def _instantiate(isa: str) -> str:
     linear = "".join(_replace(_LINEAR_TEMPLATE, {**_WEIGHTS[w], "$W": w}) for w in _WEIGHTS)
-    return _replace(_ISA_HELPERS[isa] + linear + _INT4_TEMPLATE + _TEMPLATE, _ISAS[isa])
+    return _replace(_ISA_HELPERS[isa] + linear + _EXACT_TEMPLATE + _INT4_TEMPLATE + _TEMPLATE, _ISAS[isa])
 
 
-_SOURCE = _PREAMBLE + _instantiate("512") + _instantiate("256") + _DRIVERS + _BLOCKED
+_SOURCE = _PREAMBLE + _EXACT_WIDEN + _instantiate("512") + _instantiate("256") + _DRIVERS + _BLOCKED
 _FLAGS = ["-O3", "-fPIC", "-shared", "-pthread", "-ffp-contract=off"]
 _LIBS = ["-lm"]
 
@@ -1368,6 +1579,7 @@ _SIGNATURES = {
     "kernels_vnni": (ctypes.c_int, []),
     "rowwise_linear": (ctypes.c_int, [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_int] * 3),
     "rowwise_linear_group": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 2 + [ctypes.c_int] * 3),
+    "exact_blocks_mismatch": (ctypes.c_int64, [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_int]),
     "silu_mul": (None, [ctypes.c_void_p] * 2 + [ctypes.c_int64, ctypes.c_int]),
     "rms_norm": (None, [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_float, ctypes.c_int]),
     "rope": (None, [ctypes.c_void_p] + [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 3),
@@ -1529,6 +1741,72 @@ class Int4Matrix(QuantizedMatrix):
         return (q * self.scale[..., None]).reshape(n, -1).to(dtype)
 
 
+class ExactBlocks(QuantizedMatrix):
+    """A float32 matrix kept as the GGUF k-quant blocks it was dequantized from, with the float32 matrix
+    itself (`dense`, shared, not copied) for big passes. The kernels rebuild every weight with the
+    operations of gguf's reference dequantizer, rounded alike, and then run the float32 arithmetic:
+    a product is bit for bit the float32 matrix's, from a fifth (Q4_K) to a third (Q6_K) of its bytes
+    per token. Unlike the draft formats above, a target may use these. `build` checks every weight
+    against `dense` and returns None if any bit differs."""
+
+    dtype = torch.float32  # the numbers are the float32 matrix's
+    code = -1  # the C kernels' weight format
+
+    def __init__(self, values: torch.Tensor, scale: torch.Tensor, dense: torch.Tensor):
+        super().__init__(values, scale)
+        self.dense = dense
+
+    @classmethod
+    def build(cls, values: torch.Tensor, scale: torch.Tensor, dense: torch.Tensor) -> "ExactBlocks | None":
+        """The blocks as a matrix standing for `dense` [N, K], or None unless they rebuild it exactly."""
+        n, k = dense.shape
+        if k % 256 or not available():
+            return None
+        values, scale = values.contiguous(), scale.contiguous()
+        _check(dense, scale)
+        if values.device.type != "cpu" or values.numel() * (2 if cls.code == 6 else 1) != n * k or scale.numel() * 16 != n * k:
+            raise ValueError(f"blocks of {cls.__name__} do not cover a [{n}, {k}] matrix")
+        first = _library.exact_blocks_mismatch(values.data_ptr(), scale.data_ptr(), dense.data_ptr(), n, k, cls.code)
+        if first < 0:
+            raise MemoryError("exact_blocks_mismatch: out of memory for its scratch row")
+        return cls(values, scale, dense) if first == n else None
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.dense.shape
+
+    def __getitem__(self, rows) -> "ExactBlocks":
+        return type(self)(self.values[rows].contiguous(), self.scale[rows].contiguous(), self.dense[rows].contiguous())
+
+    def widened(self, dtype: torch.dtype) -> torch.Tensor:
+        return self.dense if dtype == torch.float32 else self.dense.to(dtype)
+
+
+class Q4KMatrix(ExactBlocks):
+    """Q4_K: codes [N, K / 2] uint8 in 64-weight groups (byte j: weight j low, weight j + 32 high, the
+    super-block order), scale [N, K / 32, 2] each 32 weights' (scale, min); w = (scale * q) - min."""
+
+    code = 6
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        n = self.values.shape[0]
+        packed = self.values.reshape(n, -1, 32)
+        q = torch.stack((packed & 15, packed >> 4), dim=2).reshape(n, -1, 32).to(torch.float32)
+        pairs = self.scale.reshape(n, -1, 2)
+        return (pairs[..., 0:1] * q - pairs[..., 1:2]).reshape(n, -1).to(dtype)
+
+
+class Q6KMatrix(ExactBlocks):
+    """Q6_K: codes [N, K] int8 in [-32, 31], scale [N, K / 16] one per 16 weights; w = scale * q."""
+
+    code = 7
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        n = self.values.shape[0]
+        q = self.values.reshape(n, -1, 16).to(torch.float32)
+        return (self.scale.reshape(n, -1, 1) * q).reshape(n, -1).to(dtype)
+
+
 class Linear:
     """A weight matrix (and bias) checked once, for a hot loop: `linear(x, out)` computes what
     `rowwise_linear(x, weight, bias, out)` does without re-checking the weight on every call.
@@ -1543,7 +1821,10 @@ class Linear:
         if isinstance(weight, QuantizedMatrix):
             _check(weight.scale)
             matrix, self._scale = weight.values, weight.scale.data_ptr()
-            self._format = "int8" if isinstance(weight, Int8Matrix) else "int4"
+            if isinstance(weight, ExactBlocks):
+                self._format = "q4k" if weight.code == 6 else "q6k"
+            else:
+                self._format = "int8" if isinstance(weight, Int8Matrix) else "int4"
         else:
             if weight.dtype not in (torch.float32, torch.bfloat16):
                 raise ValueError("weight must be a float32 or bfloat16 matrix, an Int8Matrix or an Int4Matrix")
@@ -1563,41 +1844,49 @@ class Linear:
 
 
 class LinearGroup:
-    """Several `Linear`s of one input width and weight format applied to the same x (a layer's q, k and v;
-    gate and up) as one kernel call: one wake of the thread pool, and int4 drafts round x to int8
-    once. `group(x, outs)` writes outs[i] = linears[i](x); each output is bitwise what its own call gives."""
+    """Several `Linear`s of one input width applied to the same x (a layer's q, k and v; gate and up) as
+    one kernel call per weight format among them (usually one): one wake of the thread pool, and int4
+    drafts round x to int8 once. `group(x, outs)` writes outs[i] = linears[i](x); each output is
+    bitwise what its own call gives."""
 
-    __slots__ = ("linears", "_count", "_weights", "_scales", "_biases", "_widths", "_outs", "_out_ptrs")
+    __slots__ = ("linears", "_parts")
 
     def __init__(self, linears: list[Linear]):
         if not 1 <= len(linears) <= 4:
             raise ValueError("a LinearGroup holds 1 to 4 linears")
-        if len({(lin.k, lin._format) for lin in linears}) != 1:
-            raise ValueError("a LinearGroup's linears must share the input width and the weight format")
+        if len({lin.k for lin in linears}) != 1:
+            raise ValueError("a LinearGroup's linears must share the input width")
         self.linears = list(linears)
-        count = self._count = len(linears)
-        self._weights = (ctypes.c_void_p * count)(*(lin._matrix for lin in linears))
-        self._scales = (ctypes.c_void_p * count)(*(lin._scale for lin in linears))
-        self._biases = (ctypes.c_void_p * count)(*(lin._bias for lin in linears))
-        self._widths = (ctypes.c_int64 * count)(*(lin.n for lin in linears))
-        self._outs = None  # the last call's output pointers, reused while the buffers stay
-        self._out_ptrs = (ctypes.c_void_p * count)()
+        self._parts = []  # per weight format: [its linears' indices, C argument arrays, last output pointers]
+        for fmt in dict.fromkeys(lin._format for lin in linears):
+            index = [i for i, lin in enumerate(linears) if lin._format == fmt]
+            members = [linears[i] for i in index]
+            count = len(members)
+            self._parts.append([
+                index, count,
+                (ctypes.c_void_p * count)(*(lin._matrix for lin in members)),
+                (ctypes.c_void_p * count)(*(lin._scale for lin in members)),
+                (ctypes.c_void_p * count)(*(lin._bias for lin in members)),
+                (ctypes.c_int64 * count)(*(lin.n for lin in members)),
+                (ctypes.c_void_p * count)(), None,
+            ])
 
     def __call__(self, x: torch.Tensor, outs) -> tuple:
-        first = self.linears[0]
-        pointers = tuple(out.data_ptr() for out in outs)
-        if pointers != self._outs:
-            self._outs = pointers
-            self._out_ptrs[:] = pointers
-        kind = _FORMAT_CODES[first._format] if first._format != "int4" else _int4_code()
-        if _library.rowwise_linear_group(x.data_ptr(), self._count, self._weights, self._scales, self._biases,
-                                         self._out_ptrs, self._widths, x.shape[0], first.k, kind, _isa,
-                                         torch.get_num_threads()):
-            raise MemoryError("rowwise_linear_group: out of memory for its scratch buffer")
+        for part in self._parts:
+            index, count, weights, scales, biases, widths, out_ptrs, last = part
+            pointers = tuple(outs[i].data_ptr() for i in index)
+            if pointers != last:
+                part[7] = pointers
+                out_ptrs[:] = pointers
+            first = self.linears[index[0]]
+            kind = _FORMAT_CODES[first._format] if first._format != "int4" else _int4_code()
+            if _library.rowwise_linear_group(x.data_ptr(), count, weights, scales, biases, out_ptrs, widths,
+                                             x.shape[0], first.k, kind, _isa, torch.get_num_threads()):
+                raise MemoryError("rowwise_linear_group: out of memory for its scratch buffer")
         return tuple(outs)
 
 
-_FORMAT_CODES = {"f32": 0, "bf16": 1, "int8": 2}
+_FORMAT_CODES = {"f32": 0, "bf16": 1, "int8": 2, "q4k": 6, "q6k": 7}
 
 
 def _int4_code() -> int:
@@ -1615,6 +1904,7 @@ def rowwise_linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None,
     (about a seventh): the narrower formats are converted exactly and accumulated in float32, but
     their rounded weights change the result: a draft-model option, not for a target. int4 matrices
     also round each activation row to int8 per group of 64 (unless VERISPEC_INT4_FLOAT is set).
+    `ExactBlocks` (GGUF Q4_K / Q6_K) give bitwise the float32 matrix's result: fine for a target.
     """
     rows, k = x.shape
     if weight.shape[1] != k:
@@ -1633,8 +1923,10 @@ def blocked_preferred() -> bool:
 
 
 def blocked_takes(weight) -> bool:
-    """Whether `blocked_linear` multiplies this weight: a float32 matrix or an `Int4Matrix`."""
-    return isinstance(weight, Int4Matrix) or (isinstance(weight, torch.Tensor) and weight.dtype == torch.float32)
+    """Whether `blocked_linear` multiplies this weight: a float32 matrix, an `Int4Matrix`, or exact blocks
+    (through their float32 matrix)."""
+    return (isinstance(weight, (Int4Matrix, ExactBlocks))
+            or (isinstance(weight, torch.Tensor) and weight.dtype == torch.float32))
 
 
 def blocked_linear(x: torch.Tensor, weights, biases=None) -> list[torch.Tensor]:
@@ -1652,6 +1944,7 @@ def blocked_linear(x: torch.Tensor, weights, biases=None) -> list[torch.Tensor]:
     for weight in weights:
         if not blocked_takes(weight) or weight.shape[1] != k:
             raise ValueError(f"weights must be float32 [N, {k}] matrices or Int4Matrix, got {weight.dtype} {tuple(weight.shape)}")
+    weights = [w.dense if isinstance(w, ExactBlocks) else w for w in weights]
     rows = x.reshape(-1, k).contiguous()
     outs = [torch.empty(*x.shape[:-1], weight.shape[0], dtype=torch.float32) for weight in weights]
     codes = [w.values if isinstance(w, Int4Matrix) else w for w in weights]

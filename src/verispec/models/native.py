@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import logging
 import os
 import weakref
 from dataclasses import dataclass
@@ -43,6 +44,8 @@ from verispec.cache import SlotCache
 from verispec.models import kernels
 from verispec.models.base import ModelCache
 from verispec.models.hf import _eos_ids
+
+log = logging.getLogger(__name__)
 
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "qwen2"})
 # RoPE variants whose frequencies are fixed at load time (`dynamic`/`longrope` rescale with length).
@@ -319,6 +322,40 @@ class NativeCausalLM:
         self.lm_head = convert(self.lm_head)
         self.name = f"{self.name}-{'int4' if dtype == torch.quint4x2 else str(dtype).removeprefix('torch.')}"
 
+    # the GGUF tensor each matrix of a decoder layer was converted from (llama.cpp's names)
+    _GGUF_NAMES = {"q": "attn_q", "k": "attn_k", "v": "attn_v", "o": "attn_output",
+                   "gate": "ffn_gate", "up": "ffn_up", "down": "ffn_down"}
+
+    def use_gguf_blocks(self, path) -> tuple[int, int]:
+        """Keep the matrices as the k-quant blocks of the GGUF file they were converted from
+        (`kernels.Q4KMatrix` / `Q6KMatrix`): bit for bit the same numbers, a fifth to a third of the
+        bytes read per token. A matrix is replaced only when its blocks rebuild it exactly (each is
+        checked); the float32 matrices stay for big passes. Returns (matrices replaced, of how many)."""
+        from verispec.models import gguf_blocks
+
+        if not self._kernels or self.weight_dtype != torch.float32 or self.output_ids is not None:
+            return 0, 0
+        blocks = gguf_blocks.tensor_blocks(path)
+        wanted = [(layer, field, f"blk.{i}.{name}.weight")
+                  for i, layer in enumerate(self.layers) for field, name in self._GGUF_NAMES.items()]
+        head = "output.weight" if "output.weight" in blocks else "token_embd.weight"
+        wanted.append((self, "lm_head", head))
+        replaced = 0
+        for owner, field, name in wanted:
+            dense = getattr(owner, field)
+            if name not in blocks or not isinstance(dense, torch.Tensor):
+                continue
+            kind, raw = blocks[name]
+            exact = gguf_blocks.exact_matrix(kind, raw, dense)
+            if exact is not None:
+                setattr(owner, field, exact)
+                replaced += 1
+        if replaced < len(wanted):
+            log.info("%s: %d of %d matrices kept as float32 (no exact k-quant blocks for them)",
+                     self.name, len(wanted) - replaced, len(wanted))
+        self._prepared = None
+        return replaced, len(wanted)
+
     def with_output_ids(self, output_ids: torch.Tensor) -> "NativeCausalLM":
         """A copy sharing every weight whose LM head scores only `output_ids` [n] (the rest get -inf).
 
@@ -495,7 +532,9 @@ class NativeCausalLM:
         return (x * cos) + (torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin)
 
     def _linear(self, x: torch.Tensor, weight, bias: torch.Tensor | None) -> torch.Tensor:
-        if isinstance(weight, kernels.QuantizedMatrix):
+        if isinstance(weight, kernels.ExactBlocks):
+            weight = weight.dense  # the float32 matrix the blocks rebuild exactly
+        elif isinstance(weight, kernels.QuantizedMatrix):
             # weight-only int8 or int4 (a draft): a big pass multiplies a widened copy, made at the first big
             # pass and kept (widening every prefill cost ~1 s for a 0.5B draft; PyTorch's own int8-weight
             # matmul is ~100x slower on a CPU without AMX): bfloat16 where the CPU multiplies it natively,
