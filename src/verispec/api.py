@@ -5,6 +5,7 @@ Resolves names, tokenizes, picks the drafter once from the `DRAFTERS` table, and
 
 from __future__ import annotations
 
+import os
 import weakref
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterator, Sequence
@@ -28,7 +29,7 @@ BACKENDS = ("auto", "native", "hf")
 
 
 def load(name_or_path: Any, dtype: torch.dtype | str | None = None, device: str | torch.device | None = None, tokenizer=None,
-         backend: str = "auto", weight_dtype: torch.dtype | str | None = None) -> CausalLM:
+         backend: str = "auto", weight_dtype: torch.dtype | str | None = None, gguf_blocks: bool | None = None) -> CausalLM:
     """A model ready for `generate`: a zoo name (`smollm2-135m`), a local directory, a `.gguf` file,
     a hub id, or a `transformers` model object. Loaded once per process and reused.
 
@@ -40,6 +41,11 @@ def load(name_or_path: Any, dtype: torch.dtype | str | None = None, device: str 
     "int8" (weight-only, one scale per output row: a quarter) or "int4" (weight-only, one scale per
     64 weights: about a seventh). Activations stay float32, but the logits move: meant for *draft*
     models, whose output the target checks, never for a target.
+
+    gguf_blocks (native backend, float32 matrices): a model converted from a GGUF file (every zoo
+    model) keeps the matrices stored there as Q4_K / Q6_K blocks in that form and the kernels rebuild
+    each weight exactly as the conversion did: the same numbers bit for bit, a fifth to a third of the
+    bytes read per decode step. On by default; False (or VERISPEC_GGUF_BLOCKS=0) reads float32.
     """
     if backend not in BACKENDS:
         raise VerispecError(f"unknown backend {backend!r}: use one of {', '.join(BACKENDS)}")
@@ -48,15 +54,17 @@ def load(name_or_path: Any, dtype: torch.dtype | str | None = None, device: str 
         raise VerispecError("weight_dtype needs the native backend: drop backend='hf' or weight_dtype")
     if hasattr(name_or_path, "new_cache"):  # already a verispec model
         return name_or_path
+    if gguf_blocks is None:
+        gguf_blocks = os.environ.get("VERISPEC_GGUF_BLOCKS", "1") not in ("0", "false", "no")
     if hasattr(name_or_path, "config") and hasattr(name_or_path, "forward"):  # a transformers model object
-        return _wrap(HFCausalLM(name_or_path, tokenizer), backend, weight_dtype)
+        return _wrap(HFCausalLM(name_or_path, tokenizer), backend, weight_dtype, gguf_blocks)
     if not isinstance(name_or_path, str) or not name_or_path:
         raise VerispecError(f"a model must be a zoo name, a path, a hub id or a loaded model, got {name_or_path!r}")
     dtype = _parse_dtype(dtype)
     key = (name_or_path, dtype, str(device))
     if key not in _LOADED:
         _LOADED[key] = _load_uncached(name_or_path, dtype, pick_device(device))
-    return _wrap(_LOADED[key], backend, weight_dtype)
+    return _wrap(_LOADED[key], backend, weight_dtype, gguf_blocks)
 
 
 # Native forwards built per transformers module and weight dtype. Keyed by the module itself, weakly:
@@ -64,9 +72,10 @@ def load(name_or_path: Any, dtype: torch.dtype | str | None = None, device: str 
 _NATIVE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _wrap(model: HFCausalLM, backend: str, weight_dtype: torch.dtype | None = None) -> CausalLM:
+def _wrap(model: HFCausalLM, backend: str, weight_dtype: torch.dtype | None = None,
+          gguf_blocks: bool = False) -> CausalLM:
     """The model on the requested backend; the native one shares the transformers model's weights
-    (or keeps `weight_dtype` copies of its matrices)."""
+    (or keeps `weight_dtype` copies of its matrices, or the exact blocks of its source GGUF)."""
     from verispec.models.native import NativeCausalLM, supports
 
     native_ok = supports(model.model)
@@ -77,14 +86,18 @@ def _wrap(model: HFCausalLM, backend: str, weight_dtype: torch.dtype | None = No
         return model
     if backend == "native" and not native_ok:
         raise VerispecError(f"{model.name!r} ({model.config.model_type}) has no native forward: use backend='hf'")
+    source = getattr(model, "source_gguf", None) if gguf_blocks and weight_dtype is None else None
     built = _NATIVE.setdefault(model.model, {})
-    native = built.get(weight_dtype)
+    key = (weight_dtype, source is not None)
+    native = built.get(key)
     if native is None or native.tokenizer is not model.tokenizer:
         try:
             native = NativeCausalLM.from_hf(model, weight_dtype=weight_dtype)
         except ValueError as exc:  # e.g. int4 on matrices whose width is not a whole number of groups
             raise VerispecError(f"{model.name}: {exc}") from None
-        built[weight_dtype] = native
+        if source is not None:
+            native.use_gguf_blocks(source)
+        built[key] = native
     return native
 
 
@@ -129,7 +142,9 @@ def _load_uncached(name: str, dtype: torch.dtype, device: torch.device) -> HFCau
         tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
     except (OSError, ValueError):
         tokenizer = None
-    return HFCausalLM(model, tokenizer, name=name)
+    loaded = HFCausalLM(model, tokenizer, name=name)
+    loaded.source_gguf = zoo.source_gguf(path, gguf_file)  # for exact k-quant blocks (see `load`)
+    return loaded
 
 
 # How each drafter is built, chosen once per call: (target, draft model or None, draft_confidence) -> Drafter.

@@ -95,6 +95,21 @@ def gguf_path(name: str) -> Path:
     return home() / _entry(name).name / f"{name}.gguf"
 
 
+def source_gguf(where: str, gguf_file: str | None = None) -> Path | None:
+    """The GGUF file a model directory (or `where` + `gguf_file`, as `resolve` returns them) was made
+    from, when it is on disk: for a zoo directory the GGUF its marker names, which the zoo keeps beside
+    it. None when there is none (a hub id, a directory of another origin)."""
+    if gguf_file:
+        candidate = Path(where) / gguf_file
+        return candidate if candidate.is_file() else None
+    try:
+        marker = json.loads((Path(where) / MARKER).read_text())
+        candidate = Path(where).parent / marker["source"]["gguf"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return candidate if candidate.is_file() else None
+
+
 def is_pulled(name: str) -> bool:
     """Whether `name` is downloaded, verified and converted. Reads the marker only: never re-hashes."""
     entry = _entry(name)

@@ -81,6 +81,8 @@ def _pad_slots(x: torch.Tensor, length: int) -> torch.Tensor:
 class HFCausalLM:
     """Wraps a `transformers` PreTrainedModel (and optionally its tokenizer)."""
 
+    source_gguf = None  # the GGUF file the weights were converted from, when known (see verispec.load)
+
     def __init__(self, model, tokenizer=None, name: str | None = None):
         self.model = model.eval()
         self.tokenizer = tokenizer
