@@ -33,6 +33,8 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter", default="auto", help="auto | model | hybrid | ngram")
     p.add_argument("--draft-len", type=draft_len_arg, default="auto", help="int, 'auto' (adaptive) or 'tree' (auto plus token-tree alternates)")
     p.add_argument("--draft-dtype", default="int4", help="matrix dtype of a native-backend draft: fp32, bf16 (half the bytes), int8 (weight-only, a quarter) or int4 (grouped, ~1/7) (default: %(default)s)")
+    p.add_argument("--no-gguf-blocks", action="store_true",
+                   help="the target reads its float32 matrices, not the exact Q4_K/Q6_K blocks of its GGUF (same output)")
     p.add_argument("--draft-int8", action="store_true", help="PyTorch dynamic int8 for the draft model (transformers backend; see --draft-dtype int8 for the native one)")
     p.add_argument("--draft-vocab", type=int, default=None, help="the draft scores only the first N token ids (+ specials)")
     p.add_argument("--draft-confidence", type=float, default=0.0, help="stop drafting at a token the draft gives less than this")
@@ -111,7 +113,7 @@ def run_bench(args) -> dict:
         prompts = [p for p in prompts if p.category in keep]
         if not prompts:
             raise SystemExit(f"no prompts in categories {sorted(keep)} of {args.prompts}")
-    target = verispec.load(args.target)
+    target = verispec.load(args.target, gguf_blocks=False if args.no_gguf_blocks else None)
     # The cheap draft variants rewrite transformers modules, so such a draft runs on that backend.
     draft = None
     if args.draft and args.draft != "none":
@@ -166,6 +168,7 @@ def run_bench(args) -> dict:
 
     verify_cost = measure_verify_curve(target, args)
     report = summarize(results, args, {int(w): r for w, r in verify_cost["ratio"].items()})
+    report["target_matrices"] = target_matrices(target)
     report["verify_cost"] = verify_cost
     if args.sweep and draft is not None:
         report["sweep"] = sweep_draft_len(target, results[: args.sweep_prompts], spec_options, report["verify_cost"], args)
@@ -362,6 +365,18 @@ def summarize(results: list[Measurement], args, verify_ratio: dict[int, float]) 
     }
 
 
+def target_matrices(model) -> str:
+    """How the target's matrices are stored, for the report: float32, or exact GGUF blocks for how many."""
+    from verispec.models import kernels
+
+    layers = getattr(model, "layers", None)
+    if not layers:
+        return "float32 matrices"
+    matrices = [getattr(layer, f) for layer in layers for f in ("q", "k", "v", "o", "gate", "up", "down")] + [model.lm_head]
+    exact = sum(isinstance(m, kernels.ExactBlocks) for m in matrices)
+    return f"exact GGUF Q4_K/Q6_K blocks for {exact} of {len(matrices)} matrices" if exact else "float32 matrices"
+
+
 def _draft_variant(settings: dict) -> str:
     kind = "transformers dynamic int8" if settings.get("draft_int8") else f"{settings.get('draft_dtype', 'fp32')} matrices"
     return kind + (f", head restricted to {settings['draft_vocab']} tokens" if settings.get("draft_vocab") else "")
@@ -392,7 +407,7 @@ def write_reports(report: dict, results: list[Measurement], args) -> None:
     stem = args.name or Path(args.prompts).stem + ("_t%g" % args.temperature if args.temperature else "")
     (out / f"{stem}.json").write_text(json.dumps(report, indent=2))
     s = report["settings"]
-    header = (f"verispec bench: `{s['prompts']}`, target `{s['target']}`, draft `{s['draft']}` ({_draft_variant(s)}), drafter {s['drafter']}, "
+    header = (f"verispec bench: `{s['prompts']}`, target `{s['target']}` ({report.get('target_matrices', 'float32 matrices')}), draft `{s['draft']}` ({_draft_variant(s)}), drafter {s['drafter']}, "
               f"draft_len {s['draft_len']}, {s['max_new_tokens']} new tokens, temperature {s['temperature']}"
               f"{' (coupled sampling)' if s.get('coupled') else ''}, machine: {report['machine']['processor']}, {report['machine']['cpus']} threads, torch {report['machine']['torch']}. "
               "Speedups are medians of per-prompt tokens/s ratios measured in the same run, end to end (prompt prefill "

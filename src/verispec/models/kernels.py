@@ -723,14 +723,20 @@ _EXACT_WIDEN = r"""
  *      w = (scale * q) - min with q in [0, 15].
  * q6k: codes [N, K] int8, q in [-32, 31]; s [N, K / 16] a scale per 16 weights, w = scale * q.
  * Rows [0, rows) starting at w, k in [k0, k1) (whole groups), to out [rows][K] (row stride K). */
+/* `ahead` rows of codes and scales past the last one are fetched into cache meanwhile (the next
+ * tile's: the widened rows are short pieces at a stride, which the hardware prefetcher follows late). */
 __attribute__((target("avx2"))) static void widen_q4k(const void *w, const float *sm, int64_t K, int rows,
-                                                      int64_t k0, int64_t k1, float *out)
+                                                      int64_t k0, int64_t k1, float *out, int ahead)
 {
     const __m256i low = _mm256_set1_epi32(15);
     for (int j = 0; j < rows; j++) {
         const uint8_t *codes = (const uint8_t *)w + j * (K / 2);
         const float *pairs = sm + j * (K / 16);
         float *o = out + j * K;
+        if (j < ahead) {
+            for (int64_t b = k0 / 2; b < k1 / 2; b += 64) _mm_prefetch((const char *)(codes + rows * (K / 2) + b), _MM_HINT_T0);
+            for (int64_t f = k0 / 16; f < k1 / 16; f += 16) _mm_prefetch((const char *)(pairs + rows * (K / 16) + f), _MM_HINT_T0);
+        }
         for (int64_t g = k0 / 64; g < k1 / 64; g++) {
             const __m256 sa = _mm256_set1_ps(pairs[4 * g]), ma = _mm256_set1_ps(pairs[4 * g + 1]);
             const __m256 sb = _mm256_set1_ps(pairs[4 * g + 2]), mb = _mm256_set1_ps(pairs[4 * g + 3]);
@@ -746,12 +752,16 @@ __attribute__((target("avx2"))) static void widen_q4k(const void *w, const float
 }
 
 __attribute__((target("avx2"))) static void widen_q6k(const void *w, const float *s, int64_t K, int rows,
-                                                      int64_t k0, int64_t k1, float *out)
+                                                      int64_t k0, int64_t k1, float *out, int ahead)
 {
     for (int j = 0; j < rows; j++) {
         const int8_t *codes = (const int8_t *)w + j * K;
         const float *scales = s + j * (K / 16);
         float *o = out + j * K;
+        if (j < ahead) {
+            for (int64_t b = k0; b < k1; b += 64) _mm_prefetch((const char *)(codes + rows * K + b), _MM_HINT_T0);
+            for (int64_t f = k0 / 16; f < k1 / 16; f += 16) _mm_prefetch((const char *)(scales + rows * (K / 16) + f), _MM_HINT_T0);
+        }
         for (int64_t g = k0 / 16; g < k1 / 16; g++) {
             const __m256 scale = _mm256_set1_ps(scales[g]);
             for (int c = 0; c < 16; c += 8) {
@@ -762,7 +772,7 @@ __attribute__((target("avx2"))) static void widen_q6k(const void *w, const float
     }
 }
 
-typedef void (*widen_fn)(const void *w, const float *s, int64_t K, int rows, int64_t k0, int64_t k1, float *out);
+typedef void (*widen_fn)(const void *w, const float *s, int64_t K, int rows, int64_t k0, int64_t k1, float *out, int ahead);
 """
 
 # Exact k-quant matrices: each tile's weight rows widened one k block at a time into a float32 scratch
@@ -777,12 +787,16 @@ _EXACT_TEMPLATE = r"""
  * with no scratch round trip. */
 #define FUSED_$SFX(MR)                                                                              \
 __attribute__((target($ISA))) static void fusedq4k$SFX_##MR(const float *x, const uint8_t *w, const float *sm, \
-                                                         $VEC *saved, int64_t K)                   \
+                                                         $VEC *saved, int64_t K, int ahead)        \
 {                                                                                                 \
     $VEC acc[MR][NR];                                                                             \
     _Pragma("GCC unroll 2") for (int i = 0; i < MR; i++)                                         \
         _Pragma("GCC unroll 4") for (int j = 0; j < NR; j++) acc[i][j] = $ZERO();               \
     for (int64_t g = 0; g < K / 64; g++) {                                                        \
+        if (ahead && g % 2 == 0) _Pragma("GCC unroll 4") for (int j = 0; j < NR; j++) {          \
+            _mm_prefetch((const char *)(w + (NR + j) * (K / 2) + g * 32), _MM_HINT_T0);          \
+            if (g % 4 == 0) _mm_prefetch((const char *)(sm + (NR + j) * (K / 16) + 4 * g), _MM_HINT_T0); \
+        }                                                                                         \
         _Pragma("GCC unroll 2") for (int half = 0; half < 2; half++) {                           \
             $VEC scale[NR], low[NR];                                                              \
             _Pragma("GCC unroll 4") for (int j = 0; j < NR; j++) {                               \
@@ -804,12 +818,16 @@ __attribute__((target($ISA))) static void fusedq4k$SFX_##MR(const float *x, cons
         _Pragma("GCC unroll 4") for (int j = 0; j < NR; j++) saved[i * NR + j] = acc[i][j];      \
 }                                                                                                 \
 __attribute__((target($ISA))) static void fusedq6k$SFX_##MR(const float *x, const uint8_t *w, const float *s, \
-                                                         $VEC *saved, int64_t K)                   \
+                                                         $VEC *saved, int64_t K, int ahead)        \
 {                                                                                                 \
     $VEC acc[MR][NR];                                                                             \
     _Pragma("GCC unroll 2") for (int i = 0; i < MR; i++)                                         \
         _Pragma("GCC unroll 4") for (int j = 0; j < NR; j++) acc[i][j] = $ZERO();               \
     for (int64_t g = 0; g < K / 16; g++) {                                                        \
+        if (ahead && g % 4 == 0) _Pragma("GCC unroll 4") for (int j = 0; j < NR; j++) {          \
+            _mm_prefetch((const char *)(w + (NR + j) * K + g * 16), _MM_HINT_T0);                \
+            if (g % 16 == 0) _mm_prefetch((const char *)(s + (NR + j) * (K / 16) + g), _MM_HINT_T0); \
+        }                                                                                         \
         $VEC scale[NR];                                                                           \
         _Pragma("GCC unroll 4") for (int j = 0; j < NR; j++) scale[j] = $SET1(s[j * (K / 16) + g]); \
         _Pragma("GCC unroll 2") for (int c = 0; c < 16; c += $LANES) {                           \
@@ -826,7 +844,7 @@ __attribute__((target($ISA))) static void fusedq6k$SFX_##MR(const float *x, cons
         _Pragma("GCC unroll 4") for (int j = 0; j < NR; j++) saved[i * NR + j] = acc[i][j];      \
 }
 FUSED_$SFX(1) FUSED_$SFX(2)
-typedef void (*fused$SFX_fn)(const float *, const uint8_t *, const float *, $VEC *, int64_t);
+typedef void (*fused$SFX_fn)(const float *, const uint8_t *, const float *, $VEC *, int64_t, int);
 #define FUSED_ROWS 2  /* activation rows up to which the weights are rebuilt in registers */
 
 __attribute__((target($ISA))) static void linear_range_widened$SFX(const linear_job *job, int64_t begin, int64_t end,
@@ -840,19 +858,15 @@ __attribute__((target($ISA))) static void linear_range_widened$SFX(const linear_
     for (int64_t t = begin; t < end; t++) {
         const char *w = (const char *)job->w + t * NR * row_bytes;
         const float *s = job->s + t * NR * (K / 16);
-        if (M <= FUSED_ROWS) fused[M](job->x, (const uint8_t *)w, s, saved, K);
+        if (M <= FUSED_ROWS) fused[M](job->x, (const uint8_t *)w, s, saved, K, t + 1 < end);
         else for (int64_t k0 = 0; k0 < K; k0 += KBLOCK) {
             const int64_t k1 = k0 + KBLOCK < K ? k0 + KBLOCK : K;
-            widen(w, s, K, NR, k0, k1, wide);
+            widen(w, s, K, NR, k0, k1, wide, t + 1 < end ? NR : 0);
+            /* rows in passes of full tiles: the widened weights are in L1, cheap to read again */
             for (int64_t m0 = 0; m0 < M;) {
-                const int64_t passes = (M - m0 + $ROWS - 1) / $ROWS;
+                const int64_t passes = (M - m0 + $FULLMR - 1) / $FULLMR;
                 const int mr = (int)((M - m0 + passes - 1) / passes);
-                if (mr <= $FULLMR) {
-                    tiles$SFXf32[mr](job->x + m0 * K, wide, saved + m0 * NR, k0, k1, K, 0);
-                } else {
-                    halves$SFXf32[mr](job->x + m0 * K, wide, saved + m0 * NR, k0, k1, K, 0);
-                    halves$SFXf32[mr](job->x + m0 * K, wide + 2 * K, saved + m0 * NR + 2, k0, k1, K, 0);
-                }
+                tiles$SFXf32[mr](job->x + m0 * K, wide, saved + m0 * NR, k0, k1, K, 0);
                 m0 += mr;
             }
         }
@@ -1399,8 +1413,8 @@ int rowwise_linear_group(const float *x, int count, const void *const *w, const 
             if (weights == 6 || weights == 7) {  /* one exact k-quant row: widen it whole, then float32 */
                 float *wide = malloc(sizeof(float) * (size_t)(K ? K : 1));
                 if (!wide) return -1;
-                if (weights == 6) widen_q4k((const uint8_t *)w[i] + n * (K / 2), s[i] + n * (K / 16), K, 1, 0, K, wide);
-                else widen_q6k((const int8_t *)w[i] + n * K, s[i] + n * (K / 16), K, 1, 0, K, wide);
+                if (weights == 6) widen_q4k((const uint8_t *)w[i] + n * (K / 2), s[i] + n * (K / 16), K, 1, 0, K, wide, 0);
+                else widen_q6k((const int8_t *)w[i] + n * K, s[i] + n * (K / 16), K, 1, 0, K, wide, 0);
                 (isa == 512 ? edge512f32 : edge256f32)(x, wide, sn, bn, yn, M, Ni, K);
                 free(wide);
             } else if (weights == 3)
@@ -1420,8 +1434,8 @@ int64_t exact_blocks_mismatch(const void *w, const float *s, const float *dense,
     if (!wide) return -1;
     int64_t n = 0;
     for (; n < N; n++) {
-        if (weights == 6) widen_q4k((const uint8_t *)w + n * (K / 2), s + n * (K / 16), K, 1, 0, K, wide);
-        else widen_q6k((const int8_t *)w + n * K, s + n * (K / 16), K, 1, 0, K, wide);
+        if (weights == 6) widen_q4k((const uint8_t *)w + n * (K / 2), s + n * (K / 16), K, 1, 0, K, wide, 0);
+        else widen_q6k((const int8_t *)w + n * K, s + n * (K / 16), K, 1, 0, K, wide, 0);
         if (memcmp(wide, dense + n * K, sizeof(float) * (size_t)K)) break;
     }
     free(wide);
