@@ -24,6 +24,15 @@ or AVX2's vpmaddubsw): unpacking 4-bit weights to float left that kernel compute
 reads only the row's own values, so rows stay independent there too (VERISPEC_INT4_FLOAT=1 keeps
 the float path).
 
+A model converted from a GGUF file (the zoo's) holds float32 weights that gguf's dequantizer made
+from Q4_K / Q6_K blocks. `Q4KMatrix` / `Q6KMatrix` (`ExactBlocks`) keep those blocks (0.75 and 1.25
+bytes per weight with their float32 scales) and rebuild each weight with the dequantizer's own
+multiply and subtract, unfused, before the float32 arithmetic of the float32 matrix: the products
+are bitwise the float32 matrix's, checked weight by weight when a matrix is built. For one or two
+rows the weights are rebuilt in registers; for more, a tile's rows are widened one k block at a time
+into an L1 scratch that the float32 tiles then read. Qwen2.5-Coder 1.5B reads 1.4 GB per step
+instead of 7.1; the step becomes bound by the rebuilding arithmetic (~3 cycles per 8 weights).
+
 Prefill is the other regime: hundreds of rows, compute-bound. `blocked_linear` is a classic blocked
 GEMM for it (packed panels, 6x16 register tiles, AVX2+FMA), used where PyTorch's GEMM is slow: on
 2 AVX2 Zen 3 cores ~130-145 GFLOPS where MKL's path gave 75-120. Its rows are independent too,
@@ -1857,13 +1866,29 @@ class Linear:
         return out
 
 
+class _GroupCall:
+    """One C call of a `LinearGroup`: its linears of one weight format, as the argument arrays the call takes."""
+
+    __slots__ = ("index", "first", "count", "weights", "scales", "biases", "widths", "out_ptrs", "outs")
+
+    def __init__(self, index: list[int], members: list["Linear"]):
+        count = len(members)
+        self.index, self.first, self.count = index, members[0], count
+        self.weights = (ctypes.c_void_p * count)(*(lin._matrix for lin in members))
+        self.scales = (ctypes.c_void_p * count)(*(lin._scale for lin in members))
+        self.biases = (ctypes.c_void_p * count)(*(lin._bias for lin in members))
+        self.widths = (ctypes.c_int64 * count)(*(lin.n for lin in members))
+        self.out_ptrs = (ctypes.c_void_p * count)()
+        self.outs = None  # the last call's output pointers, reused while the buffers stay
+
+
 class LinearGroup:
     """Several `Linear`s of one input width applied to the same x (a layer's q, k and v; gate and up) as
-    one kernel call per weight format among them (usually one): one wake of the thread pool, and int4
-    drafts round x to int8 once. `group(x, outs)` writes outs[i] = linears[i](x); each output is
-    bitwise what its own call gives."""
+    one kernel call per weight format among them (usually one; a GGUF's v may be Q6_K beside a Q4_K q
+    and k): one wake of the thread pool, and int4 drafts round x to int8 once. `group(x, outs)` writes
+    outs[i] = linears[i](x); each output is bitwise what its own call gives."""
 
-    __slots__ = ("linears", "_parts")
+    __slots__ = ("linears", "_calls")
 
     def __init__(self, linears: list[Linear]):
         if not 1 <= len(linears) <= 4:
@@ -1871,31 +1896,22 @@ class LinearGroup:
         if len({lin.k for lin in linears}) != 1:
             raise ValueError("a LinearGroup's linears must share the input width")
         self.linears = list(linears)
-        self._parts = []  # per weight format: [its linears' indices, C argument arrays, last output pointers]
+        self._calls = []
         for fmt in dict.fromkeys(lin._format for lin in linears):
             index = [i for i, lin in enumerate(linears) if lin._format == fmt]
-            members = [linears[i] for i in index]
-            count = len(members)
-            self._parts.append([
-                index, count,
-                (ctypes.c_void_p * count)(*(lin._matrix for lin in members)),
-                (ctypes.c_void_p * count)(*(lin._scale for lin in members)),
-                (ctypes.c_void_p * count)(*(lin._bias for lin in members)),
-                (ctypes.c_int64 * count)(*(lin.n for lin in members)),
-                (ctypes.c_void_p * count)(), None,
-            ])
+            self._calls.append(_GroupCall(index, [linears[i] for i in index]))
 
     def __call__(self, x: torch.Tensor, outs) -> tuple:
-        for part in self._parts:
-            index, count, weights, scales, biases, widths, out_ptrs, last = part
-            pointers = tuple(outs[i].data_ptr() for i in index)
-            if pointers != last:
-                part[7] = pointers
-                out_ptrs[:] = pointers
-            first = self.linears[index[0]]
+        for call in self._calls:
+            pointers = tuple(outs[i].data_ptr() for i in call.index)
+            if pointers != call.outs:
+                call.outs = pointers
+                call.out_ptrs[:] = pointers
+            first = call.first
             kind = _FORMAT_CODES[first._format] if first._format != "int4" else _int4_code()
-            if _library.rowwise_linear_group(x.data_ptr(), count, weights, scales, biases, out_ptrs, widths,
-                                             x.shape[0], first.k, kind, _isa, torch.get_num_threads()):
+            if _library.rowwise_linear_group(x.data_ptr(), call.count, call.weights, call.scales, call.biases,
+                                             call.out_ptrs, call.widths, x.shape[0], first.k, kind, _isa,
+                                             torch.get_num_threads()):
                 raise MemoryError("rowwise_linear_group: out of memory for its scratch buffer")
         return tuple(outs)
 
