@@ -853,6 +853,38 @@ __attribute__((target($ISA))) static void fusedq6k$SFX_##MR(const float *x, cons
         _Pragma("GCC unroll 4") for (int j = 0; j < NR; j++) saved[i * NR + j] = acc[i][j];      \
 }
 FUSED_$SFX(1) FUSED_$SFX(2)
+
+/* MR activation rows x the NR widened weight rows over k in [k0, k1), continuing `saved`: the float32
+ * tile's per-output arithmetic (one accumulator vector fed in k order), with the MR rows of x held in
+ * registers and one weight vector loaded at a time, so MR x NR accumulators fit (3 x 4 on AVX2). */
+#define WIDE_$SFX(MR)                                                                               \
+__attribute__((target($ISA))) static void widetile$SFX_##MR(const float *x, const float *w, $VEC *saved, \
+                                                          int64_t k0, int64_t k1, int64_t K)      \
+{                                                                                                 \
+    $VEC acc[MR][NR];                                                                             \
+    _Pragma("GCC unroll 8") for (int i = 0; i < MR; i++)                                         \
+        _Pragma("GCC unroll 4") for (int j = 0; j < NR; j++) acc[i][j] = k0 ? saved[i * NR + j] : $ZERO(); \
+    for (int64_t k = k0; k < k1; k += $LANES) {                                                   \
+        $VEC xv[MR];                                                                              \
+        _Pragma("GCC unroll 8") for (int i = 0; i < MR; i++) xv[i] = $LOAD(x + i * K + k);      \
+        _Pragma("GCC unroll 4") for (int j = 0; j < NR; j++) {                                   \
+            const $VEC wv = $LOAD(w + j * K + k);                                                 \
+            _Pragma("GCC unroll 8") for (int i = 0; i < MR; i++) acc[i][j] = $FMA(xv[i], wv, acc[i][j]); \
+        }                                                                                         \
+    }                                                                                             \
+    _Pragma("GCC unroll 8") for (int i = 0; i < MR; i++)                                         \
+        _Pragma("GCC unroll 4") for (int j = 0; j < NR; j++) saved[i * NR + j] = acc[i][j];      \
+}
+WIDE_$SFX(1) WIDE_$SFX(2) WIDE_$SFX(3)
+#if $MAXMR > 3
+WIDE_$SFX(4) WIDE_$SFX(5) WIDE_$SFX(6)
+#endif
+typedef void (*widetile$SFX_fn)(const float *, const float *, $VEC *, int64_t, int64_t, int64_t);
+#if $MAXMR > 3
+static const widetile$SFX_fn widetiles$SFX[7] = {0, widetile$SFX_1, widetile$SFX_2, widetile$SFX_3, widetile$SFX_4, widetile$SFX_5, widetile$SFX_6};
+#else
+static const widetile$SFX_fn widetiles$SFX[4] = {0, widetile$SFX_1, widetile$SFX_2, widetile$SFX_3};
+#endif
 typedef void (*fused$SFX_fn)(const float *, const uint8_t *, const float *, $VEC *, int64_t, int);
 #define FUSED_ROWS 2  /* activation rows up to which the weights are rebuilt in registers */
 
@@ -871,11 +903,11 @@ __attribute__((target($ISA))) static void linear_range_widened$SFX(const linear_
         else for (int64_t k0 = 0; k0 < K; k0 += KBLOCK) {
             const int64_t k1 = k0 + KBLOCK < K ? k0 + KBLOCK : K;
             widen(w, s, K, NR, k0, k1, wide, t + 1 < end ? NR : 0);
-            /* rows in passes of full tiles: the widened weights are in L1, cheap to read again */
+            /* rows in passes of at most $MAXMR, split evenly: the widened weights are in L1 */
             for (int64_t m0 = 0; m0 < M;) {
-                const int64_t passes = (M - m0 + $FULLMR - 1) / $FULLMR;
+                const int64_t passes = (M - m0 + $MAXMR - 1) / $MAXMR;
                 const int mr = (int)((M - m0 + passes - 1) / passes);
-                tiles$SFXf32[mr](job->x + m0 * K, wide, saved + m0 * NR, k0, k1, K, 0);
+                widetiles$SFX[mr](job->x + m0 * K, wide, saved + m0 * NR, k0, k1, K);
                 m0 += mr;
             }
         }
