@@ -475,17 +475,6 @@ __attribute__((target("avx2,fma"))) static inline __m256 i8loadn256(const int8_t
     for (int64_t i = 0; i < n; i++) part[i] = p[i];
     return i8load256(part);
 }
-/* exact k-quant weights rebuilt in registers, as widen_q4k / widen_q6k do (8 bytes of codes) */
-__attribute__((target("avx2,fma"))) static inline __m256 q4kweights256(const uint8_t *p, int shift, __m256 scale, __m256 min)
-{
-    const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
-    const __m256i q = _mm256_and_si256(_mm256_srli_epi32(bytes, shift), _mm256_set1_epi32(15));
-    return _mm256_sub_ps(_mm256_mul_ps(scale, _mm256_cvtepi32_ps(q)), min);
-}
-__attribute__((target("avx2,fma"))) static inline __m256 q6kweights256(const int8_t *p, __m256 scale)
-{
-    return _mm256_mul_ps(scale, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p))));
-}
 /* int4: (q - 8) converted exactly, times the group's scale (one rounding, as the table lookup) */
 __attribute__((target("avx2,fma"))) static inline __m256 i4table256(float scale) { return _mm256_set1_ps(scale); }
 __attribute__((target("avx2,fma"))) static inline void i4unpack256(const uint8_t *p, __m256 scale, __m256 *lo, __m256 *hi)
@@ -732,12 +721,24 @@ _EXACT_WIDEN = r"""
  *      w = (scale * q) - min with q in [0, 15].
  * q6k: codes [N, K] int8, q in [-32, 31]; s [N, K / 16] a scale per 16 weights, w = scale * q.
  * Rows [0, rows) starting at w, k in [k0, k1) (whole groups), to out [rows][K] (row stride K). */
+/* One Q4_K weight vector: 8 codes (the low nibbles, shift 0, or the high ones, shift 4), rebuilt. */
+__attribute__((target("avx2,fma"))) static inline __m256 q4kweights256(const uint8_t *p, int shift, __m256 scale, __m256 min)
+{
+    const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    const __m256i q = _mm256_and_si256(_mm256_srli_epi32(bytes, shift), _mm256_set1_epi32(15));
+    return _mm256_sub_ps(_mm256_mul_ps(scale, _mm256_cvtepi32_ps(q)), min);
+}
+/* One Q6_K weight vector: 8 int8 codes, rebuilt. */
+__attribute__((target("avx2,fma"))) static inline __m256 q6kweights256(const int8_t *p, __m256 scale)
+{
+    return _mm256_mul_ps(scale, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p))));
+}
+
 /* `ahead` rows of codes and scales past the last one are fetched into cache meanwhile (the next
  * tile's: the widened rows are short pieces at a stride, which the hardware prefetcher follows late). */
-__attribute__((target("avx2"))) static void widen_q4k(const void *w, const float *sm, int64_t K, int rows,
-                                                      int64_t k0, int64_t k1, float *out, int ahead)
+__attribute__((target("avx2,fma"))) static void widen_q4k(const void *w, const float *sm, int64_t K, int rows,
+                                                          int64_t k0, int64_t k1, float *out, int ahead)
 {
-    const __m256i low = _mm256_set1_epi32(15);
     for (int j = 0; j < rows; j++) {
         const uint8_t *codes = (const uint8_t *)w + j * (K / 2);
         const float *pairs = sm + j * (K / 16);
@@ -750,18 +751,15 @@ __attribute__((target("avx2"))) static void widen_q4k(const void *w, const float
             const __m256 sa = _mm256_set1_ps(pairs[4 * g]), ma = _mm256_set1_ps(pairs[4 * g + 1]);
             const __m256 sb = _mm256_set1_ps(pairs[4 * g + 2]), mb = _mm256_set1_ps(pairs[4 * g + 3]);
             for (int c = 0; c < 32; c += 8) {
-                const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(codes + g * 32 + c)));
-                const __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(bytes, low));
-                const __m256 hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4));
-                _mm256_storeu_ps(o + g * 64 + c, _mm256_sub_ps(_mm256_mul_ps(sa, lo), ma));
-                _mm256_storeu_ps(o + g * 64 + 32 + c, _mm256_sub_ps(_mm256_mul_ps(sb, hi), mb));
+                _mm256_storeu_ps(o + g * 64 + c, q4kweights256(codes + g * 32 + c, 0, sa, ma));
+                _mm256_storeu_ps(o + g * 64 + 32 + c, q4kweights256(codes + g * 32 + c, 4, sb, mb));
             }
         }
     }
 }
 
-__attribute__((target("avx2"))) static void widen_q6k(const void *w, const float *s, int64_t K, int rows,
-                                                      int64_t k0, int64_t k1, float *out, int ahead)
+__attribute__((target("avx2,fma"))) static void widen_q6k(const void *w, const float *s, int64_t K, int rows,
+                                                          int64_t k0, int64_t k1, float *out, int ahead)
 {
     for (int j = 0; j < rows; j++) {
         const int8_t *codes = (const int8_t *)w + j * K;
@@ -773,10 +771,7 @@ __attribute__((target("avx2"))) static void widen_q6k(const void *w, const float
         }
         for (int64_t g = k0 / 16; g < k1 / 16; g++) {
             const __m256 scale = _mm256_set1_ps(scales[g]);
-            for (int c = 0; c < 16; c += 8) {
-                const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(codes + g * 16 + c))));
-                _mm256_storeu_ps(o + g * 16 + c, _mm256_mul_ps(scale, q));
-            }
+            for (int c = 0; c < 16; c += 8) _mm256_storeu_ps(o + g * 16 + c, q6kweights256(codes + g * 16 + c, scale));
         }
     }
 }
