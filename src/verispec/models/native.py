@@ -109,6 +109,10 @@ class _Layer:
     down_bias: torch.Tensor | None
 
 
+# A decoder layer's matrices, by their `_Layer` field names (norms and biases are not matrices).
+MATRIX_FIELDS = ("q", "k", "v", "o", "gate", "up", "down")
+
+
 def _borrow(linear: torch.nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
     bias = linear.bias.detach() if linear.bias is not None else None
     return linear.weight.detach(), bias
@@ -317,7 +321,7 @@ class NativeCausalLM:
         convert = formats[dtype]
 
         for layer in self.layers:
-            for field in ("q", "k", "v", "o", "gate", "up", "down"):
+            for field in MATRIX_FIELDS:
                 setattr(layer, field, convert(getattr(layer, field)))
         self.lm_head = convert(self.lm_head)
         self.name = f"{self.name}-{'int4' if dtype == torch.quint4x2 else str(dtype).removeprefix('torch.')}"
