@@ -8,17 +8,20 @@ rate E(k) / (k * draft + target(k + 1)).
 
 from __future__ import annotations
 
+import gc
 import random
 from collections import Counter
 
 import pytest
 import torch
 
+import verispec
 from conftest import perturbed_copy, tiny_llama
+from verispec.costs import BOOK, CostBook
 from verispec.drafters import ModelDrafter
 from verispec.engine import DecodeBatch, Request
 from verispec.errors import VerispecError
-from verispec.policy import AdaptiveDraftLen, Calibration, CostCurve, FixedDraftLen, make_policy
+from verispec.policy import AdaptiveDraftLen, Calibration, CostCurve, FixedDraftLen, make_policy, start_pays
 
 
 def true_rate(k: int, alpha: float, draft: float, target) -> float:
@@ -224,3 +227,54 @@ def test_confident_drafts_come_back_soon_after_a_slow_stretch():
     first_on = next(i for i, k in enumerate(history) if k > 0)
     assert first_on <= policy.probe_every
     assert sum(k > 0 for k in history[60:]) / len(history[60:]) > 0.9
+
+
+def test_a_draft_starts_only_when_its_prefill_can_pay():
+    # 64 tokens of 0.1 s plain steps at 2x save 3.2 s: a 2 s prefill pays, a 4 s one does not.
+    assert start_pays(2.0, 0.1, 64)
+    assert not start_pays(4.0, 0.1, 64)
+    assert start_pays(4.0, 0.1, 64, speedup=3.0)  # saves 4.27 s
+    assert not start_pays(0.5, 0.1, 64, speedup=1.0)  # a draft that speeds nothing up saves nothing
+    assert start_pays(None, 0.1, 64) and start_pays(4.0, None, 64)  # unmeasured: start, and measure
+
+
+def test_cost_book_prices_prefill_by_nearby_lengths():
+    book, model = CostBook(), tiny_llama(seed=0)
+    assert book.prefill_seconds(model, 100) is None and book.step_seconds(model) is None
+    book.record_prefill(model, 100, 1.0)
+    book.record_prefill(model, 120, 1.8)  # 15 ms a token
+    book.record_prefill(model, 1000, 20.0)  # 20 ms a token: long prompts cost more per token
+    assert book.prefill_seconds(model, 110) == pytest.approx(110 * 0.0125)
+    assert book.prefill_seconds(model, 800) == pytest.approx(800 * 0.02)
+    assert book.prefill_seconds(model, 5000) == pytest.approx(5000 * 0.02)  # the nearest length's rate
+    for seconds in (0.2, 0.1, 0.3):
+        book.record_step(model, seconds)
+    assert book.step_seconds(model) == pytest.approx(0.2)
+    del model
+    gc.collect()
+    assert len(book._prefill) == 0 and len(book._step) == 0  # keyed weakly: a dropped model leaves
+
+
+def test_auto_gives_way_to_prompt_lookup_where_the_draft_prefill_would_not_pay(monkeypatch):
+    """The costs decide the drafter; the tokens are plain greedy decoding's either way."""
+    target = tiny_llama(seed=0)
+    draft = perturbed_copy(target, scale=0.05)
+    prompt = [1, 5, 9, 5, 9, 5, 9, 7, 2, 5, 9] * 3
+    plain = verispec.generate(target, prompt, drafter="none", max_new_tokens=24)
+    assert BOOK.step_seconds(target) is not None  # plain steps of one row are measured
+    first = verispec.generate(target, prompt, draft=draft, max_new_tokens=24)
+    assert first.stats.drafter == "ModelDrafter"
+    assert BOOK.prefill_seconds(draft, len(prompt) - 1) is not None  # the draft's prefill, measured
+
+    # A prefill worth 20 plain steps cannot pay for 24 tokens (at 2x they save 12 steps); one of 5 can.
+    monkeypatch.setattr(BOOK, "prefill_seconds", lambda model, tokens: 20 * BOOK.step_seconds(target))
+    slow = verispec.generate(target, prompt, draft=draft, max_new_tokens=24)
+    assert slow.stats.drafter == "NgramDrafter" and slow.token_ids == plain.token_ids
+    assert slow.stats.drafted_tokens > 0  # prompt lookup still drafts
+    assert verispec.generate(target, prompt, draft=draft, max_new_tokens=48).stats.drafter == "ModelDrafter"
+    # An explicit drafter or a fixed draft length keeps the draft model.
+    assert verispec.generate(target, prompt, draft=draft, drafter="model", max_new_tokens=24).stats.drafter == "ModelDrafter"
+    assert verispec.generate(target, prompt, draft=draft, draft_len=3, max_new_tokens=24).stats.drafter == "ModelDrafter"
+    monkeypatch.setattr(BOOK, "prefill_seconds", lambda model, tokens: 5 * BOOK.step_seconds(target))
+    fast = verispec.generate(target, prompt, draft=draft, max_new_tokens=24)
+    assert fast.stats.drafter == "ModelDrafter" and fast.token_ids == plain.token_ids

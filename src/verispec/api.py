@@ -18,6 +18,7 @@ from verispec.engine import Request, SpeculativeEngine, TokenEvent
 from verispec.errors import VerispecError
 from verispec.models.base import CausalLM
 from verispec.models.hf import HFCausalLM, pick_device
+from verispec.policy import ADAPTIVE_SETTINGS
 from verispec.sampling import SamplingParams
 from verispec.stats import SpecStats
 from verispec.text import IncrementalText, StopSequences, encode_prompt, final_text, normalize_stop
@@ -260,7 +261,12 @@ class Session:
         if self.stop and self.target.tokenizer is None:
             raise VerispecError("stop sequences need a tokenizer: load the model with one, or drop stop=")
         make_drafter(self.target, draft_model, drafter, draft_confidence)  # fail on a bad drafter choice now
-        self.engine = SpeculativeEngine(self.target, lambda: make_drafter(self.target, draft_model, drafter, draft_confidence), draft_len)
+        # "auto" with a draft model and adaptive lengths: prompt lookup instead where the draft's prompt
+        # prefill would not pay (a fixed draft_len keeps its drafter, so a seed reproduces its sample).
+        adaptive = draft_len is None or draft_len in ADAPTIVE_SETTINGS
+        fallback = (lambda: make_drafter(self.target, None, "ngram")) if drafter == "auto" and draft_model is not None and adaptive else None
+        self.engine = SpeculativeEngine(self.target, lambda: make_drafter(self.target, draft_model, drafter, draft_confidence), draft_len,
+                                        fallback=fallback)
         checker = StopSequences(self.target.tokenizer, self.stop) if self.stop else None
         # Row b of a seeded batch uses seed + b, so rows are independent draws and each is reproducible alone.
         self.requests = [
@@ -281,7 +287,9 @@ def generate(target, prompt, *, draft=None, drafter: str = "auto", draft_len: in
     """Generate from `prompt` with speculative decoding; the output is what the target alone would give.
 
     target / draft: zoo name, path, hub id or loaded model. prompt: text, token ids, or a list of
-    either (a batch: returns a list). drafter: "auto" ("model" if a draft model is given, else n-gram),
+    either (a batch: returns a list). drafter: "auto" ("model" if a draft model is given, else n-gram;
+    with an adaptive draft_len, a draft model whose prompt prefill could not pay for itself over
+    max_new_tokens, by the costs this process measured, gives way to n-gram for that call),
     "model", "hybrid" (prompt lookup when it finds a match, else the draft model), "ngram", or
     "none" (plain decoding). draft_len: "auto" (the default) drafts while the draft model's confidence
     says the next token pays for itself, up to 10, and decides from measured acceptance and costs

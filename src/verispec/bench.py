@@ -419,6 +419,11 @@ def write_reports(report: dict, results: list[Measurement], args) -> None:
         ratio = report["verify_cost"]["ratio"]
         extra += ("\n\nTarget forward cost by width, relative to width 1: "
                   + ", ".join(f"{w}: {r:.2f}" for w, r in ratio.items()) + "\n")
+    gave_way = [f"{p['category']} {p['id']}" for p in report.get("prompts", []) if p["stats"].get("drafter") == "NgramDrafter"
+                and s["drafter"] == "auto" and s["draft"] not in (None, "none")]
+    if gave_way:
+        extra += (f"\nThe draft model's prompt prefill could not pay for itself on {len(gave_way)} prompt(s), which drafted by "
+                  f"prompt lookup instead: {', '.join(gave_way)}.\n")
     if report.get("sweep", {}).get("measured"):
         sw = report["sweep"]
         extra += "\n| draft length k | measured speedup (after prefill) | predicted E/(k·c + v(k+1)) |\n| --- | --- | --- |\n"

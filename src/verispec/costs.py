@@ -1,4 +1,5 @@
-"""Measured costs of a model: what a target forward of width w costs relative to width 1.
+"""Measured costs of a model: what a target forward of width w costs relative to width 1, and what
+this process has seen its models cost (`BOOK`).
 
 Speculative decoding pays off only if verifying k+1 tokens in one pass costs about one decode step;
 on a CPU that is a property of the kernels, so it is measured, not assumed. Knows nothing about
@@ -9,9 +10,56 @@ from __future__ import annotations
 
 import statistics
 import time
+import weakref
+from collections import deque
 from typing import Callable
 
 import torch
+
+class CostBook:
+    """What this process has measured of its models, kept across calls (a call's own policy starts afresh).
+
+    - prompt prefill: seconds for a number of prompt tokens, recent samples per model;
+    - a plain decode step of one sequence: recent seconds per target.
+    Keyed weakly: a model that is dropped takes its entries along. Estimates are None until measured.
+    """
+
+    def __init__(self, window: int = 16):
+        self.window = window
+        self._prefill = weakref.WeakKeyDictionary()  # model -> deque of (tokens, seconds)
+        self._step = weakref.WeakKeyDictionary()  # model -> deque of seconds
+
+    def _samples(self, table, model) -> deque:
+        if model not in table:
+            table[model] = deque(maxlen=self.window)
+        return table[model]
+
+    def record_prefill(self, model, tokens: int, seconds: float) -> None:
+        if tokens > 0:
+            self._samples(self._prefill, model).append((tokens, seconds))
+
+    def prefill_seconds(self, model, tokens: int) -> float | None:
+        """Estimated seconds to prefill `tokens`: the median per-token rate of the samples within a factor of
+        two of that length (the nearest length when none is), times `tokens`."""
+        samples = self._prefill.get(model)
+        if not samples or tokens <= 0:
+            return None if not samples else 0.0
+        near = [s / t for t, s in samples if tokens / 2 <= t <= tokens * 2]
+        if not near:
+            t, s = min(samples, key=lambda sample: abs(sample[0] - tokens))
+            near = [s / t]
+        return statistics.median(near) * tokens
+
+    def record_step(self, model, seconds: float) -> None:
+        self._samples(self._step, model).append(seconds)
+
+    def step_seconds(self, model) -> float | None:
+        samples = self._step.get(model)
+        return statistics.median(samples) if samples else None
+
+
+BOOK = CostBook()
+
 
 CODE = '''def merge_sort(items):
     """Sort a list with merge sort and return a new list."""

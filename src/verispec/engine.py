@@ -18,10 +18,11 @@ from typing import Callable, Hashable, Iterator
 
 import torch
 
+from verispec.costs import BOOK
 from verispec.drafters.base import Draft, Drafter, Verdict
 from verispec.errors import VerispecError
 from verispec.models.base import CausalLM
-from verispec.policy import DraftPolicy, make_policy
+from verispec.policy import DraftPolicy, make_policy, start_pays
 from verispec.prefill import prefill
 from verispec.sampling import SamplingParams, make_generator
 from verispec.stats import SpecStats
@@ -185,6 +186,8 @@ class DecodeBatch:
         self.drafter.commit(verdict)
         t3 = time.perf_counter()
         # The target's share of a step is its pass plus verification and rollback: what a wider pass adds to.
+        if width == 0 and len(self.rows) == 1:
+            BOOK.record_step(self.target, t3 - t1)  # a plain step, the price of what a drafter saves
         alternates = None
         if extra is not None:
             alternates = (draft.alternates >= 0, draft.alternate_confidence, verdict.alternate)
@@ -259,21 +262,40 @@ class DecodeBatch:
 
 
 class SpeculativeEngine:
-    """Generates a fixed set of requests with a target model and a fresh drafter per call."""
+    """Generates a fixed set of requests with a target model and a fresh drafter per call.
 
-    def __init__(self, target: CausalLM, make_drafter: Callable[[], Drafter], draft_len: int | str = 4):
+    With a `fallback`, a drafter that has a start-up cost (a draft model prefilling the prompts) runs
+    only when the measured costs say it wins that back over the call's tokens (`policy.start_pays`);
+    otherwise the call drafts with the fallback (prompt lookup). The output is the same either way.
+    """
+
+    def __init__(self, target: CausalLM, make_drafter: Callable[[], Drafter], draft_len: int | str = 4,
+                 fallback: Callable[[], Drafter] | None = None):
         make_policy(draft_len)  # validates the setting now, not at the first call
-        self.target, self.make_drafter, self.draft_len = target, make_drafter, draft_len
+        self.target, self.make_drafter, self.draft_len, self.fallback = target, make_drafter, draft_len, fallback
+
+    def choose_drafter(self, requests: list[Request]) -> Drafter:
+        drafter = self.make_drafter()
+        startup = getattr(drafter, "startup_seconds", None)
+        if self.fallback is None or startup is None:
+            return drafter
+        new_tokens = max(r.max_new_tokens for r in requests)
+        if start_pays(startup([r.prompt for r in requests]), BOOK.step_seconds(self.target), new_tokens):
+            return drafter
+        return self.fallback()
 
     def stream(self, requests: list[Request], stats: SpecStats | None = None) -> Iterator[TokenEvent]:
         """Yield TokenEvents until every request has finished."""
         if not requests:
             raise VerispecError("no prompts given: pass at least one prompt")
         started = time.perf_counter()
-        batch = DecodeBatch(self.target, self.make_drafter(), self.draft_len, stats)
+        drafter = self.choose_drafter(requests)
+        batch = DecodeBatch(self.target, drafter, self.draft_len, stats)
+        batch.stats.drafter = type(drafter).__name__
         try:
             batch.add(requests)
             while len(batch):
                 yield from batch.step()
         finally:
             batch.stats.total_seconds += time.perf_counter() - started
+

@@ -377,6 +377,22 @@ class AdaptiveDraftLen:
         self.accepted[: width - 1] += accepted.sum(0).float()
 
 
+# What a draft model is assumed to make decoding at best when pricing its start: about what the Qwen pair
+# delivers on code here, so a start is refused only where even a draft that good could not pay.
+START_SPEEDUP = 2.0
+
+
+def start_pays(startup_seconds: float | None, step_seconds: float | None, new_tokens: int,
+               speedup: float = START_SPEEDUP) -> bool:
+    """Whether a drafter that must first spend `startup_seconds` (a draft model's prompt prefill) can win
+    them back: decoding `new_tokens` at `speedup` saves new_tokens * step_seconds * (1 - 1 / speedup)
+    against plain steps of `step_seconds`. new_tokens is the most the call may generate, so the saving is
+    an upper estimate. Unmeasured costs (None) start it, which measures them."""
+    if startup_seconds is None or step_seconds is None:
+        return True
+    return startup_seconds <= new_tokens * step_seconds * max(0.0, 1.0 - 1.0 / speedup)
+
+
 ADAPTIVE_SETTINGS = ("auto", "tree")  # the draft_len values that name an adaptive policy rather than a k
 
 

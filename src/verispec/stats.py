@@ -51,6 +51,7 @@ class SpecStats:
     accepted_at: list[int] = field(default_factory=list)  # per draft position: times accepted
     alternates_drafted: int = 0  # second guesses beside chain positions (token-tree leaves)
     alternates_accepted: int = 0  # ... taken where the chain's token was rejected
+    drafter: str = ""  # which drafter the call ran (a draft model whose start did not pay gives way to prompt lookup)
 
     def observe(self, num_drafted: torch.Tensor, num_accepted: torch.Tensor, draft_len: int,
                 alternates_drafted: int = 0, alternates_accepted: int = 0) -> None:
@@ -116,6 +117,7 @@ class SpecStats:
 
     def to_dict(self) -> dict:
         return {
+            "drafter": self.drafter,
             "target_passes": self.target_passes,
             "drafted_tokens": self.drafted_tokens,
             "accepted_tokens": self.accepted_tokens,
