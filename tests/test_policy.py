@@ -238,21 +238,25 @@ def test_a_draft_starts_only_when_its_prefill_can_pay():
     assert start_pays(None, 0.1, 64) and start_pays(4.0, None, 64)  # unmeasured: start, and measure
 
 
-def test_cost_book_prices_prefill_by_nearby_lengths():
-    book, model = CostBook(), tiny_llama(seed=0)
-    assert book.prefill_seconds(model, 100) is None and book.step_seconds(model) is None
-    book.record_prefill(model, 100, 1.0)
-    book.record_prefill(model, 120, 1.8)  # 15 ms a token
-    book.record_prefill(model, 1000, 20.0)  # 20 ms a token: long prompts cost more per token
-    assert book.prefill_seconds(model, 110) == pytest.approx(110 * 0.0125)
-    assert book.prefill_seconds(model, 800) == pytest.approx(800 * 0.02)
-    assert book.prefill_seconds(model, 5000) == pytest.approx(5000 * 0.02)  # the nearest length's rate
+def test_cost_book_prices_a_draft_prefill_relative_to_the_targets():
+    book, target, draft = CostBook(), tiny_llama(seed=0), tiny_llama(seed=1)
+    assert book.relative_prefill(target, draft, 100) is None and book.step_seconds(target) is None
+    book.record_relative_prefill(target, draft, 100, 0.2)
+    book.record_relative_prefill(target, draft, 120, 0.3)
+    book.record_relative_prefill(target, draft, 1000, 0.4)  # long prompts: relatively dearer drafts
+    assert book.relative_prefill(target, draft, 110) == pytest.approx(0.25)  # the median of the nearby lengths
+    assert book.relative_prefill(target, draft, 800) == pytest.approx(0.4)
+    assert book.relative_prefill(target, draft, 5000) == pytest.approx(0.4)  # the nearest length's
+    assert book.relative_prefill(draft, target, 100) is None  # per (target, draft) pair
     for seconds in (0.2, 0.1, 0.3):
-        book.record_step(model, seconds)
-    assert book.step_seconds(model) == pytest.approx(0.2)
-    del model
+        book.record_step(target, seconds)
+    assert book.step_seconds(target) == pytest.approx(0.2)
+    del draft
     gc.collect()
-    assert len(book._prefill) == 0 and len(book._step) == 0  # keyed weakly: a dropped model leaves
+    assert len(book._relative[target]) == 0  # keyed weakly: a dropped model leaves
+    del target
+    gc.collect()
+    assert len(book._relative) == 0 and len(book._step) == 0
 
 
 def test_auto_gives_way_to_prompt_lookup_where_the_draft_prefill_would_not_pay(monkeypatch):
@@ -264,17 +268,16 @@ def test_auto_gives_way_to_prompt_lookup_where_the_draft_prefill_would_not_pay(m
     assert BOOK.step_seconds(target) is not None  # plain steps of one row are measured
     first = verispec.generate(target, prompt, draft=draft, max_new_tokens=24)
     assert first.stats.drafter == "ModelDrafter"
-    assert BOOK.prefill_seconds(draft, len(prompt) - 1) is not None  # the draft's prefill, measured
+    assert BOOK.relative_prefill(target, draft, len(prompt) - 1) > 0  # the draft's prefill, measured
 
-    # A prefill worth 20 plain steps cannot pay for 24 tokens (at 2x they save 12 steps); one of 5 can.
-    monkeypatch.setattr(BOOK, "prefill_seconds", lambda model, tokens: 20 * BOOK.step_seconds(target))
+    # A draft prefill priced at a million times the target's cannot pay; one priced at nothing can.
+    monkeypatch.setattr(BOOK, "relative_prefill", lambda target, draft, tokens: 1e6)
     slow = verispec.generate(target, prompt, draft=draft, max_new_tokens=24)
     assert slow.stats.drafter == "NgramDrafter" and slow.token_ids == plain.token_ids
     assert slow.stats.drafted_tokens > 0  # prompt lookup still drafts
-    assert verispec.generate(target, prompt, draft=draft, max_new_tokens=48).stats.drafter == "ModelDrafter"
     # An explicit drafter or a fixed draft length keeps the draft model.
     assert verispec.generate(target, prompt, draft=draft, drafter="model", max_new_tokens=24).stats.drafter == "ModelDrafter"
     assert verispec.generate(target, prompt, draft=draft, draft_len=3, max_new_tokens=24).stats.drafter == "ModelDrafter"
-    monkeypatch.setattr(BOOK, "prefill_seconds", lambda model, tokens: 5 * BOOK.step_seconds(target))
+    monkeypatch.setattr(BOOK, "relative_prefill", lambda target, draft, tokens: 0.0)
     fast = verispec.generate(target, prompt, draft=draft, max_new_tokens=24)
     assert fast.stats.drafter == "ModelDrafter" and fast.token_ids == plain.token_ids

@@ -17,45 +17,47 @@ from typing import Callable
 import torch
 
 class CostBook:
-    """What this process has measured of its models, kept across calls (a call's own policy starts afresh).
+    """What this process has measured of its models, kept across calls (a call's own policy starts afresh):
 
-    - prompt prefill: seconds for a number of prompt tokens, recent samples per model;
-    - a plain decode step of one sequence: recent seconds per target.
+    - the seconds of a plain decode step of one sequence, per target;
+    - what a draft model's prompt prefill costs relative to its target's prefill of the same prompt, by
+      prompt length (the draft repeats the target's prefill on a smaller model, so the target's time for
+      this very prompt, measured just before, prices the draft's better than a per-token rate would).
     Keyed weakly: a model that is dropped takes its entries along. Estimates are None until measured.
     """
 
     def __init__(self, window: int = 16):
         self.window = window
-        self._prefill = weakref.WeakKeyDictionary()  # model -> deque of (tokens, seconds)
-        self._step = weakref.WeakKeyDictionary()  # model -> deque of seconds
+        self._step = weakref.WeakKeyDictionary()  # target -> deque of seconds
+        self._relative = weakref.WeakKeyDictionary()  # target -> WeakKeyDictionary(draft -> deque of (tokens, ratio))
 
-    def _samples(self, table, model) -> deque:
-        if model not in table:
-            table[model] = deque(maxlen=self.window)
-        return table[model]
+    def record_step(self, target, seconds: float) -> None:
+        if target not in self._step:
+            self._step[target] = deque(maxlen=self.window)
+        self._step[target].append(seconds)
 
-    def record_prefill(self, model, tokens: int, seconds: float) -> None:
-        if tokens > 0:
-            self._samples(self._prefill, model).append((tokens, seconds))
-
-    def prefill_seconds(self, model, tokens: int) -> float | None:
-        """Estimated seconds to prefill `tokens`: the median per-token rate of the samples within a factor of
-        two of that length (the nearest length when none is), times `tokens`."""
-        samples = self._prefill.get(model)
-        if not samples or tokens <= 0:
-            return None if not samples else 0.0
-        near = [s / t for t, s in samples if tokens / 2 <= t <= tokens * 2]
-        if not near:
-            t, s = min(samples, key=lambda sample: abs(sample[0] - tokens))
-            near = [s / t]
-        return statistics.median(near) * tokens
-
-    def record_step(self, model, seconds: float) -> None:
-        self._samples(self._step, model).append(seconds)
-
-    def step_seconds(self, model) -> float | None:
-        samples = self._step.get(model)
+    def step_seconds(self, target) -> float | None:
+        samples = self._step.get(target)
         return statistics.median(samples) if samples else None
+
+    def record_relative_prefill(self, target, draft, tokens: int, ratio: float) -> None:
+        if tokens <= 0:
+            return
+        if target not in self._relative:
+            self._relative[target] = weakref.WeakKeyDictionary()
+        pairs = self._relative[target]
+        if draft not in pairs:
+            pairs[draft] = deque(maxlen=self.window)
+        pairs[draft].append((tokens, ratio))
+
+    def relative_prefill(self, target, draft, tokens: int) -> float | None:
+        """Draft prefill seconds per target prefill second for a prompt of `tokens`: the median ratio of the
+        samples within a factor of two of that length, else the nearest length's."""
+        samples = self._relative.get(target, {}).get(draft)
+        if not samples:
+            return None
+        near = [r for t, r in samples if tokens / 2 <= t <= tokens * 2]
+        return statistics.median(near) if near else min(samples, key=lambda sample: abs(sample[0] - tokens))[1]
 
 
 BOOK = CostBook()

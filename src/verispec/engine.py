@@ -77,9 +77,12 @@ class DecodeBatch:
     The target cache holds every token of a row but the last one, which opens the next step.
     """
 
-    def __init__(self, target: CausalLM, drafter: Drafter, draft_len: int | str | DraftPolicy = 4, stats: SpecStats | None = None):
+    def __init__(self, target: CausalLM, drafter: Drafter, draft_len: int | str | DraftPolicy = 4, stats: SpecStats | None = None,
+                 fallback: Drafter | None = None):
         self.target = target
         self.drafter = drafter
+        # Decided at the first `add`: `drafter` if its prompt prefill can pay for itself, else this one.
+        self.fallback = fallback
         self.policy = draft_len if hasattr(draft_len, "choose") else make_policy(draft_len)
         self.stats = stats if stats is not None else SpecStats()
         self.rows: list[_Row] = []
@@ -110,7 +113,16 @@ class DecodeBatch:
             self.check(request)
         started = time.perf_counter()
         self.cache.concat(prefill(self.target, [list(r.prompt[:-1]) for r in requests]))
+        target_seconds = time.perf_counter() - started
+        if self.fallback is not None:
+            self.drafter = self._start_or_fall_back(requests, target_seconds)
+            self.fallback = None
+        self.stats.drafter = type(self.drafter).__name__
+        drafting = time.perf_counter()
         self.drafter.add([list(r.prompt) for r in requests])
+        draft_model, tokens = getattr(self.drafter, "prefill_model", None), sum(len(r.prompt) - 1 for r in requests)
+        if draft_model is not None and target_seconds > 0:
+            BOOK.record_relative_prefill(self.target, draft_model, tokens, (time.perf_counter() - drafting) / target_seconds)
         for r in requests:
             limit = min(r.max_new_tokens, self.target.max_context - len(r.prompt))
             generator, sampling = make_generator(r.sampling), r.sampling
@@ -118,6 +130,18 @@ class DecodeBatch:
                 sampling = replace(sampling, seed=int(torch.randint(2**62, (1,), generator=generator)))
             self.rows.append(_Row(request=r, sequence=list(r.prompt), limit=limit, generator=generator, sampling=sampling))
         self.stats.prefill_seconds += time.perf_counter() - started
+
+    def _start_or_fall_back(self, requests: list[Request], target_seconds: float) -> Drafter:
+        """The drafter if its prompt prefill is expected to pay for itself over the requests' tokens
+        (`policy.start_pays`), priced as the target's prefill of these prompts, just measured, times what the
+        draft's prefill has cost relative to the target's on earlier calls; else the fallback."""
+        draft_model = getattr(self.drafter, "prefill_model", None)
+        if draft_model is None:
+            return self.drafter
+        ratio = BOOK.relative_prefill(self.target, draft_model, sum(len(r.prompt) - 1 for r in requests))
+        startup = None if ratio is None else ratio * target_seconds
+        new_tokens = max(r.max_new_tokens for r in requests)
+        return self.drafter if start_pays(startup, BOOK.step_seconds(self.target), new_tokens) else self.fallback
 
     def remove(self, request_id: Hashable) -> None:
         """Drop a request mid-flight (e.g. its client went away)."""
@@ -274,24 +298,13 @@ class SpeculativeEngine:
         make_policy(draft_len)  # validates the setting now, not at the first call
         self.target, self.make_drafter, self.draft_len, self.fallback = target, make_drafter, draft_len, fallback
 
-    def choose_drafter(self, requests: list[Request]) -> Drafter:
-        drafter = self.make_drafter()
-        startup = getattr(drafter, "startup_seconds", None)
-        if self.fallback is None or startup is None:
-            return drafter
-        new_tokens = max(r.max_new_tokens for r in requests)
-        if start_pays(startup([r.prompt for r in requests]), BOOK.step_seconds(self.target), new_tokens):
-            return drafter
-        return self.fallback()
-
     def stream(self, requests: list[Request], stats: SpecStats | None = None) -> Iterator[TokenEvent]:
         """Yield TokenEvents until every request has finished."""
         if not requests:
             raise VerispecError("no prompts given: pass at least one prompt")
         started = time.perf_counter()
-        drafter = self.choose_drafter(requests)
-        batch = DecodeBatch(self.target, drafter, self.draft_len, stats)
-        batch.stats.drafter = type(drafter).__name__
+        batch = DecodeBatch(self.target, self.make_drafter(), self.draft_len, stats,
+                            fallback=self.fallback() if self.fallback is not None else None)
         try:
             batch.add(requests)
             while len(batch):

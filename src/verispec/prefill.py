@@ -7,11 +7,8 @@ back in the callers' order. The target and a draft model prefill the same way.
 
 from __future__ import annotations
 
-import time
-
 import torch
 
-from verispec.costs import BOOK
 from verispec.models.base import CausalLM, ModelCache
 
 
@@ -46,8 +43,7 @@ def prefill_groups(lengths: list[int], max_padding: float = 0.25) -> list[list[i
 @torch.inference_mode()
 def prefill(model: CausalLM, contexts: list[list[int]]) -> ModelCache:
     """A new cache of len(contexts) rows, row b holding contexts[b] (logits are not needed: the last
-    prompt token opens the first decode step). Its seconds go to `costs.BOOK`, which prices the next prefill."""
-    started = time.perf_counter()
+    prompt token opens the first decode step)."""
     groups = prefill_groups([len(c) for c in contexts])
     cache = None
     for group in groups:
@@ -64,5 +60,4 @@ def prefill(model: CausalLM, contexts: list[list[int]]) -> ModelCache:
     grouped = [i for group in groups for i in group]  # context at each row of the cache
     if grouped != sorted(grouped):
         cache.select(sorted(range(len(grouped)), key=grouped.__getitem__))  # back to the callers' order
-    BOOK.record_prefill(model, sum(len(c) for c in contexts), time.perf_counter() - started)
     return cache

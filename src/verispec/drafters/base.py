@@ -125,7 +125,11 @@ class BranchRule(Protocol):
 
 
 class Drafter(Protocol):
-    """Proposes tokens; learns the outcome. Chosen once, when the engine is built."""
+    """Proposes tokens; learns the outcome. Chosen once, when the engine is built.
+
+    A drafter whose `add` prefills the prompts on a model of its own names it as `prefill_model`: a
+    start-up cost the engine may price before choosing it (see `DecodeBatch`). Others need not have it.
+    """
 
     def add(self, prompts: list[list[int]]) -> None:
         """New sequences join the batch, after the current rows."""

@@ -33,6 +33,10 @@ class HybridDrafter:
         self.model.add(prompts)
         self.lookup.add(prompts)
 
+    @property
+    def prefill_model(self):
+        return self.model.prefill_model
+
     def _lag(self, sequences: list[list[int]]) -> int:
         seen = self.model.cache.slots.num_tokens().tolist()
         return max(len(seq) - n for seq, n in zip(sequences, seen))

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import torch
 
-from verispec.costs import BOOK
 from verispec.drafters.base import BranchRule, Draft, StopRule, Verdict, empty_draft
 from verispec.models.base import CausalLM
 from verispec.prefill import left_pad, prefill
@@ -40,10 +39,9 @@ class ModelDrafter:
         else:
             self.cache.concat(new_rows)
 
-    def startup_seconds(self, prompts: list[list[int]]) -> float | None:
-        """What `add` is expected to cost for these prompts, from the draft model's measured prefills
-        (None before its first)."""
-        return BOOK.prefill_seconds(self.model, sum(len(p) - 1 for p in prompts))
+    @property
+    def prefill_model(self) -> CausalLM:
+        return self.model  # `add` prefills the prompts on it
 
     def _logits_to_target_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         # The draft may pad its embedding differently; tokens the target lacks can never be proposed.
