@@ -45,6 +45,8 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--coupled", action="store_true",
                    help="sample by the Gumbel-max coupling: sampled outputs are then compared with plain sampling token by token")
+    p.add_argument("--token-verification", action="store_true",
+                   help="verify sampled drafts token by token instead of as blocks (the default)")
     p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face peers")
     p.add_argument("--sweep", default="1,2,3,4,6,8", help="fixed draft lengths to measure against the formula ('' to skip)")
     p.add_argument("--sweep-prompts", type=int, default=3, help="prompts used for the draft-length sweep")
@@ -138,7 +140,8 @@ def run_bench(args) -> dict:
         print("[bench] sampling: outputs are not compared token by token (exactness is a distribution "
               "property, tested statistically by the test suite); Hugging Face peers are greedy-only here", file=sys.stderr)
 
-    common = dict(temperature=args.temperature, seed=args.seed, coupled=args.coupled, max_new_tokens=args.max_new_tokens)
+    common = dict(temperature=args.temperature, seed=args.seed, coupled=args.coupled, max_new_tokens=args.max_new_tokens,
+                  blockwise=not args.token_verification)
     spec_options = dict(draft=draft, drafter=args.drafter, draft_len=draft_len, draft_confidence=args.draft_confidence, **common)
     results = []
     for i, p in enumerate(prompts):
@@ -239,7 +242,7 @@ def sweep_draft_len(target, results: list[Measurement], spec_options: dict, veri
     # Plain decoding is timed again here, beside the sweep: the machine's speed drifts over a run, and a
     # ratio to a plain run from minutes earlier would measure the drift too.
     prompt_ids = {m.prompt.id: encode_prompt(target.tokenizer, m.prompt.text, chat=m.prompt.chat) for m in results}
-    plain, plain_options = {}, {key: spec_options[key] for key in ("temperature", "seed", "coupled", "max_new_tokens")}
+    plain, plain_options = {}, {key: spec_options[key] for key in ("temperature", "seed", "coupled", "max_new_tokens", "blockwise")}
     for m in results:
         base, seconds = _timed(lambda: verispec.generate(target, prompt_ids[m.prompt.id], drafter="none", **plain_options))
         plain[m.prompt.id] = (len(base.token_ids), seconds, base.stats.prefill_seconds)
@@ -410,7 +413,7 @@ def write_reports(report: dict, results: list[Measurement], args) -> None:
     s = report["settings"]
     header = (f"verispec bench: `{s['prompts']}`, target `{s['target']}` ({report.get('target_matrices', 'float32 matrices')}), draft `{s['draft']}` ({_draft_variant(s)}), drafter {s['drafter']}, "
               f"draft_len {s['draft_len']}, {s['max_new_tokens']} new tokens, temperature {s['temperature']}"
-              f"{' (coupled sampling)' if s.get('coupled') else ''}, machine: {report['machine']['processor']}, {report['machine']['cpus']} threads, torch {report['machine']['torch']}. "
+              f"{' (coupled sampling)' if s.get('coupled') else ''}{' (token-by-token verification)' if s.get('token_verification') else ''}, machine: {report['machine']['processor']}, {report['machine']['cpus']} threads, torch {report['machine']['torch']}. "
               "Speedups are medians of per-prompt tokens/s ratios measured in the same run, end to end (prompt prefill "
               "included); 'after prefill' takes the target's prompt prefill, which plain decoding pays too, out of both times.")
     table = markdown_table(report)

@@ -37,6 +37,8 @@ def _add_generation_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--coupled", action="store_true",
                    help="sample by the Gumbel-max coupling: a seed gives the same text with or without a draft")
+    p.add_argument("--token-verification", action="store_true",
+                   help="verify sampled drafts token by token instead of as blocks (the default; both exact)")
     p.add_argument("--dtype", default=None, help="float32 (default), bfloat16, float16")
     p.add_argument("--gguf-blocks", action="store_true",
                    help="the target keeps its GGUF's Q4_K/Q6_K blocks, rebuilt exactly (same output; plain decoding ~2x faster)")
@@ -58,7 +60,7 @@ def cmd_generate(args) -> int:
     draft = verispec.load(args.draft, dtype=args.dtype, weight_dtype=args.draft_dtype) if args.draft else None
     options = dict(draft=draft, drafter=args.drafter, draft_len=args.draft_len, temperature=args.temperature,
                    top_k=args.top_k, top_p=args.top_p, seed=args.seed, coupled=args.coupled,
-                   max_new_tokens=args.max_new_tokens,
+                   blockwise=not args.token_verification, max_new_tokens=args.max_new_tokens,
                    chat=args.chat, stop=args.stop or None)
     if args.json:
         result = verispec.generate(target, args.prompt, **options)

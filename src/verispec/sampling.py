@@ -26,6 +26,9 @@ class SamplingParams:
     # alone, so a seeded request gets the same tokens from any drafter, draft length or batch, plain
     # decoding included. Exact like speculative sampling, with somewhat fewer draft tokens accepted.
     coupled: bool = False
+    # Speculative sampling judges each draft as a block (`BlockVerifier`, Sun et al. 2025): exact, and
+    # never fewer tokens accepted in expectation than token by token; False keeps the token-by-token rule.
+    blockwise: bool = True
 
     def __post_init__(self):
         if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
@@ -38,6 +41,8 @@ class SamplingParams:
             raise VerispecError(f"seed must be an integer or None, got {self.seed!r}")
         if not isinstance(self.coupled, bool):
             raise VerispecError(f"coupled must be true or false, got {self.coupled!r}")
+        if not isinstance(self.blockwise, bool):
+            raise VerispecError(f"blockwise must be true or false, got {self.blockwise!r}")
 
     @property
     def greedy(self) -> bool:
