@@ -293,9 +293,12 @@ def test_confidence_stops_keep_sampling_exact(params):
 
 
 def test_seeded_sampling_is_deterministic(tiny_pair):
+    """At a fixed draft length (the documented promise: with draft_len="auto" the lengths follow measured
+    timings, so the seeded stream may be spent differently; `coupled=True` is reproducible whatever)."""
     target, draft = tiny_pair
-    a = verispec.generate(target, [1, 5, 6], draft=draft, temperature=0.9, seed=42, max_new_tokens=30)
-    b = verispec.generate(target, [1, 5, 6], draft=draft, temperature=0.9, seed=42, max_new_tokens=30)
-    c = verispec.generate(target, [1, 5, 6], draft=draft, temperature=0.9, seed=43, max_new_tokens=30)
+    options = dict(draft=draft, draft_len=4, temperature=0.9, max_new_tokens=30)
+    a = verispec.generate(target, [1, 5, 6], seed=42, **options)
+    b = verispec.generate(target, [1, 5, 6], seed=42, **options)
+    c = verispec.generate(target, [1, 5, 6], seed=43, **options)
     assert a.token_ids == b.token_ids
     assert a.token_ids != c.token_ids

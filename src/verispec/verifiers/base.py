@@ -7,7 +7,7 @@ from typing import Protocol
 import torch
 
 from verispec.drafters.base import Draft, Verdict
-from verispec.sampling import SamplingParams
+from verispec.sampling import SamplingParams, warp_rows
 
 
 class Verifier(Protocol):
@@ -31,3 +31,13 @@ def drafted_mask(draft: Draft) -> torch.Tensor:
 def accepted_prefix(accept: torch.Tensor) -> torch.Tensor:
     """[batch, k] bool per-position acceptance -> [batch] long length of the all-accepted prefix."""
     return accept.long().cumprod(1).sum(1)
+
+
+def chain_distributions(draft: Draft, target_logits: torch.Tensor, sampling: list[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(p [batch, k + 1, vocab] the target's warped distributions, q [batch, k, vocab] the draft's: its own
+    probabilities, or one-hot on its tokens for a draft without them, e.g. n-gram) for a chain draft."""
+    if draft.has_alternates:
+        raise ValueError("sampled verification checks chains: alternates are for greedy drafts only")
+    p = warp_rows(target_logits.cpu(), sampling)
+    q = draft.probs if draft.probs is not None else torch.nn.functional.one_hot(draft.tokens, p.shape[-1]).float()
+    return p, q

@@ -25,7 +25,8 @@ from __future__ import annotations
 import torch
 
 from verispec.drafters.base import Draft, Verdict
-from verispec.sampling import SamplingParams, sample, warp_rows
+from verispec.verifiers.base import chain_distributions
+from verispec.sampling import SamplingParams, sample
 
 
 def block_weights(p: torch.Tensor, q: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -40,11 +41,11 @@ def block_weights(p: torch.Tensor, q: torch.Tensor, tokens: torch.Tensor) -> tup
         w[i + 1] = min(1.0, float(w[i] * ratio[i]))
     h = torch.ones(g + 1, dtype=torch.float64)
     if g:
-        residual = (w[1:g, None] * p[1:g] - q[1:g]).clamp(min=0).sum(1)
-        denominator = residual + 1 - w[1:g]
+        mass = (w[1:g, None] * p[1:g] - q[1:g]).clamp(min=0).sum(1)
+        denominator = mass + 1 - w[1:g]
         # A zero denominator (w_i = 1 and p = q there) is an event of weight zero: any value is exact;
         # 1 keeps a greedy row's correct prefix.
-        h[1:g] = torch.where(denominator > 0, residual / denominator.clamp(min=1e-300), torch.ones_like(residual))
+        h[1:g] = torch.where(denominator > 0, mass / denominator.clamp(min=1e-300), torch.ones_like(mass))
         h[g] = w[g]
     return w, h
 
@@ -61,11 +62,8 @@ class BlockVerifier:
 
     def verify(self, draft: Draft, target_logits: torch.Tensor, sampling: list[SamplingParams], generators: list[torch.Generator],
                positions: list[int] | None = None) -> Verdict:
-        if draft.has_alternates:
-            raise ValueError("block verification verifies chains: alternates are for greedy drafts only")
-        p = warp_rows(target_logits.cpu(), sampling)  # [batch, k + 1, vocab]
-        batch, k = draft.tokens.shape
-        q = draft.probs if draft.probs is not None else torch.nn.functional.one_hot(draft.tokens, p.shape[-1]).float()
+        p, q = chain_distributions(draft, target_logits, sampling)  # [batch, k + 1, vocab], [batch, k, vocab]
+        batch = draft.tokens.shape[0]
         num_accepted = torch.zeros(batch, dtype=torch.long)
         next_tokens = torch.empty(batch, dtype=torch.long)
         for b in range(batch):

@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 
 from verispec.drafters.base import Draft, Verdict
-from verispec.sampling import SamplingParams, sample, warp_rows
-from verispec.verifiers.base import accepted_prefix, drafted_mask
+from verispec.sampling import SamplingParams, sample
+from verispec.verifiers.base import accepted_prefix, chain_distributions, drafted_mask
 
 
 class SpeculativeSamplingVerifier:
@@ -24,11 +24,8 @@ class SpeculativeSamplingVerifier:
 
     def verify(self, draft: Draft, target_logits: torch.Tensor, sampling: list[SamplingParams], generators: list[torch.Generator],
                positions: list[int] | None = None) -> Verdict:
-        if draft.has_alternates:
-            raise ValueError("speculative sampling verifies chains: alternates are for greedy drafts only")
-        p = warp_rows(target_logits.cpu(), sampling)  # [batch, k + 1, vocab]
+        p, q = chain_distributions(draft, target_logits, sampling)  # [batch, k + 1, vocab], [batch, k, vocab]
         batch, k = draft.tokens.shape
-        q = draft.probs if draft.probs is not None else torch.nn.functional.one_hot(draft.tokens, p.shape[-1]).float()
         p_draft = p[:, :k].gather(2, draft.tokens[..., None]).squeeze(2)  # [batch, k]
         q_draft = q.gather(2, draft.tokens[..., None]).squeeze(2)
         uniforms = torch.stack([torch.rand(k, generator=g) for g in generators]) if k else torch.zeros(batch, 0)
