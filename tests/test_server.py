@@ -193,6 +193,14 @@ def test_coupled_sampling_is_the_same_with_or_without_speculation(server):
     assert spec["usage"]["speculative"]["drafted_tokens"] > 0 and plain["usage"]["speculative"]["drafted_tokens"] == 0
 
 
+def test_sampled_requests_may_ask_for_token_by_token_verification(server):
+    body = {"prompt": PROMPT, "max_tokens": 12, "temperature": 0.8, "seed": 3}
+    for blockwise in (True, False):
+        response = server.post("/v1/completions", {**body, "blockwise": blockwise})
+        assert response.status_code == 200
+        assert response.json()["usage"]["speculative"]["drafted_tokens"] > 0
+
+
 def test_stop_sequence(server):
     full = server.plain[(PROMPT, 24, False)]
     stop = full.strip().split()[2]  # a word the model will produce
@@ -346,6 +354,7 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": PROMPT, "draft_len": 0}, API_KEY, 400, "draft_len"),
     ("/v1/completions", {"prompt": PROMPT, "draft_len": "deep"}, API_KEY, 400, "draft_len"),
     ("/v1/completions", {"prompt": PROMPT, "coupled": "yes"}, API_KEY, 400, "coupled"),
+    ("/v1/completions", {"prompt": PROMPT, "blockwise": 1}, API_KEY, 400, "blockwise"),
     ("/v1/completions", {"prompt": PROMPT, "draft_len": 3, "speculate": False}, API_KEY, 400, "draft_len"),
     ("/v1/completions", {"prompt": PROMPT, "speculate": "yes"}, API_KEY, 400, "speculate"),
     ("/v1/completions", {"prompt": PROMPT, "stream_options": {"include_usage": True}}, API_KEY, 400, "stream_options"),

@@ -88,7 +88,7 @@ class Fields:
 
 COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "n", "stream", "stream_options", "stop", "seed",
                  "user", "presence_penalty", "frequency_penalty", "logit_bias", "logprobs", "draft_len", "speculate",
-                 "coupled"}
+                 "coupled", "blockwise"}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "suffix", "best_of"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "functions",
                                "function_call", "response_format", "parallel_tool_calls"}
@@ -146,7 +146,8 @@ def parse_common(fields: Fields, config: ServerConfig, prompts: list[list[int]],
             top_p=fields.number("top_p", 1.0, 0.0, 1.0, low_open=True),
             top_k=fields.integer("top_k", 0, 0),
             seed=seed,
-            coupled=fields.boolean("coupled", False),  # a verispec extension: see SamplingParams.coupled
+            coupled=fields.boolean("coupled", False),  # verispec extensions: see SamplingParams.coupled
+            blockwise=fields.boolean("blockwise", True),  # ... and SamplingParams.blockwise
         )
     except VerispecError as exc:
         raise ApiError(400, str(exc), code="invalid_value") from exc
