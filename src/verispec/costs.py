@@ -16,6 +16,7 @@ from typing import Callable
 
 import torch
 
+
 class CostBook:
     """What this process has measured of its models, kept across calls (a call's own policy starts afresh):
 
@@ -32,9 +33,7 @@ class CostBook:
         self._relative = weakref.WeakKeyDictionary()  # target -> WeakKeyDictionary(draft -> deque of (tokens, ratio))
 
     def record_step(self, target, seconds: float) -> None:
-        if target not in self._step:
-            self._step[target] = deque(maxlen=self.window)
-        self._step[target].append(seconds)
+        self._step.setdefault(target, deque(maxlen=self.window)).append(seconds)
 
     def step_seconds(self, target) -> float | None:
         samples = self._step.get(target)
@@ -43,12 +42,8 @@ class CostBook:
     def record_relative_prefill(self, target, draft, tokens: int, ratio: float) -> None:
         if tokens <= 0:
             return
-        if target not in self._relative:
-            self._relative[target] = weakref.WeakKeyDictionary()
-        pairs = self._relative[target]
-        if draft not in pairs:
-            pairs[draft] = deque(maxlen=self.window)
-        pairs[draft].append((tokens, ratio))
+        pairs = self._relative.setdefault(target, weakref.WeakKeyDictionary())
+        pairs.setdefault(draft, deque(maxlen=self.window)).append((tokens, ratio))
 
     def relative_prefill(self, target, draft, tokens: int) -> float | None:
         """Draft prefill seconds per target prefill second for a prompt of `tokens`: the median ratio of the

@@ -114,13 +114,14 @@ class DecodeBatch:
         started = time.perf_counter()
         self.cache.concat(prefill(self.target, [list(r.prompt[:-1]) for r in requests]))
         target_seconds = time.perf_counter() - started
+        tokens = sum(len(r.prompt) - 1 for r in requests)  # what both prefills process
         if self.fallback is not None:
-            self.drafter = self._start_or_fall_back(requests, target_seconds)
+            self.drafter = self._start_or_fall_back(requests, tokens, target_seconds)
             self.fallback = None
         self.stats.drafter = type(self.drafter).__name__
         drafting = time.perf_counter()
         self.drafter.add([list(r.prompt) for r in requests])
-        draft_model, tokens = getattr(self.drafter, "prefill_model", None), sum(len(r.prompt) - 1 for r in requests)
+        draft_model = getattr(self.drafter, "prefill_model", None)
         if draft_model is not None and target_seconds > 0:
             BOOK.record_relative_prefill(self.target, draft_model, tokens, (time.perf_counter() - drafting) / target_seconds)
         for r in requests:
@@ -131,14 +132,15 @@ class DecodeBatch:
             self.rows.append(_Row(request=r, sequence=list(r.prompt), limit=limit, generator=generator, sampling=sampling))
         self.stats.prefill_seconds += time.perf_counter() - started
 
-    def _start_or_fall_back(self, requests: list[Request], target_seconds: float) -> Drafter:
+    def _start_or_fall_back(self, requests: list[Request], tokens: int, target_seconds: float) -> Drafter:
         """The drafter if its prompt prefill is expected to pay for itself over the requests' tokens
-        (`policy.start_pays`), priced as the target's prefill of these prompts, just measured, times what the
-        draft's prefill has cost relative to the target's on earlier calls; else the fallback."""
+        (`policy.start_pays`), priced as the target's prefill of these prompts (`tokens` in all), just
+        measured, times what the draft's prefill has cost relative to the target's on earlier calls; else
+        the fallback."""
         draft_model = getattr(self.drafter, "prefill_model", None)
         if draft_model is None:
             return self.drafter
-        ratio = BOOK.relative_prefill(self.target, draft_model, sum(len(r.prompt) - 1 for r in requests))
+        ratio = BOOK.relative_prefill(self.target, draft_model, tokens)
         startup = None if ratio is None else ratio * target_seconds
         new_tokens = max(r.max_new_tokens for r in requests)
         return self.drafter if start_pays(startup, BOOK.step_seconds(self.target), new_tokens) else self.fallback
@@ -311,4 +313,3 @@ class SpeculativeEngine:
                 yield from batch.step()
         finally:
             batch.stats.total_seconds += time.perf_counter() - started
-
