@@ -22,7 +22,8 @@ from test_sampling_exactness import (P_THRESHOLD, VOCAB, chi2_pvalue, first_two_
 from verispec.drafters.base import Draft
 from verispec.sampling import SamplingParams, make_generators, warp
 from verispec.verifiers import BlockVerifier, SpeculativeSamplingVerifier, verifier_for
-from verispec.verifiers.block import block_weights, residual
+from verispec.verifiers.base import residual
+from verispec.verifiers.block import block_weights
 
 
 class Tree:

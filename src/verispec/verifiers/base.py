@@ -41,3 +41,12 @@ def chain_distributions(draft: Draft, target_logits: torch.Tensor, sampling: lis
     p = warp_rows(target_logits.cpu(), sampling)
     q = draft.probs if draft.probs is not None else torch.nn.functional.one_hot(draft.tokens, p.shape[-1]).float()
     return p, q
+
+
+def residual(weight: float, p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Where the target's token comes from after a rejection: normalized max(0, weight * p - q) [V], in
+    p's dtype (weight 1 for token-by-token speculative sampling, a block's w_i for block verification).
+    Zero mass means the rejection had probability zero; p keeps the draw exact against rounding."""
+    mass = (weight * p - q).clamp(min=0)
+    total = mass.sum()
+    return mass / total if total > 0 else p

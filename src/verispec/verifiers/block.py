@@ -25,8 +25,8 @@ from __future__ import annotations
 import torch
 
 from verispec.drafters.base import Draft, Verdict
-from verispec.verifiers.base import chain_distributions
 from verispec.sampling import SamplingParams, sample
+from verispec.verifiers.base import chain_distributions, residual
 
 
 def block_weights(p: torch.Tensor, q: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,13 +50,6 @@ def block_weights(p: torch.Tensor, q: torch.Tensor, tokens: torch.Tensor) -> tup
     return w, h
 
 
-def residual(w: float, p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """The distribution of the target's token after a kept prefix: normalized max(0, w p - q) [V]."""
-    mass = (w * p.double() - q.double()).clamp(min=0)
-    total = mass.sum()
-    return mass / total if total > 0 else p.double()  # zero mass: an event of weight zero; p keeps it exact
-
-
 class BlockVerifier:
     lossless = True
 
@@ -72,6 +65,6 @@ class BlockVerifier:
             w, h = block_weights(p[b, : g + 1], q[b, :g], tokens)
             draws = torch.rand(g, generator=generators[b], dtype=torch.float64)
             kept = next((i for i in range(g, 0, -1) if draws[i - 1] <= h[i]), 0)  # the longest prefix drawn
-            dist = p[b, g] if kept == g else residual(float(w[kept]), p[b, kept], q[b, kept])
+            dist = p[b, g] if kept == g else residual(float(w[kept]), p[b, kept].double(), q[b, kept].double())
             num_accepted[b], next_tokens[b] = kept, sample(dist, generators[b])
         return Verdict(num_accepted=num_accepted, next_tokens=next_tokens)

@@ -16,7 +16,7 @@ import torch
 
 from verispec.drafters.base import Draft, Verdict
 from verispec.sampling import SamplingParams, sample
-from verispec.verifiers.base import accepted_prefix, chain_distributions, drafted_mask
+from verispec.verifiers.base import accepted_prefix, chain_distributions, drafted_mask, residual
 
 
 class SpeculativeSamplingVerifier:
@@ -37,10 +37,7 @@ class SpeculativeSamplingVerifier:
         for b in range(batch):
             j = int(num_accepted[b])
             if j < int(draft.num_drafted[b]):  # rejected at j: recover from the residual
-                residual = (p[b, j] - q[b, j]).clamp(min=0)
-                total = residual.sum()
-                # A zero residual means p == q, where rejection has probability 0; guard rounding anyway.
-                dist = residual / total if total > 0 else p[b, j]
+                dist = residual(1.0, p[b, j], q[b, j])
             else:  # every drafted token accepted: bonus token from the target
                 dist = p[b, j]
             next_tokens[b] = sample(dist, generators[b])
