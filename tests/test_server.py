@@ -201,6 +201,14 @@ def test_sampled_requests_may_ask_for_token_by_token_verification(server):
         assert response.json()["usage"]["speculative"]["drafted_tokens"] > 0
 
 
+def test_sampled_requests_may_opt_into_typical_acceptance(server):
+    """The lossy rule is per request: asked for, it runs (and keeps more draft tokens than none at all)."""
+    body = {"prompt": PROMPT, "max_tokens": 12, "temperature": 0.8, "seed": 3, "typical_acceptance": 0.09}
+    response = server.post("/v1/completions", body)
+    assert response.status_code == 200
+    assert response.json()["usage"]["speculative"]["drafted_tokens"] > 0
+
+
 def test_stop_sequence(server):
     full = server.plain[(PROMPT, 24, False)]
     stop = full.strip().split()[2]  # a word the model will produce
@@ -355,6 +363,9 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": PROMPT, "draft_len": "deep"}, API_KEY, 400, "draft_len"),
     ("/v1/completions", {"prompt": PROMPT, "coupled": "yes"}, API_KEY, 400, "coupled"),
     ("/v1/completions", {"prompt": PROMPT, "blockwise": 1}, API_KEY, 400, "blockwise"),
+    ("/v1/completions", {"prompt": PROMPT, "typical_acceptance": 1.0}, API_KEY, 400, "typical_acceptance"),
+    ("/v1/completions", {"prompt": PROMPT, "typical_acceptance": "high"}, API_KEY, 400, "typical_acceptance"),
+    ("/v1/completions", {"prompt": PROMPT, "typical_acceptance": 0.1, "coupled": True}, API_KEY, 400, "typical_acceptance"),
     ("/v1/completions", {"prompt": PROMPT, "draft_len": 3, "speculate": False}, API_KEY, 400, "draft_len"),
     ("/v1/completions", {"prompt": PROMPT, "speculate": "yes"}, API_KEY, 400, "speculate"),
     ("/v1/completions", {"prompt": PROMPT, "stream_options": {"include_usage": True}}, API_KEY, 400, "stream_options"),

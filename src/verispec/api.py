@@ -251,11 +251,12 @@ class Session:
     """Everything one call needs, resolved and checked once."""
 
     def __init__(self, target, prompt, *, draft=None, drafter="auto", draft_len="auto", temperature=0.0, top_k=0, top_p=1.0,
-                 seed=None, coupled=False, blockwise=True, max_new_tokens=128, chat=False, stop=None, draft_confidence=0.0):
+                 seed=None, coupled=False, blockwise=True, typical_acceptance=0.0, max_new_tokens=128, chat=False, stop=None,
+                 draft_confidence=0.0):
         self.target = load(target)
         draft_model = load(draft) if draft is not None else None
         self.sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, coupled=coupled,
-                                       blockwise=blockwise)
+                                       blockwise=blockwise, typical_acceptance=typical_acceptance)
         prompts, self.batched = _normalize_prompts(prompt)
         self.prompt_ids = _tokenize(self.target, prompts, chat)
         self.stop = normalize_stop(stop)
@@ -283,7 +284,7 @@ class Session:
 
 def generate(target, prompt, *, draft=None, drafter: str = "auto", draft_len: int | str = "auto", temperature: float = 0.0,
              top_k: int = 0, top_p: float = 1.0, seed: int | None = None, coupled: bool = False, blockwise: bool = True,
-             max_new_tokens: int = 128,
+             typical_acceptance: float = 0.0, max_new_tokens: int = 128,
              chat: bool = False, stop: str | Sequence[str] | None = None,
              draft_confidence: float = 0.0) -> GenerationResult | list[GenerationResult]:
     """Generate from `prompt` with speculative decoding; the output is what the target alone would give.
@@ -304,9 +305,14 @@ def generate(target, prompt, *, draft=None, drafter: str = "auto", draft_len: in
     the default, speculative sampling, is exact too but its sample depends on how the steps were drafted.
     blockwise: speculative sampling judges each draft as a block (`BlockVerifier`, the default), which
     accepts at least as many tokens in expectation as the token-by-token rule (False).
+    typical_acceptance: eps > 0 trades exactness for speed at temperature > 0 (`TypicalVerifier`, Medusa's
+    rule; e.g. 0.09): a draft token is kept while the target gives it more than
+    min(eps, sqrt(eps) * exp(-entropy)). LOSSY: the text is plausible to the target but no longer a sample
+    of its distribution. Greedy decoding is unaffected (exact either way).
     """
     session = Session(target, prompt, draft=draft, drafter=drafter, draft_len=draft_len, temperature=temperature,
-                      top_k=top_k, top_p=top_p, seed=seed, coupled=coupled, blockwise=blockwise, max_new_tokens=max_new_tokens, chat=chat,
+                      top_k=top_k, top_p=top_p, seed=seed, coupled=coupled, blockwise=blockwise,
+                      typical_acceptance=typical_acceptance, max_new_tokens=max_new_tokens, chat=chat,
                       stop=stop, draft_confidence=draft_confidence)
     generated = [[] for _ in session.prompt_ids]
     finish = ["length"] * len(generated)

@@ -47,6 +47,8 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
                    help="sample by the Gumbel-max coupling: sampled outputs are then compared with plain sampling token by token")
     p.add_argument("--token-verification", action="store_true",
                    help="verify sampled drafts token by token instead of as blocks (the default)")
+    p.add_argument("--typical-acceptance", type=float, default=0.0, metavar="EPS",
+                   help="LOSSY: verify speculative runs by typical acceptance (Medusa's rule, e.g. 0.09); plain runs stay plain sampling")
     p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face peers")
     p.add_argument("--sweep", default="1,2,3,4,6,8", help="fixed draft lengths to measure against the formula ('' to skip)")
     p.add_argument("--sweep-prompts", type=int, default=3, help="prompts used for the draft-length sweep")
@@ -142,7 +144,8 @@ def run_bench(args) -> dict:
 
     common = dict(temperature=args.temperature, seed=args.seed, coupled=args.coupled, max_new_tokens=args.max_new_tokens,
                   blockwise=not args.token_verification)
-    spec_options = dict(draft=draft, drafter=args.drafter, draft_len=draft_len, draft_confidence=args.draft_confidence, **common)
+    spec_options = dict(draft=draft, drafter=args.drafter, draft_len=draft_len, draft_confidence=args.draft_confidence,
+                        typical_acceptance=args.typical_acceptance, **common)
     results = []
     for i, p in enumerate(prompts):
         ids = encode_prompt(target.tokenizer, p.text, chat=p.chat)
@@ -413,7 +416,7 @@ def write_reports(report: dict, results: list[Measurement], args) -> None:
     s = report["settings"]
     header = (f"verispec bench: `{s['prompts']}`, target `{s['target']}` ({report.get('target_matrices', 'float32 matrices')}), draft `{s['draft']}` ({_draft_variant(s)}), drafter {s['drafter']}, "
               f"draft_len {s['draft_len']}, {s['max_new_tokens']} new tokens, temperature {s['temperature']}"
-              f"{' (coupled sampling)' if s.get('coupled') else ''}{' (token-by-token verification)' if s.get('token_verification') else ''}, machine: {report['machine']['processor']}, {report['machine']['cpus']} threads, torch {report['machine']['torch']}. "
+              f"{' (coupled sampling)' if s.get('coupled') else ''}{' (token-by-token verification)' if s.get('token_verification') else ''}{f" (LOSSY typical acceptance, eps {s['typical_acceptance']})" if s.get('typical_acceptance') else ''}, machine: {report['machine']['processor']}, {report['machine']['cpus']} threads, torch {report['machine']['torch']}. "
               "Speedups are medians of per-prompt tokens/s ratios measured in the same run, end to end (prompt prefill "
               "included); 'after prefill' takes the target's prompt prefill, which plain decoding pays too, out of both times.")
     table = markdown_table(report)

@@ -39,6 +39,9 @@ def _add_generation_options(p: argparse.ArgumentParser) -> None:
                    help="sample by the Gumbel-max coupling: a seed gives the same text with or without a draft")
     p.add_argument("--token-verification", action="store_true",
                    help="verify sampled drafts token by token instead of as blocks (the default; both exact)")
+    p.add_argument("--typical-acceptance", type=float, default=0.0, metavar="EPS",
+                   help="LOSSY, sampling only: keep draft tokens the target finds typical (Medusa's rule, e.g. 0.09) "
+                        "instead of exact speculative sampling")
     p.add_argument("--dtype", default=None, help="float32 (default), bfloat16, float16")
     p.add_argument("--gguf-blocks", action="store_true",
                    help="the target keeps its GGUF's Q4_K/Q6_K blocks, rebuilt exactly (same output; plain decoding ~2x faster)")
@@ -60,7 +63,8 @@ def cmd_generate(args) -> int:
     draft = verispec.load(args.draft, dtype=args.dtype, weight_dtype=args.draft_dtype) if args.draft else None
     options = dict(draft=draft, drafter=args.drafter, draft_len=args.draft_len, temperature=args.temperature,
                    top_k=args.top_k, top_p=args.top_p, seed=args.seed, coupled=args.coupled,
-                   blockwise=not args.token_verification, max_new_tokens=args.max_new_tokens,
+                   blockwise=not args.token_verification, typical_acceptance=args.typical_acceptance,
+                   max_new_tokens=args.max_new_tokens,
                    chat=args.chat, stop=args.stop or None)
     if args.json:
         result = verispec.generate(target, args.prompt, **options)

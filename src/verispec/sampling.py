@@ -29,6 +29,10 @@ class SamplingParams:
     # Speculative sampling judges each draft as a block (`BlockVerifier`, Sun et al. 2025): exact, and
     # never fewer tokens accepted in expectation than token by token; False keeps the token-by-token rule.
     blockwise: bool = True
+    # Typical acceptance (`TypicalVerifier`, Medusa): keep a draft token while the target gives it more than
+    # min(eps, sqrt(eps) * exp(-entropy)). LOSSY: the text is typical of the target, not a sample of its
+    # distribution. 0 (the default) keeps sampling exact; Medusa's suggested eps is 0.09.
+    typical_acceptance: float = 0.0
 
     def __post_init__(self):
         if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
@@ -43,6 +47,11 @@ class SamplingParams:
             raise VerispecError(f"coupled must be true or false, got {self.coupled!r}")
         if not isinstance(self.blockwise, bool):
             raise VerispecError(f"blockwise must be true or false, got {self.blockwise!r}")
+        if (not isinstance(self.typical_acceptance, (int, float)) or isinstance(self.typical_acceptance, bool)
+                or not 0.0 <= self.typical_acceptance < 1.0):
+            raise VerispecError(f"typical_acceptance must be in [0, 1) (0 keeps sampling exact; e.g. 0.09), got {self.typical_acceptance!r}")
+        if self.typical_acceptance and self.coupled:
+            raise VerispecError("typical_acceptance is lossy and coupled=True promises plain sampling's tokens: choose one")
 
     @property
     def greedy(self) -> bool:

@@ -47,6 +47,12 @@ class Draft:
         return Draft(self.tokens[:, :width], self.num_drafted.clamp(max=width), cut(self.probs), cut(self.confidence),
                      cut(self.alternates), cut(self.alternate_confidence))
 
+    def rows(self, index: torch.Tensor) -> "Draft":
+        """The draft of these rows only (index [n] long), in that order."""
+        pick = lambda t: None if t is None else t[index]  # noqa: E731
+        return Draft(self.tokens[index], self.num_drafted[index], pick(self.probs), pick(self.confidence),
+                     pick(self.alternates), pick(self.alternate_confidence))
+
     @cached_property
     def tree(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The verify pass for a draft with alternates: (tokens [batch, m] to append after the chain,

@@ -88,7 +88,7 @@ class Fields:
 
 COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "n", "stream", "stream_options", "stop", "seed",
                  "user", "presence_penalty", "frequency_penalty", "logit_bias", "logprobs", "draft_len", "speculate",
-                 "coupled", "blockwise"}
+                 "coupled", "blockwise", "typical_acceptance"}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "suffix", "best_of"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "functions",
                                "function_call", "response_format", "parallel_tool_calls"}
@@ -140,14 +140,20 @@ def parse_common(fields: Fields, config: ServerConfig, prompts: list[list[int]],
     if n * len(prompts) > MAX_CHOICES:
         raise ApiError(400, f"{len(prompts)} prompts x n={n} is more than {MAX_CHOICES} sequences in one request", param="n", code="invalid_value")
     seed = fields.integer("seed", None, 0, 2**63 - 1 - MAX_CHOICES)
+    coupled = fields.boolean("coupled", False)  # verispec extensions: see SamplingParams.coupled ...
+    typical = fields.number("typical_acceptance", 0.0, 0.0, 1.0)  # ... and the lossy opt-in, typical_acceptance
+    if typical >= 1.0 or (typical and coupled):
+        why = "must be below 1 (e.g. 0.09)" if typical >= 1.0 else "is lossy and coupled sampling promises plain sampling's tokens: ask for one"
+        raise ApiError(400, f"typical_acceptance {why}", param="typical_acceptance", code="invalid_value")
     try:
         sampling = SamplingParams(
             temperature=fields.number("temperature", 1.0, 0.0, 2.0),  # OpenAI's default is 1
             top_p=fields.number("top_p", 1.0, 0.0, 1.0, low_open=True),
             top_k=fields.integer("top_k", 0, 0),
             seed=seed,
-            coupled=fields.boolean("coupled", False),  # verispec extensions: see SamplingParams.coupled
-            blockwise=fields.boolean("blockwise", True),  # ... and SamplingParams.blockwise
+            coupled=coupled,
+            blockwise=fields.boolean("blockwise", True),  # see SamplingParams.blockwise
+            typical_acceptance=typical,
         )
     except VerispecError as exc:
         raise ApiError(400, str(exc), code="invalid_value") from exc

@@ -1,4 +1,7 @@
-"""Acceptance rules, one per file. `verifier_for` picks the lossless rule for the sampling settings."""
+"""Acceptance rules, one per file. `verifier_for` picks the rule for the sampling settings: a lossless one
+unless a row opted into typical acceptance."""
+
+from dataclasses import replace
 
 from verispec.sampling import SamplingParams
 from verispec.verifiers.base import Verifier
@@ -6,14 +9,18 @@ from verispec.verifiers.block import BlockVerifier
 from verispec.verifiers.coupled import CoupledVerifier
 from verispec.verifiers.greedy import GreedyVerifier
 from verispec.verifiers.speculative_sampling import SpeculativeSamplingVerifier
+from verispec.verifiers.typical import TypicalVerifier
 
 
 def verifier_for(sampling: list[SamplingParams]) -> Verifier:
     """All-greedy rows verify by argmax equality; rows that asked for coupling by the coupled rule;
     otherwise speculative sampling, by blocks unless a row asked for the token-by-token rule (both are
-    greedy on greedy rows)."""
+    greedy on greedy rows). Sampled rows that opted into typical acceptance (lossy) get it, and their
+    batch mates the exact rule they would get without them."""
     if all(s.greedy for s in sampling):
         return GreedyVerifier()
+    if any(s.typical_acceptance and not s.greedy for s in sampling):
+        return TypicalVerifier(verifier_for([replace(s, typical_acceptance=0.0) for s in sampling]))
     if any(s.coupled for s in sampling):
         return CoupledVerifier()
     if all(s.blockwise or s.greedy for s in sampling):
@@ -21,4 +28,4 @@ def verifier_for(sampling: list[SamplingParams]) -> Verifier:
     return SpeculativeSamplingVerifier()
 
 
-__all__ = ["Verifier", "GreedyVerifier", "SpeculativeSamplingVerifier", "BlockVerifier", "CoupledVerifier", "verifier_for"]
+__all__ = ["Verifier", "GreedyVerifier", "SpeculativeSamplingVerifier", "BlockVerifier", "CoupledVerifier", "TypicalVerifier", "verifier_for"]
