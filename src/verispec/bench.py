@@ -414,9 +414,10 @@ def write_reports(report: dict, results: list[Measurement], args) -> None:
     stem = args.name or Path(args.prompts).stem + ("_t%g" % args.temperature if args.temperature else "")
     (out / f"{stem}.json").write_text(json.dumps(report, indent=2))
     s = report["settings"]
+    lossy = f" (LOSSY typical acceptance, eps {s['typical_acceptance']})" if s.get("typical_acceptance") else ""
     header = (f"verispec bench: `{s['prompts']}`, target `{s['target']}` ({report.get('target_matrices', 'float32 matrices')}), draft `{s['draft']}` ({_draft_variant(s)}), drafter {s['drafter']}, "
               f"draft_len {s['draft_len']}, {s['max_new_tokens']} new tokens, temperature {s['temperature']}"
-              f"{' (coupled sampling)' if s.get('coupled') else ''}{' (token-by-token verification)' if s.get('token_verification') else ''}{f" (LOSSY typical acceptance, eps {s['typical_acceptance']})" if s.get('typical_acceptance') else ''}, machine: {report['machine']['processor']}, {report['machine']['cpus']} threads, torch {report['machine']['torch']}. "
+              f"{' (coupled sampling)' if s.get('coupled') else ''}{' (token-by-token verification)' if s.get('token_verification') else ''}{lossy}, machine: {report['machine']['processor']}, {report['machine']['cpus']} threads, torch {report['machine']['torch']}. "
               "Speedups are medians of per-prompt tokens/s ratios measured in the same run, end to end (prompt prefill "
               "included); 'after prefill' takes the target's prompt prefill, which plain decoding pays too, out of both times.")
     table = markdown_table(report)
