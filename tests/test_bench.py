@@ -42,3 +42,20 @@ def test_bench_writes_reports_with_identical_outputs(report):
     markdown = (report / "t.md").read_text()
     assert "| humaneval | 2 |" in markdown and "2/2" in markdown
     assert (report / "t.png").stat().st_size > 10_000
+
+
+def test_bench_labels_a_lossy_run(tmp_path):
+    """A run with typical acceptance (lossy) says so in its report."""
+    from pathlib import Path
+
+    prompts = Path(__file__).resolve().parents[1] / HUMANEVAL
+    if not prompts.exists():
+        pytest.skip(f"{HUMANEVAL} is not beside the repository")
+    parser = argparse.ArgumentParser()
+    add_bench_arguments(parser)
+    args = parser.parse_args([str(prompts), "--target", "smollm2-135m", "--draft", "smollm2-135m", "--draft-dtype", "int8",
+                              "--per-category", "1", "--max-new-tokens", "8", "--no-hf", "--sweep", "", "--widths", "1,2",
+                              "--temperature", "0.8", "--typical-acceptance", "0.05", "--out", str(tmp_path), "--name", "lossy"])
+    run_bench(args)
+    assert json.loads((tmp_path / "lossy.json").read_text())["settings"]["typical_acceptance"] == 0.05
+    assert "LOSSY typical acceptance, eps 0.05" in (tmp_path / "lossy.md").read_text()
