@@ -203,10 +203,12 @@ def test_sampled_requests_may_ask_for_token_by_token_verification(server):
 
 def test_sampled_requests_may_opt_into_typical_acceptance(server):
     """The lossy rule is per request: asked for, it runs (and keeps more draft tokens than none at all)."""
+    before = server.metrics().get("verispec_lossy_sequences_total", 0)
     body = {"prompt": PROMPT, "max_tokens": 12, "temperature": 0.8, "seed": 3, "typical_acceptance": 0.09}
     response = server.post("/v1/completions", body)
     assert response.status_code == 200
     assert response.json()["usage"]["speculative"]["drafted_tokens"] > 0
+    assert server.metrics()["verispec_lossy_sequences_total"] == before + 1  # operators can see it was asked for
 
 
 def test_stop_sequence(server):

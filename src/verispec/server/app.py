@@ -249,7 +249,8 @@ def build_app(target, draft=None, drafter: str = "auto", draft_len: int | str = 
         max_batch=max_batch,
         max_queue=max_queue,
         stats=stats,
-        on_admit=lambda job: metrics.count_prompt(len(job.request.prompt)),
+        on_admit=lambda job: metrics.count_admitted(len(job.request.prompt), job.request.sampling.typical_acceptance > 0
+                                                    and not job.request.sampling.greedy),
     )
     created = int(time.time())
 

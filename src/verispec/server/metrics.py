@@ -47,6 +47,7 @@ class Metrics:
         self.lock = threading.Lock()
         self.requests: dict[tuple[str, int], int] = defaultdict(int)  # (endpoint, status) -> count
         self.prompt_tokens = 0  # tokens prefilled (a prompt with n choices counts n times)
+        self.lossy_sequences = 0  # sequences that asked for a lossy acceptance rule (typical acceptance)
         self.latency: dict[str, Histogram] = {}
         self.ttft: dict[str, Histogram] = {}
 
@@ -54,9 +55,10 @@ class Metrics:
         with self.lock:
             self.requests[(endpoint, status)] += 1
 
-    def count_prompt(self, tokens: int) -> None:
+    def count_admitted(self, prompt_tokens: int, lossy: bool) -> None:
         with self.lock:
-            self.prompt_tokens += tokens
+            self.prompt_tokens += prompt_tokens
+            self.lossy_sequences += lossy
 
     def observe(self, endpoint: str, latency: float | None = None, ttft: float | None = None) -> None:
         with self.lock:
@@ -77,11 +79,14 @@ class Metrics:
         with self.lock:
             requests = sorted(self.requests.items())
             prompt_tokens = self.prompt_tokens
+            lossy_sequences = self.lossy_sequences
             latency = {k: (h.buckets, list(h.counts), h.sum) for k, h in self.latency.items()}
             ttft = {k: (h.buckets, list(h.counts), h.sum) for k, h in self.ttft.items()}
         metric("verispec_requests_total", "counter", "HTTP requests by endpoint and status code.",
                [(f'endpoint="{e}",status="{s}"', n) for (e, s), n in requests])
         metric("verispec_prompt_tokens_total", "counter", "Prompt tokens prefilled.", prompt_tokens)
+        metric("verispec_lossy_sequences_total", "counter",
+               "Sequences decoded with typical acceptance (asked for; lossy: not exact samples of the target).", lossy_sequences)
         metric("verispec_generation_tokens_total", "counter", "Tokens generated and handed out.", stats.emitted_tokens)
         metric("verispec_target_passes_total", "counter", "Target forward passes (decoding steps, all batches).", stats.target_passes)
         metric("verispec_drafted_tokens_total", "counter", "Draft tokens proposed.", stats.drafted_tokens)
