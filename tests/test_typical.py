@@ -65,6 +65,9 @@ def test_other_rows_keep_their_exact_rule_and_greedy_rows_stay_greedy():
     assert verdict.num_accepted[1] == alone.num_accepted[0] and verdict.next_tokens[1] == alone.next_tokens[0]
     greedy = GreedyVerifier().verify(draft.rows(torch.tensor([2])), logits[2:3], sampling[2:], [torch.Generator()])
     assert verdict.num_accepted[2] == greedy.num_accepted[0] == 2 and verdict.next_tokens[2] == greedy.next_tokens[0]
+    # The other rows' rule is chosen from their own settings alone.
+    mixed = verifier_for([SamplingParams(temperature=1.0, typical_acceptance=0.09, blockwise=False), SamplingParams(temperature=1.0)])
+    assert isinstance(mixed.exact, BlockVerifier)
     # Without an opted-in sampled row the rule is the lossless one.
     assert verifier_for([SamplingParams(typical_acceptance=0.09)]).lossless
     assert verifier_for(sampling[1:]).lossless

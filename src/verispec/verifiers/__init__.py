@@ -1,8 +1,6 @@
 """Acceptance rules, one per file. `verifier_for` picks the rule for the sampling settings: a lossless one
 unless a row opted into typical acceptance."""
 
-from dataclasses import replace
-
 from verispec.sampling import SamplingParams
 from verispec.verifiers.base import Verifier
 from verispec.verifiers.block import BlockVerifier
@@ -19,8 +17,9 @@ def verifier_for(sampling: list[SamplingParams]) -> Verifier:
     batch mates the exact rule they would get without them."""
     if all(s.greedy for s in sampling):
         return GreedyVerifier()
-    if any(s.typical_acceptance and not s.greedy for s in sampling):
-        return TypicalVerifier(verifier_for([replace(s, typical_acceptance=0.0) for s in sampling]))
+    others = [s for s in sampling if not s.typical_acceptance or s.greedy]
+    if len(others) < len(sampling):
+        return TypicalVerifier(verifier_for(others) if others else None)
     if any(s.coupled for s in sampling):
         return CoupledVerifier()
     if all(s.blockwise or s.greedy for s in sampling):

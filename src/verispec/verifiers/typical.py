@@ -43,7 +43,7 @@ class TypicalVerifier:
     lossless = False
 
     def __init__(self, exact):
-        self.exact = exact  # the lossless verifier for rows that did not ask for typical acceptance
+        self.exact = exact  # the lossless verifier for the rows that did not ask for typical acceptance (None: no such rows)
 
     def verify(self, draft: Draft, target_logits: torch.Tensor, sampling: list[SamplingParams], generators: list[torch.Generator],
                positions: list[int] | None = None) -> Verdict:
