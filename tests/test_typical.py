@@ -80,6 +80,7 @@ def test_greedy_output_is_unchanged():
     plain = verispec.generate(target, prompt, drafter="none", max_new_tokens=24)
     typical = verispec.generate(target, prompt, draft=draft, draft_len=4, typical_acceptance=0.3, max_new_tokens=24)
     assert typical.token_ids == plain.token_ids
+    assert not typical.stats.lossy  # greedy rows are verified exactly whatever they ask
 
 
 def test_it_is_lossy_and_accepts_more():
@@ -94,6 +95,7 @@ def test_it_is_lossy_and_accepts_more():
     typical = verispec.generate(target, [prompt] * 2000, typical_acceptance=0.09, **options)
     exact = verispec.generate(target, [prompt] * 2000, **options)
     assert typical[0].stats.acceptance_rate > exact[0].stats.acceptance_rate + 0.1
+    assert typical[0].stats.lossy and "LOSSY" in typical[0].stats.summary() and not exact[0].stats.lossy
     first, second = first_two_tokens_pvalues(target, prompt, params, [r.token_ids for r in typical])
     assert min(first, second) < P_THRESHOLD
 

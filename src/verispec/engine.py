@@ -228,6 +228,7 @@ class DecodeBatch:
             if event.finish_reason is None:
                 running.append(b)
         for stats, rows in self._stat_sinks():
+            stats.lossy = stats.lossy or any(sampling[b].lossy for b in rows.tolist())
             stats.draft_seconds += t1 - t0
             stats.target_seconds += t2 - t1
             stats.overhead_seconds += t3 - t2

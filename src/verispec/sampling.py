@@ -57,6 +57,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def lossy(self) -> bool:
+        """Whether this row's draft tokens are judged by a lossy rule (typical acceptance on a sampled row)."""
+        return self.typical_acceptance > 0 and not self.greedy
+
 
 def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Probabilities after temperature, top-k and top-p, over the last dimension.

@@ -52,6 +52,7 @@ class SpecStats:
     alternates_drafted: int = 0  # second guesses beside chain positions (token-tree leaves)
     alternates_accepted: int = 0  # ... taken where the chain's token was rejected
     drafter: str = ""  # which drafter the call ran (a draft model whose start did not pay gives way to prompt lookup)
+    lossy: bool = False  # some row was verified by a lossy rule it asked for (typical acceptance): not exact samples
 
     def observe(self, num_drafted: torch.Tensor, num_accepted: torch.Tensor, draft_len: int,
                 alternates_drafted: int = 0, alternates_accepted: int = 0) -> None:
@@ -118,6 +119,7 @@ class SpecStats:
     def to_dict(self) -> dict:
         return {
             "drafter": self.drafter,
+            "lossy": self.lossy,
             "target_passes": self.target_passes,
             "drafted_tokens": self.drafted_tokens,
             "accepted_tokens": self.accepted_tokens,
@@ -145,4 +147,5 @@ class SpecStats:
             f"{d['target_passes']} target passes, {d['mean_accepted_tokens']:.2f} tokens/pass, "
             f"acceptance {d['acceptance_rate']:.2%} ({d['accepted_tokens']}/{d['drafted_tokens']}), "
             f"cost ratio c={d['cost_ratio']:.3f}, predicted speedup {d['predicted_speedup']:.2f}x"
+            + (", LOSSY (typical acceptance)" if self.lossy else "")
         )

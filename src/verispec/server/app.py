@@ -249,8 +249,7 @@ def build_app(target, draft=None, drafter: str = "auto", draft_len: int | str = 
         max_batch=max_batch,
         max_queue=max_queue,
         stats=stats,
-        on_admit=lambda job: metrics.count_admitted(len(job.request.prompt), job.request.sampling.typical_acceptance > 0
-                                                    and not job.request.sampling.greedy),
+        on_admit=lambda job: metrics.count_admitted(len(job.request.prompt), job.request.sampling.lossy),
     )
     created = int(time.time())
 

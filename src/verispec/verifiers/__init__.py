@@ -17,7 +17,7 @@ def verifier_for(sampling: list[SamplingParams]) -> Verifier:
     batch mates the exact rule they would get without them."""
     if all(s.greedy for s in sampling):
         return GreedyVerifier()
-    others = [s for s in sampling if not s.typical_acceptance or s.greedy]
+    others = [s for s in sampling if not s.lossy]
     if len(others) < len(sampling):
         return TypicalVerifier(verifier_for(others) if others else None)
     if any(s.coupled for s in sampling):

@@ -49,7 +49,7 @@ class TypicalVerifier:
                positions: list[int] | None = None) -> Verdict:
         if draft.has_alternates:
             raise ValueError("typical acceptance checks chains: alternates are for greedy drafts only")
-        typical = torch.tensor([s.typical_acceptance > 0 and not s.greedy for s in sampling])
+        typical = torch.tensor([s.lossy for s in sampling])
         verdict = Verdict(num_accepted=torch.zeros(len(sampling), dtype=torch.long),
                           next_tokens=torch.zeros(len(sampling), dtype=torch.long))
         if not bool(typical.all()):  # the others, by the exact rule, on their own rows
