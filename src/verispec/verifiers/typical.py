@@ -27,7 +27,7 @@ import math
 import torch
 
 from verispec.drafters.base import Draft, Verdict
-from verispec.sampling import SamplingParams, sample, warp_rows
+from verispec.sampling import SamplingParams, sample, warp
 from verispec.verifiers.base import accepted_prefix, drafted_mask
 
 
@@ -58,9 +58,9 @@ class TypicalVerifier:
                                       [generators[b] for b in rows.tolist()],
                                       None if positions is None else [positions[b] for b in rows.tolist()])
             verdict.num_accepted[rows], verdict.next_tokens[rows] = exact.num_accepted, exact.next_tokens
+        k = draft.draft_len
         for b in typical.nonzero().squeeze(1).tolist():
-            p = warp_rows(target_logits[b : b + 1].cpu(), [sampling[b]])[0]  # [k + 1, vocab]
-            k = draft.draft_len
+            p = warp(target_logits[b].cpu(), sampling[b])  # [k + 1, vocab]
             p_draft = p[:k].gather(1, draft.tokens[b, :, None]).squeeze(1)
             accept = (p_draft > typical_bar(p[:k], sampling[b].typical_acceptance)) & drafted_mask(draft)[b]
             kept = int(accepted_prefix(accept[None])[0])
