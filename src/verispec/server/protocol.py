@@ -63,12 +63,15 @@ class Fields:
             raise ApiError(400, f"{name} must be {bounds}, got {value}", param=name, code="invalid_value")
         return value
 
-    def number(self, name: str, default: float, low: float, high: float, low_open: bool = False) -> float:
+    def number(self, name: str, default: float, low: float, high: float, low_open: bool = False, high_open: bool = False) -> float:
         value = self.get(name, default)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ApiError(400, f"{name} must be a number, got {value!r}", param=name, code="invalid_type")
-        if not (low < value if low_open else low <= value) or not value <= high:
-            bounds = f"in ({low}, {high}]" if low_open else f"between {low} and {high}"
+        if not (low < value if low_open else low <= value) or not (value < high if high_open else value <= high):
+            if low_open or high_open:
+                bounds = f"in {'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
+            else:
+                bounds = f"between {low} and {high}"
             raise ApiError(400, f"{name} must be {bounds}, got {value}", param=name, code="invalid_value")
         return float(value)
 
@@ -141,10 +144,10 @@ def parse_common(fields: Fields, config: ServerConfig, prompts: list[list[int]],
         raise ApiError(400, f"{len(prompts)} prompts x n={n} is more than {MAX_CHOICES} sequences in one request", param="n", code="invalid_value")
     seed = fields.integer("seed", None, 0, 2**63 - 1 - MAX_CHOICES)
     coupled = fields.boolean("coupled", False)  # verispec extensions: see SamplingParams.coupled ...
-    typical = fields.number("typical_acceptance", 0.0, 0.0, 1.0)  # ... and the lossy opt-in, typical_acceptance
-    if typical >= 1.0 or (typical and coupled):
-        why = "must be below 1 (e.g. 0.09)" if typical >= 1.0 else "is lossy and coupled sampling promises plain sampling's tokens: ask for one"
-        raise ApiError(400, f"typical_acceptance {why}", param="typical_acceptance", code="invalid_value")
+    typical = fields.number("typical_acceptance", 0.0, 0.0, 1.0, high_open=True)  # ... and the lossy opt-in, typical_acceptance
+    if typical and coupled:
+        raise ApiError(400, "typical_acceptance is lossy and coupled sampling promises plain sampling's tokens: ask for one",
+                       param="typical_acceptance", code="invalid_value")
     try:
         sampling = SamplingParams(
             temperature=fields.number("temperature", 1.0, 0.0, 2.0),  # OpenAI's default is 1
