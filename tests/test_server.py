@@ -201,16 +201,6 @@ def test_sampled_requests_may_ask_for_token_by_token_verification(server):
         assert response.json()["usage"]["speculative"]["drafted_tokens"] > 0
 
 
-def test_sampled_requests_may_opt_into_typical_acceptance(server):
-    """The lossy rule is per request: asked for, it runs (and keeps more draft tokens than none at all)."""
-    before = server.metrics().get("verispec_lossy_sequences_total", 0)
-    body = {"prompt": PROMPT, "max_tokens": 12, "temperature": 0.8, "seed": 3, "typical_acceptance": 0.09}
-    response = server.post("/v1/completions", body)
-    assert response.status_code == 200
-    assert response.json()["usage"]["speculative"]["drafted_tokens"] > 0
-    assert server.metrics()["verispec_lossy_sequences_total"] == before + 1  # operators can see it was asked for
-
-
 def test_stop_sequence(server):
     full = server.plain[(PROMPT, 24, False)]
     stop = full.strip().split()[2]  # a word the model will produce
@@ -310,6 +300,16 @@ def test_a_full_queue_answers_503_and_the_server_keeps_serving(server):
     server.wait_idle(timeout=30)
     good = server.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 24, "temperature": 0})
     assert good.status_code == 200 and good.json()["choices"][0]["text"] == server.plain[(PROMPT, 24, False)]
+
+
+def test_sampled_requests_may_opt_into_typical_acceptance(server):
+    """The lossy rule is per request: asked for, it runs (and keeps more draft tokens than none at all)."""
+    before = server.metrics().get("verispec_lossy_sequences_total", 0)
+    body = {"prompt": PROMPT, "max_tokens": 12, "temperature": 0.8, "seed": 3, "typical_acceptance": 0.09}
+    response = server.post("/v1/completions", body)
+    assert response.status_code == 200
+    assert response.json()["usage"]["speculative"]["drafted_tokens"] > 0
+    assert server.metrics()["verispec_lossy_sequences_total"] == before + 1  # operators can see it was asked for
 
 
 def test_server_options_are_checked_before_loading():
