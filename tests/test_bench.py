@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from verispec.bench import add_bench_arguments, run_bench
+from verispec.bench import _paired_runs, add_bench_arguments, run_bench
 
 HUMANEVAL = "../shared/data/humaneval_dev.jsonl"
 
@@ -24,7 +24,7 @@ def report(tmp_path_factory):
     parser = argparse.ArgumentParser()
     add_bench_arguments(parser)
     args = parser.parse_args([str(prompts), "--target", "smollm2-135m", "--draft", "smollm2-135m", "--draft-dtype", "int8",
-                              "--per-category", "2", "--max-new-tokens", "12", "--no-hf", "--sweep", "2,3",
+                              "--per-category", "2", "--max-new-tokens", "12", "--rounds", "2", "--no-hf", "--sweep", "2,3",
                               "--sweep-prompts", "1", "--widths", "1,2,4", "--out", str(out), "--name", "t"])
     run_bench(args)
     return out
@@ -41,6 +41,7 @@ def test_bench_writes_reports_with_identical_outputs(report):
     assert set(data["sweep"]["predicted"]) >= {"2", "3"}
     markdown = (report / "t.md").read_text()
     assert "| humaneval | 2 |" in markdown and "2/2" in markdown
+    assert "medians of 2 runs in alternating order" in markdown
     assert (report / "t.png").stat().st_size > 10_000
 
 
@@ -59,3 +60,24 @@ def test_bench_labels_a_lossy_run(tmp_path):
     run_bench(args)
     assert json.loads((tmp_path / "lossy.json").read_text())["settings"]["typical_acceptance"] == 0.05
     assert "LOSSY typical acceptance, eps 0.05" in (tmp_path / "lossy.md").read_text()
+
+
+def test_paired_runs_alternate_the_order_and_take_medians():
+    """Rounds run plain first, then speculative first, and so on; each side's time is its median."""
+    import time
+    from types import SimpleNamespace
+
+    calls, naps = [], {"plain": [0.03, 0.01, 0.02], "spec": [0.0, 0.02, 0.01]}
+
+    def run(name):
+        def go():
+            calls.append(name)
+            time.sleep(naps[name][sum(c == name for c in calls) - 1])
+            return SimpleNamespace(name=name, stats=SimpleNamespace(prefill_seconds=len(calls)))
+        return go
+
+    base, spec, plain_s, spec_s, prefill = _paired_runs(run("plain"), run("spec"), 3)
+    assert calls == ["plain", "spec", "spec", "plain", "plain", "spec"]
+    assert base.name == "plain" and spec.name == "spec"
+    assert 0.02 <= plain_s < 0.03 and 0.01 <= spec_s < 0.02  # the middle of three sleeps each
+    assert prefill == 4  # the median of the plain runs' prefill times (calls 1, 4 and 5)

@@ -49,6 +49,9 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
                    help="verify sampled drafts token by token instead of as blocks (the default)")
     p.add_argument("--typical-acceptance", type=float, default=0.0, metavar="EPS",
                    help="LOSSY: verify speculative runs by typical acceptance (Medusa's rule, e.g. 0.09); plain runs stay plain sampling")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="time plain and speculative decoding of each prompt this many times, in alternating order, and take each one's median "
+                        "(a shared machine's load moves single timings by ~10%%)")
     p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face peers")
     p.add_argument("--sweep", default="1,2,3,4,6,8", help="fixed draft lengths to measure against the formula ('' to skip)")
     p.add_argument("--sweep-prompts", type=int, default=3, help="prompts used for the draft-length sweep")
@@ -98,6 +101,25 @@ def _timed(fn):
     return out, time.perf_counter() - start
 
 
+def _paired_runs(plain, speculative, rounds: int):
+    """Run plain and speculative decoding `rounds` times each, back to back, plain first in even rounds and
+    second in odd ones (so neither always meets the machine's state the other left behind).
+
+    Returns (a plain result, the speculative result of the median-time round, median plain seconds,
+    median speculative seconds, median target prefill seconds of the plain runs). Greedy and coupled runs
+    give the same tokens every round; a sampled run's length may differ, so its median-time round
+    speaks for its tokens and stats."""
+    plains, specs = [], []
+    for r in range(rounds):
+        order = [(plain, plains), (speculative, specs)]
+        for run, into in order if r % 2 == 0 else order[::-1]:
+            into.append(_timed(run))
+    specs.sort(key=lambda pair: pair[1])
+    spec, _ = specs[(len(specs) - 1) // 2]
+    return (plains[0][0], spec, _median([s for _, s in plains]), _median([s for _, s in specs]),
+            _median([out.stats.prefill_seconds for out, _ in plains]))
+
+
 def _hf_generate(model, input_ids, max_new_tokens, eos_ids, pad_id, **extra):
     out = model.generate(torch.tensor([input_ids], device=model.device), attention_mask=torch.ones(1, len(input_ids), dtype=torch.long, device=model.device),
                          max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos_ids, pad_token_id=pad_id, **extra)
@@ -110,6 +132,8 @@ def run_bench(args) -> dict:
 
     if args.quick:
         args.per_category, args.max_new_tokens = 1, 32
+    if args.rounds < 1:
+        raise SystemExit(f"--rounds must be >= 1, got {args.rounds}")
     draft_len = args.draft_len
     prompts = read_prompts(args.prompts, args.per_category)
     if args.categories:
@@ -150,10 +174,10 @@ def run_bench(args) -> dict:
     for i, p in enumerate(prompts):
         ids = encode_prompt(target.tokenizer, p.text, chat=p.chat)
         m = Measurement(p)
-        base, m.seconds["plain"] = _timed(lambda: verispec.generate(target, ids, drafter="none", **common))
-        spec, m.seconds["verispec"] = _timed(lambda: verispec.generate(target, ids, **spec_options))
+        base, spec, m.seconds["plain"], m.seconds["verispec"], m.prefill_seconds = _paired_runs(
+            lambda: verispec.generate(target, ids, drafter="none", **common),
+            lambda: verispec.generate(target, ids, **spec_options), args.rounds)
         m.tokens["plain"], m.tokens["verispec"] = len(base.token_ids), len(spec.token_ids)
-        m.prefill_seconds = base.stats.prefill_seconds
         # a coupled sample is plain sampling's sample for the seed: comparable token by token like greedy
         m.identical = None if sampled and not args.coupled else base.token_ids == spec.token_ids
         m.stats = spec.stats.to_dict()
@@ -414,12 +438,14 @@ def write_reports(report: dict, results: list[Measurement], args) -> None:
     stem = args.name or Path(args.prompts).stem + ("_t%g" % args.temperature if args.temperature else "")
     (out / f"{stem}.json").write_text(json.dumps(report, indent=2))
     s = report["settings"]
+    runs = s.get("rounds", 1)
+    rounds = f"; each prompt's plain and speculative times are medians of {runs} runs in alternating order" if runs > 1 else ""
     lossy = f" (LOSSY typical acceptance, eps {s['typical_acceptance']})" if s.get("typical_acceptance") else ""
     header = (f"verispec bench: `{s['prompts']}`, target `{s['target']}` ({report.get('target_matrices', 'float32 matrices')}), draft `{s['draft']}` ({_draft_variant(s)}), drafter {s['drafter']}, "
               f"draft_len {s['draft_len']}, {s['max_new_tokens']} new tokens, temperature {s['temperature']}"
               f"{' (coupled sampling)' if s.get('coupled') else ''}{' (token-by-token verification)' if s.get('token_verification') else ''}{lossy}, machine: {report['machine']['processor']}, {report['machine']['cpus']} threads, torch {report['machine']['torch']}. "
               "Speedups are medians of per-prompt tokens/s ratios measured in the same run, end to end (prompt prefill "
-              "included); 'after prefill' takes the target's prompt prefill, which plain decoding pays too, out of both times.")
+              f"included){rounds}; 'after prefill' takes the target's prompt prefill, which plain decoding pays too, out of both times.")
     table = markdown_table(report)
     extra = ""
     if "verify_cost" in report:
