@@ -242,8 +242,10 @@ def test_concurrent_streams_are_not_mixed_and_memory_is_stable(server):
         server.wait_idle()
         rss.append(server.rss_kb())
     # The first rounds warm up allocators and the native KV store, whose capacity doubles as the batch
-    # fills; after them, memory must not keep growing.
-    assert rss[3] - rss[1] < 50 * 1024, f"server RSS grew across rounds: {[r // 1024 for r in rss]} MB"
+    # fills; after them, memory must not keep growing. The allocator may hand memory back between rounds
+    # (one run read 1359, 1306, 1392, 1392 MB), so the last round is held to the earlier rounds' high-water
+    # mark, not to one round's reading: a leak of even 3 MB per request would add ~50 MB a round.
+    assert rss[3] - max(rss[:3]) < 50 * 1024, f"server RSS grew across rounds: {[r // 1024 for r in rss]} MB"
     metrics = server.metrics()
     assert metrics["verispec_time_to_first_token_seconds_count{endpoint=\"/v1/completions\"}"] >= 4 * len(LOAD_PROMPTS)
 

@@ -296,8 +296,9 @@ def generate(target, prompt, *, draft=None, drafter: str = "auto", draft_len: in
     "model", "hybrid" (prompt lookup when it finds a match, else the draft model), "ngram", or
     "none" (plain decoding). draft_len: "auto" (the default) drafts while the draft model's confidence
     says the next token pays for itself, up to 10, and decides from measured acceptance and costs
-    whether to draft at all; "tree" does the same and also adds the draft's second choice beside
-    positions where that pays for its row (greedy rows, native targets: token-tree verification);
+    whether to draft at all; "tree" does the same and also adds a second candidate beside positions
+    where that pays for its row (native targets: token-tree verification; a greedy row's second choice,
+    a sampled row's second draw, judged exactly; coupled and typical rows draft chains);
     an int drafts that many tokens each step. draft_confidence: a draft model
     also stops drafting a row at a token it gives less than this probability. temperature 0 is greedy.
     coupled: sample by the Gumbel-max coupling (`CoupledVerifier`): a seeded call then returns the same

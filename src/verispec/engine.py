@@ -2,8 +2,8 @@
 
 Each step the drafter proposes up to k tokens per row, the target scores [last token, draft] in one
 forward pass, the verifier accepts a prefix and adds one token of the target's own, and every cache
-forgets what was rejected. A greedy draft may add alternates (second guesses beside its positions);
-the pass then carries a token tree, and the target's cache keeps only the accepted path. With no
+forgets what was rejected. A draft may add alternates (second guesses beside its positions); the pass
+then carries a token tree, and the target's cache keeps only the accepted path. With no
 drafter this is plain autoregressive decoding, the baseline.
 Sequences may join and leave between steps (continuous batching); each keeps its own sampling
 settings, random stream, accepted length and rollback, so it decodes exactly as it would alone.
@@ -182,8 +182,9 @@ class DecodeBatch:
         generators = [row.generator for row in self.rows]
         t0 = time.perf_counter()
         stop = self.policy.stop_rule(len(self.rows)) if k else None
-        # Alternates need a target that verifies token trees, and greedy rows (see GreedyVerifier).
-        trees = stop is not None and getattr(self.target, "supports_trees", False) and all(s.greedy for s in sampling)
+        verifier = verifier_for(sampling)
+        # Alternates need a target that verifies token trees, and a rule that judges them (not coupled or lossy rows).
+        trees = stop is not None and getattr(self.target, "supports_trees", False) and verifier.takes_alternates
         branch = self.policy.branch_rule(stop) if trees else None
         draft = self.drafter.propose([row.sequence for row in self.rows], k, sampling, generators, stop, branch)
         width = int(draft.num_drafted.max()) if k else 0
@@ -203,7 +204,7 @@ class DecodeBatch:
         t2 = time.perf_counter()
         # 2. Accept a prefix (and perhaps the alternate where it broke off), add the target's own token.
         positions = [len(row.sequence) for row in self.rows]
-        verdict = verifier_for(sampling).verify(draft, logits, sampling, generators, positions)
+        verdict = verifier.verify(draft, logits, sampling, generators, positions)
         # 3. Roll back: the target keeps the last token and the accepted draft tokens; the drafter its own.
         if verdict.alternate is not None and bool(verdict.alternate.any()):
             self.cache.retain(start, self._accepted_path(draft, verdict))

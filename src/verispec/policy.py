@@ -28,10 +28,9 @@ are worth at least what its seconds would earn at that rate, which is the rule t
 long-run rate of reward over cost. Whether to draft at all is then decided from the delivered rate
 against a plain step's. For a batch this treats every row as deciding alike, exact at batch size 1.
 
-The same rule places alternates (a greedy draft's second choice beside chain position i, a leaf of a
-token tree) once the chain is drafted: one is worth v_i = S_{i-1} * b(conf2_i) tokens, where b(.) is
-the observed chance that an alternate of that probability is the target's token once the chain has
-reached position i (taking it adds one token: the alternate, then the target's token after it, where
+The same rule places alternates (a second candidate beside chain position i, a leaf of a token tree)
+once the chain is drafted: one is worth v_i = S_{i-1} * b(conf2_i) tokens, where b(.) is the observed
+chance that an alternate of that draft probability is taken once the chain has reached position i (taking it adds one token: the alternate, then the target's token after it, where
 the chain would have given the target's correction alone). It costs no draft pass, only its row in
 the pass, priced where it lands: after the chain and the better alternates, where on a CPU every row
 costs more than the last. Alternates go in by decreasing v while v >= R * dt_target(width).
@@ -398,7 +397,7 @@ ADAPTIVE_SETTINGS = ("auto", "tree")  # the draft_len values that name an adapti
 
 def make_policy(draft_len: int | str | None) -> DraftPolicy:
     """An int gives a fixed draft length; "auto" or None the adaptive policy; "tree" the adaptive policy that
-    also places alternates (token-tree leaves) where they pay, for greedy rows on targets that verify trees."""
+    also places alternates (token-tree leaves) where they pay, on targets that verify trees."""
     from verispec.errors import VerispecError
 
     if draft_len is None or draft_len in ADAPTIVE_SETTINGS:

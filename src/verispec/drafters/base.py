@@ -3,8 +3,10 @@
 A drafter proposes up to k tokens per sequence (`Draft`); the verifier answers with a `Verdict`;
 the drafter then rolls its own state back with `commit`. A draft is a chain, optionally with one
 alternate token beside any of its positions (a leaf of a token tree: a second guess that the target
-checks in the same pass, used where the chain's own token is rejected). The engine owns the sequences and the
-target's cache; each drafter owns whatever it keeps (its cache, its n-gram index).
+checks in the same pass, used where the chain's own token is rejected). A greedy draft's alternate is
+its second choice; a sampled draft's is drawn from its q with the chain's token taken out, and carries
+that distribution for the verifier. The engine owns the sequences and the target's cache; each drafter
+owns whatever it keeps (its cache, its n-gram index).
 """
 
 from __future__ import annotations
@@ -27,9 +29,12 @@ class Draft:
     # greedy); None for drafters that cannot judge their tokens. The policy learns how it predicts acceptance.
     confidence: torch.Tensor | None = None
     # [batch, k] long: a second candidate for each chain position (-1: none), a sibling leaf of tokens[:, i];
-    # only for deterministic (greedy) drafts, and verified only by targets that take token trees.
+    # verified only by targets that take token trees.
     alternates: torch.Tensor | None = None
     alternate_confidence: torch.Tensor | None = None  # [batch, k] float32: the draft's probability of each
+    # [batch, k, vocab] float32: q' each alternate was drawn from (q with the chain's token taken out; one-hot
+    # on a greedy row's second choice); None for an all-greedy draft, whose verifier needs no distributions.
+    alternate_probs: torch.Tensor | None = None
 
     @property
     def draft_len(self) -> int:
@@ -45,13 +50,13 @@ class Draft:
             return self
         cut = lambda t: None if t is None else t[:, :width]  # noqa: E731
         return Draft(self.tokens[:, :width], self.num_drafted.clamp(max=width), cut(self.probs), cut(self.confidence),
-                     cut(self.alternates), cut(self.alternate_confidence))
+                     cut(self.alternates), cut(self.alternate_confidence), cut(self.alternate_probs))
 
     def rows(self, index: torch.Tensor) -> "Draft":
         """The draft of these rows only (index [n] long), in that order."""
         pick = lambda t: None if t is None else t[index]  # noqa: E731
         return Draft(self.tokens[index], self.num_drafted[index], pick(self.probs), pick(self.confidence),
-                     pick(self.alternates), pick(self.alternate_confidence))
+                     pick(self.alternates), pick(self.alternate_confidence), pick(self.alternate_probs))
 
     @cached_property
     def tree(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -121,11 +126,11 @@ class StopRule(Protocol):
 
 
 class BranchRule(Protocol):
-    """Decides where a greedy draft adds its second choice as an alternate (see `Draft.alternates`)."""
+    """Decides where a draft adds an alternate beside its chain (see `Draft.alternates`)."""
 
     def __call__(self, confidence: torch.Tensor, num_drafted: torch.Tensor) -> torch.Tensor:
-        """[batch, k] bool: where to add an alternate, given the draft's probability for its second choice at
-        each position [batch, k] and the chain each row drafted [batch]. Called once the chain is drafted
+        """[batch, k] bool: where to add an alternate, given the draft's probability for its candidate at each
+        position [batch, k] and the chain each row drafted [batch]. Called once the chain is drafted
         (and judged position by position by the same step's stop rule)."""
         ...
 
@@ -146,7 +151,7 @@ class Drafter(Protocol):
         """Up to draft_len tokens to follow each sequence (prompt plus tokens so far); sampling and
         generators are per row, so a sampled draft draws from the same warped distribution as its row.
         A drafter that scores its own tokens stops a row where `stop` says so, and adds alternates where
-        `branch` says so (given only when every row is greedy); others ignore both."""
+        `branch` says so (given only when every row's verifier takes them); others ignore both."""
         ...
 
     def commit(self, verdict: Verdict) -> None:

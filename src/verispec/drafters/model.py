@@ -6,9 +6,10 @@ sampling from the same warped distribution q it reports to the verifier (a coupl
 noise of its seed and position, `sampling.coupled_choice`, which the verifier's race on p reuses). It reports its probability
 for each token it proposes, and a row stops early where the step's stop rule says the chance of
 acceptance no longer pays for another token (or, with `min_confidence`, at any token below that
-probability). Where `branch` says so (greedy rows only), it adds its second choice at a position as an
-alternate leaf; the draft never feeds an alternate to itself. On commit it forgets the draft tokens
-that were rejected.
+probability). Where `branch` says so, it adds an alternate leaf beside a position: a greedy row's second
+choice, a sampled row's second draw from q with the chain's token taken out (the verifier needs that
+distribution, q', to judge it exactly); the draft never feeds an alternate to itself. On commit it
+forgets the draft tokens that were rejected.
 """
 
 from __future__ import annotations
@@ -67,9 +68,9 @@ class ModelDrafter:
         probs = None if all_greedy else torch.zeros(batch, draft_len, self.vocab_size)
         confidence = torch.zeros(batch, draft_len)
         num_drafted = torch.zeros(batch, dtype=torch.long)
-        branch = branch if all_greedy else None
         second_choice = torch.zeros(batch, draft_len, dtype=torch.long) if branch is not None else None
         alternate_confidence = torch.zeros(batch, draft_len) if branch is not None else None
+        alternate_probs = torch.zeros(batch, draft_len, self.vocab_size) if branch is not None and not all_greedy else None
         going = torch.ones(batch, dtype=torch.bool)
         fed = 0  # draft tokens fed back into the draft cache
         logits = self.model.forward(tail_tokens, self.cache, tail_visible, last_only=True)[:, -1]
@@ -95,6 +96,9 @@ class ModelDrafter:
                 confidence[:, i] = q.max(-1).values
                 if greedy.any():  # a greedy row's one-hot q would say 1: its confidence comes from its logits
                     confidence[greedy, i] = logits[greedy].softmax(-1).max(-1).values
+                if branch is not None:
+                    self._draw_alternates(i, logits, q, tokens, greedy, generators, second_choice, alternate_confidence,
+                                          alternate_probs)
             if stop is not None:
                 going &= stop(i, confidence[:, i])
             if self.min_confidence:
@@ -111,7 +115,28 @@ class ModelDrafter:
             wanted = drafted & (second_choice != tokens) & branch(alternate_confidence, num_drafted)
             alternates = torch.where(wanted, second_choice, -1)
         return Draft(tokens=tokens, num_drafted=num_drafted, probs=probs, confidence=confidence,
-                     alternates=alternates, alternate_confidence=alternate_confidence)
+                     alternates=alternates, alternate_confidence=alternate_confidence, alternate_probs=alternate_probs)
+
+    @staticmethod
+    def _draw_alternates(i, logits, q, tokens, greedy, generators, second_choice, alternate_confidence, alternate_probs):
+        """Each row's candidate alternate at position i of a sampled batch, with the distribution q' it comes
+        from: a greedy row's second choice (q' one-hot on it), a sampled row's draw from q without the chain's
+        token (none where q had all its mass there)."""
+        for b in range(tokens.shape[0]):
+            if greedy[b]:
+                top = logits[b].softmax(-1).topk(2)
+                second_choice[b, i], alternate_confidence[b, i] = top.indices[1], top.values[1]
+                alternate_probs[b, i, top.indices[1]] = 1.0
+                continue
+            rest = q[b].clone()
+            rest[tokens[b, i]] = 0.0
+            mass = float(rest.sum())
+            if mass <= 0:
+                second_choice[b, i] = tokens[b, i]  # no alternate: the chain's token was q's only one
+                continue
+            alternate = sample(rest, generators[b])
+            second_choice[b, i], alternate_confidence[b, i] = alternate, q[b, alternate]
+            alternate_probs[b, i] = rest / mass
 
     def commit(self, verdict: Verdict) -> None:
         if self._round is None:

@@ -12,6 +12,7 @@ from verispec.sampling import SamplingParams, warp_rows
 
 class Verifier(Protocol):
     lossless: bool  # True: output follows the target's own distribution exactly
+    takes_alternates: bool  # True: judges a draft's alternates (a token-tree pass), not only its chain
 
     def verify(self, draft: Draft, target_logits: torch.Tensor, sampling: list[SamplingParams], generators: list[torch.Generator],
                positions: list[int] | None = None) -> Verdict:
@@ -34,10 +35,11 @@ def accepted_prefix(accept: torch.Tensor) -> torch.Tensor:
 
 
 def chain_distributions(draft: Draft, target_logits: torch.Tensor, sampling: list[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(p [batch, k + 1, vocab] the target's warped distributions, q [batch, k, vocab] the draft's: its own
-    probabilities, or one-hot on its tokens for a draft without them, e.g. n-gram) for a chain draft."""
-    if draft.has_alternates:
-        raise ValueError("sampled verification checks chains: alternates are for greedy drafts only")
+    """(p [batch, width, vocab] the target's warped distributions over the pass: k + 1 chain columns, then a
+    tree pass's alternates; q [batch, k, vocab] the draft's: its own probabilities, or one-hot on its tokens
+    for a draft without them, e.g. n-gram)."""
+    if draft.has_alternates and draft.alternate_probs is None:
+        raise ValueError("a sampled draft's alternates need the distributions they were drawn from (alternate_probs)")
     p = warp_rows(target_logits.cpu(), sampling)
     q = draft.probs if draft.probs is not None else torch.nn.functional.one_hot(draft.tokens, p.shape[-1]).float()
     return p, q

@@ -17,6 +17,7 @@ p itself after a full draft (the bonus token). The emitted text is distributed e
 (the paper proves it; `tests/test_block_verification.py` checks it by exact enumeration and by
 sampling), and the expected number of accepted tokens is never below the token-by-token rule's: with
 one draft token the two rules coincide. Greedy rows (one-hot p and q) get exactly the argmax chain.
+An alternate beside the stop position gets its own test against that residual (`verifiers.tree`).
 Knows nothing about models: it reads the draft and the target's logits.
 """
 
@@ -27,6 +28,7 @@ import torch
 from verispec.drafters.base import Draft, Verdict
 from verispec.sampling import SamplingParams, sample
 from verispec.verifiers.base import chain_distributions, residual
+from verispec.verifiers.tree import target_token
 
 
 def block_weights(p: torch.Tensor, q: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,6 +54,7 @@ def block_weights(p: torch.Tensor, q: torch.Tensor, tokens: torch.Tensor) -> tup
 
 class BlockVerifier:
     lossless = True
+    takes_alternates = True
 
     def verify(self, draft: Draft, target_logits: torch.Tensor, sampling: list[SamplingParams], generators: list[torch.Generator],
                positions: list[int] | None = None) -> Verdict:
@@ -59,12 +62,17 @@ class BlockVerifier:
         batch = draft.tokens.shape[0]
         num_accepted = torch.zeros(batch, dtype=torch.long)
         next_tokens = torch.empty(batch, dtype=torch.long)
+        alternate = torch.zeros(batch, dtype=torch.bool)
         for b in range(batch):
             g = int(draft.num_drafted[b])
             tokens = draft.tokens[b, :g]
             w, h = block_weights(p[b, : g + 1], q[b, :g], tokens)
             draws = torch.rand(g, generator=generators[b], dtype=torch.float64)
             kept = next((i for i in range(g, 0, -1) if draws[i - 1] <= h[i]), 0)  # the longest prefix drawn
-            dist = p[b, g] if kept == g else residual(float(w[kept]), p[b, kept].double(), q[b, kept].double())
-            num_accepted[b], next_tokens[b] = kept, sample(dist, generators[b])
-        return Verdict(num_accepted=num_accepted, next_tokens=next_tokens)
+            num_accepted[b] = kept
+            if kept == g:  # the bonus token
+                next_tokens[b] = sample(p[b, g], generators[b])
+            else:  # from the residual there, or the alternate beside that position (`verifiers.tree`)
+                dist = residual(float(w[kept]), p[b, kept].double(), q[b, kept].double())
+                next_tokens[b], alternate[b] = target_token(draft, p, b, kept, dist, generators[b])
+        return Verdict(num_accepted=num_accepted, next_tokens=next_tokens, alternate=alternate if draft.has_alternates else None)

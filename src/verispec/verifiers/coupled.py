@@ -22,11 +22,12 @@ from verispec.verifiers.speculative_sampling import SpeculativeSamplingVerifier
 
 class CoupledVerifier:
     lossless = True
+    takes_alternates = False
 
     def verify(self, draft: Draft, target_logits: torch.Tensor, sampling: list[SamplingParams], generators: list[torch.Generator],
                positions: list[int] | None = None) -> Verdict:
         if draft.has_alternates:
-            raise ValueError("coupled verification verifies chains: alternates are for greedy drafts only")
+            raise ValueError("coupled verification verifies chains: a draft for coupled rows carries no alternates")
         if positions is None:
             raise ValueError("coupled verification needs each row's position (the sequence length before the draft)")
         uncoupled = [not s.coupled and not s.greedy for s in sampling]

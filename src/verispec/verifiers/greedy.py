@@ -14,6 +14,7 @@ from verispec.verifiers.base import accepted_prefix, drafted_mask
 
 class GreedyVerifier:
     lossless = True
+    takes_alternates = True
 
     def verify(self, draft: Draft, target_logits: torch.Tensor, sampling: list[SamplingParams], generators: list[torch.Generator],
                positions: list[int] | None = None) -> Verdict:

@@ -5,7 +5,8 @@ first rejection the target's token is drawn from the residual norm(max(0, p_i - 
 drafted token is accepted, a bonus token is drawn from p_{k+1}. Each emitted token is then
 distributed exactly as p given its prefix. p is the *warped* target distribution (temperature,
 top-k, top-p), the same one plain sampling draws from. A draft without probabilities (n-gram) is a
-one-hot q: accept with probability p_i(x_i), else resample from p_i with x_i removed.
+one-hot q: accept with probability p_i(x_i), else resample from p_i with x_i removed. An alternate
+beside the rejected position gets its own test against the residual first (`verifiers.tree`).
 With greedy settings p is one-hot at the argmax and the rule reduces exactly to greedy
 verification, so one batch may mix greedy and sampled rows.
 """
@@ -17,10 +18,12 @@ import torch
 from verispec.drafters.base import Draft, Verdict
 from verispec.sampling import SamplingParams, sample
 from verispec.verifiers.base import accepted_prefix, chain_distributions, drafted_mask, residual
+from verispec.verifiers.tree import target_token
 
 
 class SpeculativeSamplingVerifier:
     lossless = True
+    takes_alternates = True
 
     def verify(self, draft: Draft, target_logits: torch.Tensor, sampling: list[SamplingParams], generators: list[torch.Generator],
                positions: list[int] | None = None) -> Verdict:
@@ -34,11 +37,11 @@ class SpeculativeSamplingVerifier:
         num_accepted = accepted_prefix(accept)
 
         next_tokens = torch.empty(batch, dtype=torch.long)
+        alternate = torch.zeros(batch, dtype=torch.bool)
         for b in range(batch):
             j = int(num_accepted[b])
-            if j < int(draft.num_drafted[b]):  # rejected at j: recover from the residual
-                dist = residual(1.0, p[b, j], q[b, j])
+            if j < int(draft.num_drafted[b]):  # rejected at j: recover from the residual (or the alternate there)
+                next_tokens[b], alternate[b] = target_token(draft, p, b, j, residual(1.0, p[b, j], q[b, j]), generators[b])
             else:  # every drafted token accepted: bonus token from the target
-                dist = p[b, j]
-            next_tokens[b] = sample(dist, generators[b])
-        return Verdict(num_accepted=num_accepted, next_tokens=next_tokens)
+                next_tokens[b] = sample(p[b, j], generators[b])
+        return Verdict(num_accepted=num_accepted, next_tokens=next_tokens, alternate=alternate if draft.has_alternates else None)

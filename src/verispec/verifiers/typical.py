@@ -41,6 +41,7 @@ def typical_bar(p: torch.Tensor, epsilon: float) -> torch.Tensor:
 
 class TypicalVerifier:
     lossless = False
+    takes_alternates = False
 
     def __init__(self, exact):
         self.exact = exact  # the lossless verifier for the rows that did not ask for typical acceptance (None: no such rows)
@@ -48,7 +49,7 @@ class TypicalVerifier:
     def verify(self, draft: Draft, target_logits: torch.Tensor, sampling: list[SamplingParams], generators: list[torch.Generator],
                positions: list[int] | None = None) -> Verdict:
         if draft.has_alternates:
-            raise ValueError("typical acceptance checks chains: alternates are for greedy drafts only")
+            raise ValueError("typical acceptance checks chains: a draft for its rows carries no alternates")
         typical = torch.tensor([s.lossy for s in sampling])
         verdict = Verdict(num_accepted=torch.zeros(len(sampling), dtype=torch.long),
                           next_tokens=torch.zeros(len(sampling), dtype=torch.long))

@@ -1,0 +1,228 @@
+"""Sampled token trees: an alternate beside the stop position, judged against the distribution the target's
+token would have come from (`verifiers.tree`), must keep both exact rules exact.
+
+First by exact enumeration: every draft block, every stopping point and every alternate, weighed by its
+probability, against the target's probability of each continuation; a plausible slip (judging the
+alternate by the draft's full q instead of the q' it was drawn from) fails the same check. Then by
+sampling, through the real verifiers and through the engine on a tiny model, where the alternates are
+really taken.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import perturbed_copy, tiny_llama
+from test_block_verification import Tree, target_probability
+from test_sampling_exactness import P_THRESHOLD, VOCAB, chi2_pvalue, first_two_tokens_pvalues, reference_probs, situation
+from verispec.drafters import ModelDrafter
+from verispec.drafters.base import Draft
+from verispec.engine import DecodeBatch, Request
+from verispec.models.native import NativeCausalLM
+from verispec.sampling import SamplingParams, make_generators, sample, warp
+from verispec.verifiers import BlockVerifier, SpeculativeSamplingVerifier
+from verispec.verifiers.base import residual
+from verispec.verifiers.block import block_weights
+from verispec.verifiers.tree import alternate_test
+
+
+def without(q: torch.Tensor, token: int) -> torch.Tensor | None:
+    """q' for an alternate beside `token`: q with it taken out, renormalized (None: nothing left)."""
+    rest = q.clone()
+    rest[token] = 0.0
+    return rest / rest.sum() if float(rest.sum()) > 0 else None
+
+
+def block_stops(p, q, block):
+    """(kept, chance given the block, distribution of the target's token there) for block verification."""
+    w, h = block_weights(p, q, torch.tensor(block))
+    g, not_longer = len(block), 1.0
+    for kept in range(g, -1, -1):
+        chance = not_longer * float(h[kept])
+        not_longer *= 1 - float(h[kept])
+        yield kept, chance, (p[g] if kept == g else residual(float(w[kept]), p[kept], q[kept]))
+
+
+def token_stops(p, q, block):
+    """The same for token-by-token speculative sampling."""
+    survive = 1.0
+    for i, x in enumerate(block):
+        accept = min(1.0, float(p[i, x] / q[i, x]))
+        yield i, survive * (1 - accept), residual(1.0, p[i], q[i])
+        survive *= accept
+    yield len(block), survive, p[len(block)]
+
+
+def emitted_with_alternates(tree: Tree, g: int, stops, test=alternate_test) -> tuple[dict, float]:
+    """Exact probability of each first g + 1 tokens one step emits (completed by the target) when an
+    alternate, drawn from q without the chain's token, stands beside every position; and the chance an
+    alternate is taken."""
+    out, taken = {}, 0.0
+
+    def complete(tokens: tuple, prob: float) -> None:
+        if len(tokens) == g + 1:
+            out[tokens] = out.get(tokens, 0.0) + prob
+            return
+        for a, pa in enumerate(tree.target(tokens)):
+            if pa > 0:
+                complete(tokens + (a,), prob * pa)
+
+    for block in itertools.product(range(tree.vocab), repeat=g):
+        drafted = np.prod([tree.draft(block[:i])[block[i]] for i in range(g)])
+        if drafted == 0:
+            continue
+        p = torch.tensor(np.stack([tree.target(block[:i]) for i in range(g + 1)]))
+        q = torch.tensor(np.stack([tree.draft(block[:i]) for i in range(g)]))
+        for kept, chance, dist in stops(p, q, block):
+            chance *= drafted
+            alternate_q = without(q[kept], block[kept]) if kept < g else None
+            if chance == 0:
+                continue
+            if alternate_q is None:  # a full draft (bonus token), or no mass left beside the chain's token
+                for z, pz in enumerate(dist.tolist()):
+                    complete(block[:kept] + (z,), chance * pz)
+                continue
+            for y, qy in enumerate(alternate_q.tolist()):
+                if qy == 0:
+                    continue
+                accept, otherwise = test(dist, alternate_q, y)
+                taken += chance * qy * accept
+                complete(block[:kept] + (y,), chance * qy * accept)  # then the target's token after y
+                for z, pz in enumerate(otherwise.tolist()):
+                    complete(block[:kept] + (z,), chance * qy * (1 - accept) * pz)
+    return out, taken
+
+
+@pytest.mark.parametrize("stops", [block_stops, token_stops], ids=["block", "token"])
+@pytest.mark.parametrize("seed", range(5))
+@pytest.mark.parametrize("g", [1, 2, 3])
+def test_alternates_keep_both_rules_exact_by_enumeration(stops, seed, g):
+    tree = Tree(seed)
+    out, _ = emitted_with_alternates(tree, g, stops)
+    for tokens in itertools.product(range(tree.vocab), repeat=g + 1):
+        assert out.get(tokens, 0.0) == pytest.approx(target_probability(tree, tokens), abs=1e-12)
+
+
+
+def test_the_enumerated_alternates_are_taken():
+    """The equality above is not vacuous: in these trees the alternates are often what the step emits."""
+    for stops in (block_stops, token_stops):
+        taken = [emitted_with_alternates(Tree(seed), 2, stops)[1] for seed in range(5)]
+        assert sum(t > 0.01 for t in taken) >= 2 and max(taken) > 0.05, taken
+
+
+def test_enumeration_catches_judging_the_alternate_by_the_full_q():
+    """Negative control: the alternate judged by min(1, R(y) / q(y)) with the q the chain's token came from."""
+    worst = 0.0
+    for seed in range(5):
+        tree = Tree(seed)
+        full_q = {}
+
+        def slipped(dist, alternate_q, y):
+            chance, _ = alternate_test(dist, alternate_q, y)
+            q = full_q["q"]
+            wrong = min(1.0, float(dist[y] / q[y])) if q[y] > 0 else 0.0
+            rest = (dist - q).clamp(min=0)
+            return wrong, (rest / rest.sum() if rest.sum() > 0 else dist)
+
+        def stops(p, q, block):
+            for kept, chance, dist in block_stops(p, q, block):
+                full_q["q"] = q[kept] if kept < len(block) else None
+                yield kept, chance, dist
+
+        out, _ = emitted_with_alternates(tree, 2, stops, test=slipped)
+        worst = max(worst, max(abs(out.get(t, 0.0) - target_probability(tree, t)) for t in itertools.product(range(3), repeat=3)))
+    assert worst > 1e-3
+
+
+N = 30000
+
+
+def sampled_tree_drafts(q: torch.Tensor, params: SamplingParams, seed: int = 0) -> tuple[Draft, list[torch.Generator]]:
+    """N drafts of k tokens drawn from q [k, V], each with an alternate beside every position drawn from q
+    without the chain's token, laid out as the engine's tree pass."""
+    k = q.shape[0]
+    gens = make_generators(SamplingParams(temperature=1.0, seed=seed), N)
+    tokens = torch.zeros(N, k, dtype=torch.long)
+    alternates = torch.full((N, k), -1, dtype=torch.long)
+    alternate_probs = torch.zeros(N, k, VOCAB)
+    for n, g in enumerate(gens):
+        for i in range(k):
+            tokens[n, i] = sample(q[i], g)
+            rest = without(q[i], int(tokens[n, i]))
+            if rest is not None:
+                alternates[n, i], alternate_probs[n, i] = sample(rest, g), rest
+    draft = Draft(tokens=tokens, num_drafted=torch.full((N,), k), probs=q.expand(N, k, VOCAB), alternates=alternates,
+                  alternate_confidence=torch.zeros(N, k), alternate_probs=alternate_probs)
+    return draft, gens
+
+
+@pytest.mark.parametrize("verifier", [BlockVerifier(), SpeculativeSamplingVerifier()], ids=["block", "token"])
+def test_verifiers_sample_the_target_with_alternates(verifier):
+    """The real verifiers on N draws of one situation with an alternate beside every position: the first
+    token follows p_0, and the token after an alternate taken at position 0 follows that alternate's column."""
+    params = SamplingParams(temperature=1.0)
+    target_logits, draft_logits = situation(seed=7, k=2)
+    q = warp(draft_logits, params)
+    draft, gens = sampled_tree_drafts(q, params)
+    after_alternates = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(3)) * 1.5  # columns 3 and 4
+    logits = torch.cat([target_logits, after_alternates]).expand(N, 5, VOCAB)
+    verdict = verifier.verify(draft, logits, [params] * N, gens)
+    emitted = [verdict.emitted(draft, n) for n in range(N)]
+    assert chi2_pvalue(np.array([e[0] for e in emitted]), reference_probs(target_logits[0].numpy(), 1.0)) > P_THRESHOLD
+    at_zero = verdict.alternate & (verdict.num_accepted == 0)
+    assert int(at_zero.sum()) > 1000  # alternates really taken
+    _, _, columns = draft.tree
+    column = columns[at_zero, 0]
+    after = verdict.next_tokens[at_zero]
+    for c in column.unique().tolist():  # rows lay out their alternates left to right: column 3 or 4
+        p_after = reference_probs(logits[0, c].numpy(), 1.0)
+        assert chi2_pvalue(after[column == c].numpy(), p_after) > P_THRESHOLD
+
+
+class _Branching:
+    """A policy that drafts k tokens and places an alternate beside every position."""
+
+    def __init__(self, k: int):
+        self.k = k
+
+    def choose(self, batch_size):
+        return self.k
+
+    def stop_rule(self, batch_size):
+        return lambda position, confidence: torch.ones(confidence.shape[0], dtype=torch.bool)
+
+    def branch_rule(self, stop):
+        return lambda confidence, num_drafted: torch.ones(confidence.shape, dtype=torch.bool)
+
+    def observe(self, *args, **kwargs):
+        pass
+
+
+@pytest.mark.parametrize("blockwise", [True, False], ids=["block", "token"])
+def test_engine_samples_the_target_with_alternates(blockwise):
+    """A native tiny model, a draft token with an alternate beside it, 2000 seeded rows in batches of 4 (a
+    tree pass stays within the rows the kernels compute exactly): the first two tokens follow the target's
+    p(t1) p(t2 | t1), and alternates were taken (each then gives both tokens: itself, and the token after it)."""
+    params = SamplingParams(temperature=0.8, seed=11, blockwise=blockwise)
+    hf = tiny_llama(seed=0)
+    target = NativeCausalLM.from_hf(hf)
+    draft = NativeCausalLM.from_hf(perturbed_copy(hf, scale=0.3))
+    prompt = [1, 5, 6, 7, 8, 5, 6]
+    out, taken = {}, 0
+    for first_row in range(0, 2000, 4):
+        batch = DecodeBatch(target, ModelDrafter(draft, target.vocab_size), _Branching(3))
+        batch.add([Request(prompt=prompt, sampling=replace(params, seed=params.seed + b), max_new_tokens=2, id=b)
+                   for b in range(first_row, first_row + 4)])
+        while len(batch):
+            for event in batch.step():
+                out.setdefault(event.request_id, []).extend(event.tokens)
+        taken += batch.stats.alternates_accepted
+    first, second = first_two_tokens_pvalues(hf, prompt, params, [out[b] for b in range(2000)])
+    assert first > P_THRESHOLD and second > P_THRESHOLD
+    assert taken > 100
