@@ -4,8 +4,8 @@ token would have come from (`verifiers.tree`), must keep both exact rules exact.
 First by exact enumeration: every draft block, every stopping point and every alternate, weighed by its
 probability, against the target's probability of each continuation; a plausible slip (judging the
 alternate by the draft's full q instead of the q' it was drawn from) fails the same check. Then by
-sampling, through the real verifiers and through the engine on a tiny model, where the alternates are
-really taken.
+sampling, through the real verifiers (where accepting the alternate twice as often fails) and through
+the engine on a tiny model, where the alternates are really taken.
 """
 
 from __future__ import annotations
@@ -19,13 +19,14 @@ import torch
 
 from conftest import perturbed_copy, tiny_llama
 from test_block_verification import Tree, target_probability
-from test_sampling_exactness import P_THRESHOLD, VOCAB, chi2_pvalue, first_two_tokens_pvalues, reference_probs, situation
+from test_sampling_exactness import P_THRESHOLD, VOCAB, chi2_pvalue, first_two_tokens_pvalues, reference_probs
 from verispec.drafters import ModelDrafter
 from verispec.drafters.base import Draft
 from verispec.engine import DecodeBatch, Request
 from verispec.models.native import NativeCausalLM
 from verispec.sampling import SamplingParams, make_generators, sample, warp
 from verispec.verifiers import BlockVerifier, SpeculativeSamplingVerifier
+from verispec.verifiers import tree as tree_rule
 from verispec.verifiers.base import residual
 from verispec.verifiers.block import block_weights
 from verispec.verifiers.tree import alternate_test
@@ -162,19 +163,31 @@ def sampled_tree_drafts(q: torch.Tensor, params: SamplingParams, seed: int = 0) 
     return draft, gens
 
 
+def tree_situation():
+    """Target logits [3 chain columns + 2 alternate columns, V] and an unrelated draft's q [2, V]: chains are
+    often rejected, and alternates often half-accepted, which a slip in their test would show."""
+    g = torch.Generator().manual_seed(3)
+    target_logits = torch.randn(3, VOCAB, generator=g) * 1.5
+    q = warp(torch.randn(2, VOCAB, generator=g) * 1.5, SamplingParams(temperature=1.0))
+    after_alternates = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(3)) * 1.5
+    return torch.cat([target_logits, after_alternates]), q
+
+
+def verify_tree_draws(verifier):
+    params = SamplingParams(temperature=1.0)
+    logits, q = tree_situation()
+    draft, gens = sampled_tree_drafts(q, params)
+    logits = logits.expand(N, 5, VOCAB)
+    return draft, logits, verifier.verify(draft, logits, [params] * N, gens)
+
+
 @pytest.mark.parametrize("verifier", [BlockVerifier(), SpeculativeSamplingVerifier()], ids=["block", "token"])
 def test_verifiers_sample_the_target_with_alternates(verifier):
     """The real verifiers on N draws of one situation with an alternate beside every position: the first
     token follows p_0, and the token after an alternate taken at position 0 follows that alternate's column."""
-    params = SamplingParams(temperature=1.0)
-    target_logits, draft_logits = situation(seed=7, k=2)
-    q = warp(draft_logits, params)
-    draft, gens = sampled_tree_drafts(q, params)
-    after_alternates = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(3)) * 1.5  # columns 3 and 4
-    logits = torch.cat([target_logits, after_alternates]).expand(N, 5, VOCAB)
-    verdict = verifier.verify(draft, logits, [params] * N, gens)
-    emitted = [verdict.emitted(draft, n) for n in range(N)]
-    assert chi2_pvalue(np.array([e[0] for e in emitted]), reference_probs(target_logits[0].numpy(), 1.0)) > P_THRESHOLD
+    draft, logits, verdict = verify_tree_draws(verifier)
+    first = np.array([verdict.emitted(draft, n)[0] for n in range(N)])
+    assert chi2_pvalue(first, reference_probs(logits[0, 0].numpy(), 1.0)) > P_THRESHOLD
     at_zero = verdict.alternate & (verdict.num_accepted == 0)
     assert int(at_zero.sum()) > 1000  # alternates really taken
     _, _, columns = draft.tree
@@ -183,6 +196,15 @@ def test_verifiers_sample_the_target_with_alternates(verifier):
     for c in column.unique().tolist():  # rows lay out their alternates left to right: column 3 or 4
         p_after = reference_probs(logits[0, c].numpy(), 1.0)
         assert chi2_pvalue(after[column == c].numpy(), p_after) > P_THRESHOLD
+
+
+def test_verifier_check_catches_an_alternate_accepted_too_often(monkeypatch):
+    """Negative control: the alternate accepted with twice its chance (capped at 1) skews the first token."""
+    honest = tree_rule.alternate_test
+    monkeypatch.setattr(tree_rule, "alternate_test", lambda dist, q, y: (min(1.0, 2 * honest(dist, q, y)[0]), honest(dist, q, y)[1]))
+    draft, logits, verdict = verify_tree_draws(BlockVerifier())
+    first = np.array([verdict.emitted(draft, n)[0] for n in range(N)])
+    assert chi2_pvalue(first, reference_probs(logits[0, 0].numpy(), 1.0)) < 1e-10
 
 
 class _Branching:
