@@ -49,18 +49,26 @@ class Tree:
         return self.q[prefix]
 
 
-def emitted_distribution(tree: Tree, g: int, weights=block_weights) -> tuple[dict, float]:
-    """Exact probability of each first g + 1 tokens one block-verified step (completed by the target)
-    emits, and the expected number of accepted draft tokens."""
-    out, accepted = {}, 0.0
+def completer(tree: Tree, length: int, out: dict):
+    """complete(tokens, prob): add to out[...] the chance prob of having emitted `tokens`, extended by the
+    target's own draws to `length` tokens (a step's output, followed by plain decoding)."""
 
     def complete(tokens: tuple, prob: float) -> None:
-        if len(tokens) == g + 1:
+        if len(tokens) == length:
             out[tokens] = out.get(tokens, 0.0) + prob
             return
         for a, pa in enumerate(tree.target(tokens)):
             if pa > 0:
                 complete(tokens + (a,), prob * pa)
+
+    return complete
+
+
+def emitted_distribution(tree: Tree, g: int, weights=block_weights) -> tuple[dict, float]:
+    """Exact probability of each first g + 1 tokens one block-verified step (completed by the target)
+    emits, and the expected number of accepted draft tokens."""
+    out, accepted = {}, 0.0
+    complete = completer(tree, g + 1, out)
 
     for block in itertools.product(range(tree.vocab), repeat=g):
         drafted = np.prod([tree.draft(block[:i])[block[i]] for i in range(g)])

@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from conftest import perturbed_copy, tiny_llama
-from test_block_verification import Tree, target_probability
+from test_block_verification import Tree, completer, target_probability
+from test_trees import _Always
 from test_sampling_exactness import P_THRESHOLD, VOCAB, chi2_pvalue, first_two_tokens_pvalues, reference_probs
 from verispec.drafters import ModelDrafter
 from verispec.drafters.base import Draft
@@ -64,14 +65,7 @@ def emitted_with_alternates(tree: Tree, g: int, stops, test=alternate_test) -> t
     alternate, drawn from q without the chain's token, stands beside every position; and the chance an
     alternate is taken."""
     out, taken = {}, 0.0
-
-    def complete(tokens: tuple, prob: float) -> None:
-        if len(tokens) == g + 1:
-            out[tokens] = out.get(tokens, 0.0) + prob
-            return
-        for a, pa in enumerate(tree.target(tokens)):
-            if pa > 0:
-                complete(tokens + (a,), prob * pa)
+    complete = completer(tree, g + 1, out)
 
     for block in itertools.product(range(tree.vocab), repeat=g):
         drafted = np.prod([tree.draft(block[:i])[block[i]] for i in range(g)])
@@ -207,25 +201,6 @@ def test_verifier_check_catches_an_alternate_accepted_too_often(monkeypatch):
     assert chi2_pvalue(first, reference_probs(logits[0, 0].numpy(), 1.0)) < 1e-10
 
 
-class _Branching:
-    """A policy that drafts k tokens and places an alternate beside every position."""
-
-    def __init__(self, k: int):
-        self.k = k
-
-    def choose(self, batch_size):
-        return self.k
-
-    def stop_rule(self, batch_size):
-        return lambda position, confidence: torch.ones(confidence.shape[0], dtype=torch.bool)
-
-    def branch_rule(self, stop):
-        return lambda confidence, num_drafted: torch.ones(confidence.shape, dtype=torch.bool)
-
-    def observe(self, *args, **kwargs):
-        pass
-
-
 @pytest.mark.parametrize("blockwise", [True, False], ids=["block", "token"])
 def test_engine_samples_the_target_with_alternates(blockwise):
     """A native tiny model, a draft token with an alternate beside it, 2000 seeded rows in batches of 4 (a
@@ -238,7 +213,7 @@ def test_engine_samples_the_target_with_alternates(blockwise):
     prompt = [1, 5, 6, 7, 8, 5, 6]
     out, taken = {}, 0
     for first_row in range(0, 2000, 4):
-        batch = DecodeBatch(target, ModelDrafter(draft, target.vocab_size), _Branching(3))
+        batch = DecodeBatch(target, ModelDrafter(draft, target.vocab_size), _Always(3))
         batch.add([Request(prompt=prompt, sampling=replace(params, seed=params.seed + b), max_new_tokens=2, id=b)
                    for b in range(first_row, first_row + 4)])
         while len(batch):
