@@ -64,27 +64,40 @@ def completer(tree: Tree, length: int, out: dict):
     return complete
 
 
-def emitted_distribution(tree: Tree, g: int, weights=block_weights) -> tuple[dict, float]:
-    """Exact probability of each first g + 1 tokens one block-verified step (completed by the target)
-    emits, and the expected number of accepted draft tokens."""
-    out, accepted = {}, 0.0
-    complete = completer(tree, g + 1, out)
-
+def drafted_blocks(tree: Tree, g: int):
+    """Every draft block of g tokens the draft can propose: (block, its chance, p [g + 1, V] the target's
+    distributions along it, q [g, V] the draft's)."""
     for block in itertools.product(range(tree.vocab), repeat=g):
         drafted = np.prod([tree.draft(block[:i])[block[i]] for i in range(g)])
         if drafted == 0:
             continue
         p = torch.tensor(np.stack([tree.target(block[:i]) for i in range(g + 1)]))
         q = torch.tensor(np.stack([tree.draft(block[:i]) for i in range(g)]))
-        w, h = weights(p, q, torch.tensor(block))
-        not_longer = 1.0  # the chance that no longer prefix was kept
-        for kept in range(g, -1, -1):
-            chance = drafted * not_longer * float(h[kept])
-            not_longer *= 1 - float(h[kept])
+        yield block, drafted, p, q
+
+
+def block_stops(p, q, block, weights=block_weights):
+    """(kept, its chance given the block, the distribution of the target's token there) for each prefix
+    length block verification may keep."""
+    w, h = weights(p, q, torch.tensor(block))
+    g, not_longer = len(block), 1.0  # the chance that no longer prefix was kept
+    for kept in range(g, -1, -1):
+        chance = not_longer * float(h[kept])
+        not_longer *= 1 - float(h[kept])
+        yield kept, chance, (p[g] if kept == g else residual(float(w[kept]), p[kept], q[kept]))
+
+
+def emitted_distribution(tree: Tree, g: int, weights=block_weights) -> tuple[dict, float]:
+    """Exact probability of each first g + 1 tokens one block-verified step (completed by the target)
+    emits, and the expected number of accepted draft tokens."""
+    out, accepted = {}, 0.0
+    complete = completer(tree, g + 1, out)
+    for block, drafted, p, q in drafted_blocks(tree, g):
+        for kept, chance, dist in block_stops(p, q, block, weights):
+            chance *= drafted
             if chance == 0:
                 continue
             accepted += chance * kept
-            dist = p[g] if kept == g else residual(float(w[kept]), p[kept], q[kept])
             for y, py in enumerate(dist.tolist()):
                 if py > 0:
                     complete(block[:kept] + (y,), chance * py)

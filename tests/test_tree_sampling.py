@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from conftest import perturbed_copy, tiny_llama
-from test_block_verification import Tree, completer, target_probability
+from test_block_verification import Tree, block_stops, completer, drafted_blocks, target_probability
 from test_trees import _Always
 from test_sampling_exactness import P_THRESHOLD, VOCAB, chi2_pvalue, first_two_tokens_pvalues, reference_probs
 from verispec.drafters import ModelDrafter
@@ -29,7 +29,6 @@ from verispec.sampling import SamplingParams, make_generators, sample, warp
 from verispec.verifiers import BlockVerifier, SpeculativeSamplingVerifier
 from verispec.verifiers import tree as tree_rule
 from verispec.verifiers.base import residual
-from verispec.verifiers.block import block_weights
 from verispec.verifiers.tree import alternate_test
 
 
@@ -40,18 +39,9 @@ def without(q: torch.Tensor, token: int) -> torch.Tensor | None:
     return rest / rest.sum() if float(rest.sum()) > 0 else None
 
 
-def block_stops(p, q, block):
-    """(kept, chance given the block, distribution of the target's token there) for block verification."""
-    w, h = block_weights(p, q, torch.tensor(block))
-    g, not_longer = len(block), 1.0
-    for kept in range(g, -1, -1):
-        chance = not_longer * float(h[kept])
-        not_longer *= 1 - float(h[kept])
-        yield kept, chance, (p[g] if kept == g else residual(float(w[kept]), p[kept], q[kept]))
-
-
 def token_stops(p, q, block):
-    """The same for token-by-token speculative sampling."""
+    """(kept, its chance given the block, the distribution of the target's token there) for token-by-token
+    speculative sampling (`block_stops` gives them for block verification)."""
     survive = 1.0
     for i, x in enumerate(block):
         accept = min(1.0, float(p[i, x] / q[i, x]))
@@ -67,12 +57,7 @@ def emitted_with_alternates(tree: Tree, g: int, stops, test=alternate_test) -> t
     out, taken = {}, 0.0
     complete = completer(tree, g + 1, out)
 
-    for block in itertools.product(range(tree.vocab), repeat=g):
-        drafted = np.prod([tree.draft(block[:i])[block[i]] for i in range(g)])
-        if drafted == 0:
-            continue
-        p = torch.tensor(np.stack([tree.target(block[:i]) for i in range(g + 1)]))
-        q = torch.tensor(np.stack([tree.draft(block[:i]) for i in range(g)]))
+    for block, drafted, p, q in drafted_blocks(tree, g):
         for kept, chance, dist in stops(p, q, block):
             chance *= drafted
             alternate_q = without(q[kept], block[kept]) if kept < g else None
