@@ -13,20 +13,24 @@ from verispec.bench import _paired_runs, add_bench_arguments, run_bench
 HUMANEVAL = "../shared/data/humaneval_dev.jsonl"
 
 
-@pytest.fixture(scope="module")
-def report(tmp_path_factory):
+def run_small_bench(out, name: str, *options: str) -> None:
+    """`verispec bench` on the HumanEval prompts with smollm2-135m drafting for itself (int8), no HF peers."""
     from pathlib import Path
 
     prompts = Path(__file__).resolve().parents[1] / HUMANEVAL
     if not prompts.exists():
         pytest.skip(f"{HUMANEVAL} is not beside the repository")
-    out = tmp_path_factory.mktemp("reports")
     parser = argparse.ArgumentParser()
     add_bench_arguments(parser)
-    args = parser.parse_args([str(prompts), "--target", "smollm2-135m", "--draft", "smollm2-135m", "--draft-dtype", "int8",
-                              "--per-category", "2", "--max-new-tokens", "12", "--rounds", "2", "--no-hf", "--sweep", "2,3",
-                              "--sweep-prompts", "1", "--widths", "1,2,4", "--out", str(out), "--name", "t"])
-    run_bench(args)
+    run_bench(parser.parse_args([str(prompts), "--target", "smollm2-135m", "--draft", "smollm2-135m", "--draft-dtype", "int8",
+                                 "--no-hf", *options, "--out", str(out), "--name", name]))
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    out = tmp_path_factory.mktemp("reports")
+    run_small_bench(out, "t", "--per-category", "2", "--max-new-tokens", "12", "--rounds", "2", "--sweep", "2,3",
+                    "--sweep-prompts", "1", "--widths", "1,2,4")
     return out
 
 
@@ -47,17 +51,8 @@ def test_bench_writes_reports_with_identical_outputs(report):
 
 def test_bench_labels_a_lossy_run(tmp_path):
     """A run with typical acceptance (lossy) says so in its report."""
-    from pathlib import Path
-
-    prompts = Path(__file__).resolve().parents[1] / HUMANEVAL
-    if not prompts.exists():
-        pytest.skip(f"{HUMANEVAL} is not beside the repository")
-    parser = argparse.ArgumentParser()
-    add_bench_arguments(parser)
-    args = parser.parse_args([str(prompts), "--target", "smollm2-135m", "--draft", "smollm2-135m", "--draft-dtype", "int8",
-                              "--per-category", "1", "--max-new-tokens", "8", "--no-hf", "--sweep", "", "--widths", "1,2",
-                              "--temperature", "0.8", "--typical-acceptance", "0.05", "--out", str(tmp_path), "--name", "lossy"])
-    run_bench(args)
+    run_small_bench(tmp_path, "lossy", "--per-category", "1", "--max-new-tokens", "8", "--sweep", "", "--widths", "1,2",
+                    "--temperature", "0.8", "--typical-acceptance", "0.05")
     assert json.loads((tmp_path / "lossy.json").read_text())["settings"]["typical_acceptance"] == 0.05
     assert "LOSSY typical acceptance, eps 0.05" in (tmp_path / "lossy.md").read_text()
 
