@@ -58,7 +58,12 @@ def test_same_contract_attributes(pair):
     for attribute in ("vocab_size", "max_context", "eos_token_ids", "device", "config"):
         assert getattr(model, attribute) == getattr(hf, attribute), attribute
     assert model.name == hf.name
-    assert model.lm_head.data_ptr() == hf.model.get_output_embeddings().weight.data_ptr()  # borrowed, not copied
+    head = hf.model.get_output_embeddings().weight
+    if isinstance(model.lm_head, kernels.PanelMatrix):  # AVX2: a copy in 16-row panels, the same numbers
+        assert torch.equal(model.lm_head.dequantize(), head)
+        assert model.embed.data_ptr() == hf.model.get_input_embeddings().weight.data_ptr()
+    else:
+        assert model.lm_head.data_ptr() == head.data_ptr()  # borrowed, not copied
 
 
 def test_loaded_native_belongs_to_its_own_model():
@@ -405,7 +410,7 @@ def _int8_rounded_by_group(x: torch.Tensor, group: int = 64) -> torch.Tensor:
 
 @needs_kernels
 @pytest.mark.parametrize("isa", [512, 256])
-@pytest.mark.parametrize("fmt", ["f32", "bf16", "int8", "int4", "int4-vnni", "int4-avx2"])
+@pytest.mark.parametrize("fmt", ["f32", "bf16", "int8", "int4", "int4-vnni", "int4-avx2", "panels"])
 def test_rowwise_linear_rows_are_independent(isa, fmt, monkeypatch):
     """Each row of a product is bitwise what it is alone, and the product is the dense one (int4
     matrices on an int8-activation path see the activations rounded per group of 64)."""
@@ -413,6 +418,8 @@ def test_rowwise_linear_rows_are_independent(isa, fmt, monkeypatch):
         pytest.skip(f"CPU lacks the {isa}-bit kernel")
     if fmt == "int4-vnni" and not (isa == 512 and kernels._vnni):
         pytest.skip("the VNNI int8-activation int4 path needs AVX-512 VNNI")
+    if fmt == "panels" and isa == 512:
+        pytest.skip("panel matrices have one kernel, AVX2+FMA")
     monkeypatch.setattr(kernels, "_isa", isa)
     monkeypatch.setattr(kernels, "_vnni", fmt == "int4-vnni")
     monkeypatch.setattr(kernels, "_int8_activations", fmt in ("int4-vnni", "int4-avx2"))
@@ -426,6 +433,8 @@ def test_rowwise_linear_rows_are_independent(isa, fmt, monkeypatch):
         if fmt in ("f32", "bf16"):
             weight = dense.to(torch.float32 if fmt == "f32" else torch.bfloat16)
             reference = weight.float()
+        elif fmt == "panels":
+            weight, reference = kernels.PanelMatrix.pack(dense), dense
         else:
             weight = (kernels.Int4Matrix if int4 else kernels.Int8Matrix).quantize(dense)
             reference = weight.dequantize()
@@ -440,7 +449,7 @@ def test_rowwise_linear_rows_are_independent(isa, fmt, monkeypatch):
 
 @needs_kernels
 @pytest.mark.parametrize("isa", [512, 256])
-@pytest.mark.parametrize("fmt", ["f32", "bf16", "int8", "int4", "int4-avx2"])
+@pytest.mark.parametrize("fmt", ["f32", "bf16", "int8", "int4", "int4-avx2", "panels"])
 def test_linear_group_equals_its_linears_called_alone(isa, fmt, monkeypatch):
     """q/k/v and gate/up run as one grouped call: every output bitwise what its own call gives, edges
     (widths not a multiple of the tile) and every row count of a verify pass included."""
@@ -454,7 +463,8 @@ def test_linear_group_equals_its_linears_called_alone(isa, fmt, monkeypatch):
     linears = []
     for out_features in (64, 18, 7):
         dense = torch.randn(out_features, in_features)
-        weight = {"f32": dense, "bf16": dense.to(torch.bfloat16), "int8": kernels.Int8Matrix.quantize(dense)}.get(
+        weight = {"f32": dense, "bf16": dense.to(torch.bfloat16), "int8": kernels.Int8Matrix.quantize(dense),
+                  "panels": kernels.PanelMatrix.pack(dense)}.get(
             fmt, kernels.Int4Matrix.quantize(dense) if fmt.startswith("int4") else None)
         linears.append(kernels.Linear(weight, torch.randn(out_features)))
     group = kernels.LinearGroup(linears)
@@ -499,6 +509,27 @@ def test_blocked_linear_is_the_dense_product_and_rows_are_independent():
         torch.testing.assert_close(full[0], x @ quantized.dequantize().T + bias, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(full[1], x @ dense.T, atol=1e-4, rtol=1e-4)
         assert torch.equal(kernels.blocked_linear(x[3:10], [quantized], [bias])[0], full[0][3:10])
+
+
+@pytest.mark.skipif(not (kernels.available() and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")),
+                    reason="panel matrices need AVX2+FMA")
+def test_panel_matrix_small_passes_are_the_prefill_gemm_bit_for_bit():
+    """A `PanelMatrix` holds the float32 matrix's numbers; a small pass of any width (one or two rows
+    take two panels at once, 7+ rows several passes over a block) gives each row bitwise what the
+    prefill GEMM gives it, so a token's numbers do not depend on whether it was prefilled, verified
+    in a batch of drafts or decoded alone. Tails in n (16-row panels) and k (256-long blocks)."""
+    torch.manual_seed(1)
+    for out_features, in_features in ((40, 300), (16, 256), (7, 5), (100, 513)):
+        dense, bias = torch.randn(out_features, in_features), torch.randn(out_features)
+        panels = kernels.PanelMatrix.pack(dense)
+        assert panels.shape == dense.shape and torch.equal(panels.dequantize(), dense)
+        assert torch.equal(panels[[3, 0, out_features - 1]].dequantize(), dense[[3, 0, out_features - 1]])
+        x = torch.randn(kernels.MAX_ROWS, in_features)
+        for b in (bias, None):
+            prefill = kernels.blocked_linear(x, [panels], [b])[0]
+            assert torch.equal(prefill, kernels.blocked_linear(x, [dense], [b])[0])  # in place = packed per call
+            for rows in range(1, kernels.MAX_ROWS + 1):
+                assert torch.equal(kernels.rowwise_linear(x[:rows], panels, b), prefill[:rows]), rows
 
 
 @needs_kernels

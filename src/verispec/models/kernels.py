@@ -196,6 +196,7 @@ _BLOCKED = r"""
 #define GKC 256   /* k per packed block: a 16-row w panel is 16 KB, in L1 */
 #define GMC 96    /* rows of x per sweep over a thread's packed w panels (96 KB of x, in L2) */
 #define GPANELS 4 /* w panels a thread packs and keeps per k block (64 KB) */
+_Static_assert(GKC == PKC && GNR == PNR, "panel matrices are read in place: the same panels and k blocks");
 
 __attribute__((target("avx2,fma"))) static inline void transpose8x8(__m256 *r)
 {
@@ -216,9 +217,10 @@ __attribute__((target("avx2,fma"))) static inline void transpose8x8(__m256 *r)
 #define GMAX 4      /* matrices per blocked_linear_group call */
 
 /* One product of a group: y [M, N] = x . w^T (+ b); panels [first, first + ceil(N / 16)) of the job.
- * w is float32 [N, K] (s unused), or int4 codes [N, K / 2] with scales s [N, K / I4GROUP] (int4 != 0),
- * the `Int4Matrix` layout, widened to float32 as its panels are packed. */
-typedef struct { const void *w; const float *s; const float *b; float *y; int64_t N, first; int int4; } blocked_part;
+ * w is float32 [N, K] (kind 0), int4 codes [N, K / 2] with scales s [N, K / I4GROUP] (kind 1, the
+ * `Int4Matrix` layout, widened to float32 as its panels are packed), or float32 already in the
+ * panels this GEMM packs, [ceil(N / 16)][K][16] (kind 2, `PanelMatrix`: read in place). */
+typedef struct { const void *w; const float *s; const float *b; float *y; int64_t N, first; int kind; } blocked_part;
 typedef struct { const float *x; float *xp; int64_t M, K; int count; blocked_part parts[GMAX]; } blocked_job;
 
 /* x rows -> xp [M / 6][K][6], rows past M zero. Range over 6-row blocks. */
@@ -311,16 +313,16 @@ __attribute__((target("avx2,fma"))) static void blocked_panels(const blocked_job
 {
     const int64_t M = job->M, N = part->N, K = job->K, mblocks = (M + GMR - 1) / GMR;
     float wp[GPANELS * GKC * GNR] __attribute__((aligned(64)));
-    float widened[part->int4 ? GNR * GKC : 1];
+    float widened[part->kind == 1 ? GNR * GKC : 1];
     float edge[GMR * GNR] __attribute__((aligned(32)));
     float bias[GNR];
     for (int64_t p0 = begin; p0 < end; p0 += GPANELS) {
         const int64_t p1 = p0 + GPANELS < end ? p0 + GPANELS : end;
         for (int64_t k0 = 0; k0 < K; k0 += GKC) {
             const int64_t kc = K - k0 < GKC ? K - k0 : GKC;
-            for (int64_t p = p0; p < p1; p++) {
+            for (int64_t p = p0; p < p1 && part->kind != 2; p++) {
                 const int64_t n0 = p * GNR, rows = N - n0 < GNR ? N - n0 : GNR;
-                if (part->int4) {
+                if (part->kind == 1) {
                     blocked_widen_int4(part->w, part->s, K, n0, rows, k0, kc, widened);
                     blocked_pack_w(widened, GKC, rows, kc, wp + (p - p0) * GKC * GNR);
                 } else {
@@ -332,6 +334,8 @@ __attribute__((target("avx2,fma"))) static void blocked_panels(const blocked_job
                 for (int64_t p = p0; p < p1; p++) {
                     const int64_t n0 = p * GNR, cols = N - n0 < GNR ? N - n0 : GNR;
                     const float *b = part->b ? part->b + n0 : 0;
+                    const float *panel = part->kind == 2 ? (const float *)part->w + (p * K + k0) * GNR
+                                                         : wp + (p - p0) * GKC * GNR;
                     if (b && cols < GNR) {
                         for (int j = 0; j < GNR; j++) bias[j] = j < cols ? b[j] : 0.0f;
                         b = bias;
@@ -341,12 +345,12 @@ __attribute__((target("avx2,fma"))) static void blocked_panels(const blocked_job
                         const float *xp = job->xp + mb * K * GMR + k0 * GMR;
                         float *y = part->y + m0 * N + n0;
                         if (rows == GMR && cols == GNR) {
-                            blocked_tile(kc, xp, wp + (p - p0) * GKC * GNR, y, N, k0 > 0, b);
+                            blocked_tile(kc, xp, panel, y, N, k0 > 0, b);
                             continue;
                         }
                         if (k0 > 0)
                             for (int i = 0; i < rows; i++) memcpy(edge + i * GNR, y + i * N, sizeof(float) * (size_t)cols);
-                        blocked_tile(kc, xp, wp + (p - p0) * GKC * GNR, edge, GNR, k0 > 0, b);
+                        blocked_tile(kc, xp, panel, edge, GNR, k0 > 0, b);
                         for (int i = 0; i < rows; i++) memcpy(y + i * N, edge + i * GNR, sizeof(float) * (size_t)cols);
                     }
                 }
@@ -369,17 +373,16 @@ static void blocked_range(const void *arg, int64_t begin, int64_t end)
     }
 }
 
-/* y[i] = x . w[i]^T (+ b[i]) for `count` (at most GMAX) matrices of width K sharing x [M, K] (int4
- * where s[i] is not null, see blocked_part): x is
- * packed once into xp (ceil(M / 6) * 6 * K floats of scratch), then threads split all the parts'
- * weight panels. */
+/* y[i] = x . w[i]^T (+ b[i]) for `count` (at most GMAX) matrices of width K sharing x [M, K] (of
+ * kind[i], see blocked_part): x is packed once into xp (ceil(M / 6) * 6 * K floats of scratch), then
+ * threads split all the parts' weight panels. */
 void blocked_linear_group(const float *x, int count, const void *const *w, const float *const *s, const float *const *b,
-                          float *const *y, const int64_t *N, int64_t M, int64_t K, float *xp, int threads)
+                          float *const *y, const int64_t *N, const int *kind, int64_t M, int64_t K, float *xp, int threads)
 {
     blocked_job job = {x, xp, M, K, count < GMAX ? count : GMAX, {{0}}};
     int64_t panels = 0;
     for (int i = 0; i < job.count; i++) {
-        job.parts[i] = (blocked_part){w[i], s[i], b[i], y[i], N[i], panels, s[i] != 0};
+        job.parts[i] = (blocked_part){w[i], s[i], b[i], y[i], N[i], panels, kind[i]};
         panels += (N[i] + GNR - 1) / GNR;
     }
     parallel_for(blocked_pack_x, &job, (M + GMR - 1) / GMR, 4, threads);
@@ -1394,6 +1397,134 @@ static int linear_q8avx2(const float *x, int count, const uint8_t *const *w, con
     return 1;
 }
 
+/* ======== float32 matrices in 16-row panels (`PanelMatrix`), AVX2+FMA ========
+ * w is stored [ceil(N / 16)][K][16]: for each k, 16 output rows' weights side by side, so a pass
+ * reads the matrix as one contiguous stream (the hardware prefetcher follows it at full speed) and
+ * a tile broadcasts x[m, k] against two 8-wide weight vectors (the GEMM microkernel's shape). Each
+ * y[m, n] is the blocked GEMM's chain: per block of PKC k, one lane summing x[m, k] * w[n, k] by
+ * fused multiply-adds in k order from 0; y = (b[n] or 0) + block 0, then y += each next block. Which
+ * tile ran (how many rows, one panel or two) only decides which lanes were live together: a row's
+ * result is bitwise the same for any M and any other rows, and the same as blocked_linear_group's
+ * (a prefill). K needs no multiple of 8 and no tail. Rows past 6 go in further passes over the same
+ * k block of the panel, now in L1, while the next block is prefetched. */
+#define PNR 16     /* output rows per panel */
+#define PKC 256    /* k per block: a panel's block is 16 KB; the GEMM's GKC, for the same sums */
+#define PMR 6      /* activation rows per pass */
+
+#define PANEL_TILE(MR, P)                                                                          \
+__attribute__((target("avx2,fma"))) static void panel_tile_##MR##x##P(                           \
+    const float *x, int64_t K, const float *wp, int64_t kc, float *acc, const float *base, int fetch) \
+{   /* rows [0, MR) of x (stride K) against P panels (stride K * 16) over kc k; acc [MR][P * 16] +=  \
+     * the block's sums, or = base [P * 16] (bias or zeros) + them for the first block; `fetch`:     \
+     * prefetch the next k block meanwhile */                                                     \
+    __m256 a[MR][2 * P];                                                                          \
+    _Pragma("GCC unroll 6") for (int i = 0; i < MR; i++)                                         \
+        _Pragma("GCC unroll 4") for (int j = 0; j < 2 * P; j++) a[i][j] = _mm256_setzero_ps();   \
+    _Pragma("GCC unroll 4") for (int64_t k = 0; k < kc; k++) {                                   \
+        __m256 w[2 * P];                                                                          \
+        _Pragma("GCC unroll 4") for (int j = 0; j < 2 * P; j++)                                  \
+            w[j] = _mm256_load_ps(wp + (j / 2) * K * PNR + k * PNR + (j % 2) * 8);               \
+        if (fetch)                                                                                \
+            _Pragma("GCC unroll 2") for (int j = 0; j < P; j++)                                  \
+                _mm_prefetch((const char *)(wp + j * K * PNR + (kc + k) * PNR), _MM_HINT_T0);     \
+        _Pragma("GCC unroll 6") for (int i = 0; i < MR; i++) {                                   \
+            const __m256 xv = _mm256_broadcast_ss(x + i * K + k);                                 \
+            _Pragma("GCC unroll 4") for (int j = 0; j < 2 * P; j++) a[i][j] = _mm256_fmadd_ps(xv, w[j], a[i][j]); \
+        }                                                                                         \
+    }                                                                                             \
+    _Pragma("GCC unroll 6") for (int i = 0; i < MR; i++)                                         \
+        _Pragma("GCC unroll 4") for (int j = 0; j < 2 * P; j++) {                                \
+            float *out = acc + i * P * PNR + j * 8;                                               \
+            _mm256_storeu_ps(out, _mm256_add_ps(_mm256_loadu_ps(base ? base + j * 8 : out), a[i][j])); \
+        }                                                                                         \
+}
+PANEL_TILE(1, 1) PANEL_TILE(2, 1) PANEL_TILE(3, 1) PANEL_TILE(4, 1) PANEL_TILE(5, 1) PANEL_TILE(6, 1)
+PANEL_TILE(1, 2) PANEL_TILE(2, 2)  /* one or two rows: two panels at once, for 4-8 independent FMA chains */
+typedef void (*panel_tile_fn)(const float *, int64_t, const float *, int64_t, float *, const float *, int);
+static const panel_tile_fn panel_tiles[PMR + 1] = {0, panel_tile_1x1, panel_tile_2x1, panel_tile_3x1, panel_tile_4x1,
+                                                   panel_tile_5x1, panel_tile_6x1};
+
+typedef struct {
+    const float *x; int64_t M, K; int count;
+    const float *w[MAX_GROUP]; const float *b[MAX_GROUP]; float *y[MAX_GROUP]; int64_t N[MAX_GROUP];
+    int64_t first[MAX_GROUP + 1];  /* panels of the parts before each */
+} panel_job;
+
+/* Panels [p, p + P) of one part: acc [M][P * 16], then y for the rows that exist. */
+__attribute__((target("avx2,fma"))) static void panel_run(const panel_job *job, int part, int64_t p, int P, float *acc)
+{
+    const int64_t M = job->M, K = job->K, N = job->N[part];
+    const float *w = job->w[part] + p * K * PNR, *b = job->b[part];
+    float base[2 * PNR] __attribute__((aligned(32)));  /* the panels' bias, zero past N (or no bias) */
+    for (int64_t j = 0; j < P * PNR; j++) base[j] = b && p * PNR + j < N ? b[p * PNR + j] : 0.0f;
+    if (K == 0)
+        for (int64_t m = 0; m < M; m++) memcpy(acc + m * P * PNR, base, sizeof(float) * (size_t)(P * PNR));
+    for (int64_t k0 = 0; k0 < K; k0 += PKC) {
+        const int64_t kc = K - k0 < PKC ? K - k0 : PKC;
+        if (P == 2) {
+            (M == 1 ? panel_tile_1x2 : panel_tile_2x2)(job->x + k0, K, w + k0 * PNR, kc, acc, k0 ? 0 : base, 0);
+            continue;
+        }
+        for (int64_t m0 = 0; m0 < M;) {  /* rows split evenly over the fewest passes: 8 -> 4 + 4 */
+            const int64_t passes = (M - m0 + PMR - 1) / PMR;
+            const int mr = (int)((M - m0 + passes - 1) / passes);
+            /* software prefetch paid off where the block is read more than once or by 5-6 rows, and
+             * slowed 1-4 rows in one pass by 2-6% (2 Zen 3 cores): the hardware's own keeps up there */
+            panel_tiles[mr](job->x + m0 * K + k0, K, w + k0 * PNR, kc, acc + m0 * PNR, k0 ? 0 : base, M > PMR || mr >= 5);
+            m0 += mr;
+        }
+    }
+    for (int q = 0; q < P; q++) {
+        const int64_t n0 = (p + q) * PNR, cols = N - n0 < PNR ? N - n0 : PNR;
+        for (int64_t m = 0; m < M; m++)
+            memcpy(job->y[part] + m * N + n0, acc + m * P * PNR + q * PNR, sizeof(float) * (size_t)cols);
+    }
+}
+
+/* Panels [begin, end) of the job, numbered across its parts in order. */
+__attribute__((target("avx2,fma"))) static void panel_range(const void *arg, int64_t begin, int64_t end)
+{
+    const panel_job *job = arg;
+    float local[64 * 2 * PNR] __attribute__((aligned(32)));
+    float *acc = job->M <= 64 ? local : aligned_alloc(32, sizeof(float) * (size_t)(job->M * 2 * PNR));
+    if (!acc) return;  /* the caller checked the scratch it needs before the job (see panel_linear_group) */
+    for (int i = 0; i < job->count; i++) {
+        const int64_t lo = begin > job->first[i] ? begin : job->first[i];
+        const int64_t hi = end < job->first[i + 1] ? end : job->first[i + 1];
+        for (int64_t p = lo; p < hi;) {
+            const int P = job->M <= 2 && p + 1 < hi ? 2 : 1;
+            panel_run(job, i, p - job->first[i], P, acc);
+            p += P;
+        }
+    }
+    if (acc != local) free(acc);
+}
+
+/* y[i] = x w[i]^T (+ b[i]) for `count` panel matrices [N[i], K] sharing x [M, K]. Returns 0, or -1
+ * when scratch memory is short. */
+static int panel_linear_group(const float *x, int count, const void *const *w, const float *const *b, float *const *y,
+                              const int64_t *N, int64_t M, int64_t K, int threads)
+{
+    if (M > 64) {  /* each worker needs its own accumulators then: check that they can exist */
+        void *probe = aligned_alloc(32, sizeof(float) * (size_t)(M * 2 * PNR));
+        if (!probe) return -1;
+        free(probe);
+    }
+    panel_job job = {x, M, K, count, {0}, {0}, {0}, {0}, {0}};
+    int64_t work = 0;
+    for (int i = 0; i < count; i++) {
+        job.w[i] = w[i]; job.b[i] = b[i]; job.y[i] = y[i]; job.N[i] = N[i];
+        job.first[i + 1] = job.first[i] + (N[i] + PNR - 1) / PNR;
+        work += M * N[i] * K;
+    }
+    const int64_t total = job.first[count];
+    /* ~64 chunks (even, so one- and two-row passes keep their panel pairs) balance the threads */
+    int64_t grain = work < 65536 ? total : (total + 63) / 64;
+    grain += grain & 1;
+    if (total) parallel_for(panel_range, &job, total, grain > 0 ? grain : 1, threads);
+    return 0;
+}
+
 int kernels_isa(void)
 {
     __builtin_cpu_init();
@@ -1413,7 +1544,8 @@ int kernels_vnni(void)
  * 3 = int4 in groups of I4GROUP along k, a float32 scale per group in s [N, K / I4GROUP],
  * 4 = the same int4 matrices with activations rounded to int8 per group (AVX-512 VNNI),
  * 5 = the same on AVX2 (byte products through vpmaddubsw),
- * 6 = exact Q4_K blocks, 7 = exact Q6_K blocks (see widen_q4k / widen_q6k; s holds their scales).
+ * 6 = exact Q4_K blocks, 7 = exact Q6_K blocks (see widen_q4k / widen_q6k; s holds their scales),
+ * 8 = float32 in 16-row panels (see panel_linear_group; AVX2+FMA, whatever `isa` says).
  * A group is `count` (at most MAX_GROUP) matrices of one format and width K applied to the same x,
  * y[i] = x w[i]^T, as one job. Returns 0, or -1 if scratch memory ran out. */
 int rowwise_linear_group(const float *x, int count, const void *const *w, const float *const *s, const float *const *b,
@@ -1426,6 +1558,7 @@ int rowwise_linear_group(const float *x, int count, const void *const *w, const 
         return 0;
     }
     if (weights == 5) return linear_q8avx2(x, count, (const uint8_t *const *)w, s, b, y, N, M, K, threads) ? 0 : -1;
+    if (weights == 8) return panel_linear_group(x, count, w, b, y, N, M, K, threads);
     linear_job jobs[MAX_GROUP];
     const void *job_ptrs[MAX_GROUP];
     int64_t tiles[MAX_GROUP], work = 0;
@@ -1634,7 +1767,7 @@ _SIGNATURES = {
     "rms_norm": (None, [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_float, ctypes.c_int]),
     "rope": (None, [ctypes.c_void_p] + [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 3),
     "cache_write": (None, [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 6),
-    "blocked_linear_group": (None, [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 2 + [ctypes.c_void_p, ctypes.c_int]),
+    "blocked_linear_group": (None, [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 2 + [ctypes.c_void_p, ctypes.c_int]),
     "slot_attention": (ctypes.c_int, [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 8 + [ctypes.c_float] + [ctypes.c_int] * 2),
 }
 
@@ -1857,6 +1990,50 @@ class Q6KMatrix(ExactBlocks):
         return (self.scale.reshape(n, -1, 1) * q).reshape(n, -1).to(dtype)
 
 
+class PanelMatrix(QuantizedMatrix):
+    """A float32 matrix [N, K] stored in panels of 16 rows, k-major: values [ceil(N / 16), K, 16], rows
+    past N zero. The same numbers as the float32 matrix (nothing is rounded), in the order the AVX2
+    kernels read them: a small pass streams the matrix front to back, which on 2 Zen 3 cores ran a
+    one-row pass at the memory's speed and kept 8-16-row passes within ~1.3-1.8x of it (row-major
+    tiles: 1.45-2.3x), and prefill's GEMM uses the panels in place instead of packing them per call.
+    Each output row of a pass is bitwise the same whatever the other rows (see panel_linear_group),
+    though it differs in the last bits from a row-major float32 product (another summation order)."""
+
+    dtype = torch.float32  # the numbers are the float32 matrix's
+    ROWS = 16
+
+    def __init__(self, values: torch.Tensor, scale: torch.Tensor | None = None, rows: int | None = None):
+        super().__init__(values, torch.empty(0) if scale is None else scale)
+        self.rows = values.shape[0] * self.ROWS if rows is None else rows
+
+    @classmethod
+    def pack(cls, weight: torch.Tensor) -> "PanelMatrix":
+        n, k = weight.shape
+        padded = -(-n // cls.ROWS) * cls.ROWS
+        w = weight.detach().float()
+        if padded != n:
+            w = torch.cat((w, w.new_zeros(padded - n, k)))
+        return cls(w.view(padded // cls.ROWS, cls.ROWS, k).transpose(1, 2).contiguous(), rows=n)
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.rows, self.values.shape[1]))
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        k = self.values.shape[1]
+        return self.values.transpose(1, 2).reshape(-1, k)[: self.rows].to(dtype).contiguous()
+
+    def __getitem__(self, rows) -> "PanelMatrix":
+        return self.pack(self.dequantize()[rows])
+
+
+def panels_preferred() -> bool:
+    """Whether float32 matrices of small passes should be `PanelMatrix`es: on CPUs whose widest vectors
+    are AVX2's and big passes use the blocked GEMM, which reads the panels in place (the panel kernels are
+    AVX2+FMA code, measured there). VERISPEC_PANELS=0 keeps row-major matrices."""
+    return blocked_preferred() and os.environ.get("VERISPEC_PANELS", "1") != "0"
+
+
 class Linear:
     """A weight matrix (and bias) checked once, for a hot loop: `linear(x, out)` computes what
     `rowwise_linear(x, weight, bias, out)` does without re-checking the weight on every call.
@@ -1873,6 +2050,8 @@ class Linear:
             matrix, self._scale = weight.values, weight.scale.data_ptr()
             if isinstance(weight, ExactBlocks):
                 self._format = "q4k" if weight.code == 6 else "q6k"
+            elif isinstance(weight, PanelMatrix):
+                self._format, self._scale = "panels", None
             else:
                 self._format = "int8" if isinstance(weight, Int8Matrix) else "int4"
         else:
@@ -1943,7 +2122,7 @@ class LinearGroup:
         return tuple(outs)
 
 
-_FORMAT_CODES = {"f32": 0, "bf16": 1, "int8": 2, "q4k": 6, "q6k": 7}
+_FORMAT_CODES = {"f32": 0, "bf16": 1, "int8": 2, "q4k": 6, "q6k": 7, "panels": 8}
 
 
 def _int4_code() -> int:
@@ -1980,19 +2159,19 @@ def blocked_preferred() -> bool:
 
 
 def blocked_takes(weight) -> bool:
-    """Whether `blocked_linear` multiplies this weight: a float32 matrix, an `Int4Matrix`, or exact blocks
-    (through their float32 matrix)."""
-    return (isinstance(weight, (Int4Matrix, ExactBlocks))
+    """Whether `blocked_linear` multiplies this weight: a float32 matrix, a `PanelMatrix`, an `Int4Matrix`,
+    or exact blocks (through their float32 matrix)."""
+    return (isinstance(weight, (Int4Matrix, ExactBlocks, PanelMatrix))
             or (isinstance(weight, torch.Tensor) and weight.dtype == torch.float32))
 
 
 def blocked_linear(x: torch.Tensor, weights, biases=None) -> list[torch.Tensor]:
     """x [..., K] @ weights[i] [N_i, K].T (+ biases[i] [N_i]) -> [..., N_i] float32 for each of up to 4
     matrices sharing x, for many rows at once (a prompt's prefill): a blocked GEMM with packed register
-    tiles, AVX2+FMA, x packed once for the group. A weight is float32 or an `Int4Matrix` (widened to
-    float32 panel by panel, no widened copy kept). Rows are independent (a row's numbers do not depend
-    on the others or on how many there are) but differ from `rowwise_linear`'s in the last bits:
-    another summation order."""
+    tiles, AVX2+FMA, x packed once for the group. A weight is float32, a `PanelMatrix` (read in place)
+    or an `Int4Matrix` (widened to float32 panel by panel, no widened copy kept). Rows are independent
+    (a row's numbers do not depend on the others or on how many there are) but differ from
+    `rowwise_linear`'s in the last bits: another summation order."""
     count = len(weights)
     biases = [None] * count if biases is None else list(biases)
     if not 1 <= count <= 4 or len(biases) != count:
@@ -2004,8 +2183,9 @@ def blocked_linear(x: torch.Tensor, weights, biases=None) -> list[torch.Tensor]:
     weights = [w.dense if isinstance(w, ExactBlocks) else w for w in weights]
     rows = x.reshape(-1, k).contiguous()
     outs = [torch.empty(*x.shape[:-1], weight.shape[0], dtype=torch.float32) for weight in weights]
-    codes = [w.values if isinstance(w, Int4Matrix) else w for w in weights]
+    codes = [w.values if isinstance(w, (Int4Matrix, PanelMatrix)) else w for w in weights]
     scales = [w.scale if isinstance(w, Int4Matrix) else None for w in weights]
+    kinds = [1 if isinstance(w, Int4Matrix) else 2 if isinstance(w, PanelMatrix) else 0 for w in weights]
     _check(rows, *outs, *(t for t in (*biases, *scales) if t is not None))
     if any(not c.is_contiguous() or c.device.type != "cpu" for c in codes):
         raise ValueError("weights must be contiguous CPU matrices")
@@ -2016,8 +2196,8 @@ def blocked_linear(x: torch.Tensor, weights, biases=None) -> list[torch.Tensor]:
             rows.data_ptr(), count, pointers(*(c.data_ptr() for c in codes)),
             pointers(*(None if t is None else t.data_ptr() for t in scales)),
             pointers(*(None if b is None else b.data_ptr() for b in biases)), pointers(*(o.data_ptr() for o in outs)),
-            (ctypes.c_int64 * count)(*(w.shape[0] for w in weights)), rows.shape[0], k, packed.data_ptr(),
-            torch.get_num_threads())
+            (ctypes.c_int64 * count)(*(w.shape[0] for w in weights)), (ctypes.c_int * count)(*kinds),
+            rows.shape[0], k, packed.data_ptr(), torch.get_num_threads())
     elif rows.shape[0]:  # K = 0: the empty sum
         for out, bias in zip(outs, biases):
             out.copy_(torch.zeros_like(out) if bias is None else bias.expand_as(out))

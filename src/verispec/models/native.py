@@ -222,7 +222,8 @@ def _fast_bfloat16_matmul() -> bool:
 class NativeCausalLM:
     """A Llama/Qwen2-family causal LM behind the verispec `CausalLM` contract; see the module docstring."""
 
-    def __init__(self, hf_model, tokenizer=None, name: str | None = None, weight_dtype: torch.dtype | None = None):
+    def __init__(self, hf_model, tokenizer=None, name: str | None = None, weight_dtype: torch.dtype | None = None,
+                 panels: bool | None = None):
         if not supports(hf_model):
             raise ValueError(
                 f"{type(hf_model).__name__} is not supported by NativeCausalLM (Llama/Qwen2 with SiLU MLP, static "
@@ -280,6 +281,8 @@ class NativeCausalLM:
             and all(w.is_contiguous() for w in (self.embed, self.lm_head))
             and all(t is None or t.is_contiguous() for layer in self.layers for t in vars(layer).values())
         )
+        if self._kernels and self.weight_dtype == torch.float32 and (kernels.panels_preferred() if panels is None else panels):
+            self._store_matrices_as_panels()
         self._buffers: dict[str, torch.Tensor] | None = None
         self._prepared: tuple[list[dict[str, kernels.Linear]], kernels.Linear] | None = None  # see _linears
         # Token rows a pass may carry and still be bitwise row-exact (the engine keeps verify passes within).
@@ -293,7 +296,7 @@ class NativeCausalLM:
 
     @classmethod
     def from_hf(cls, hf_model, tokenizer=None, name: str | None = None,
-                weight_dtype: torch.dtype | None = None) -> "NativeCausalLM":
+                weight_dtype: torch.dtype | None = None, panels: bool | None = None) -> "NativeCausalLM":
         """Build from a `transformers` Llama/Qwen2 model, or from an `HFCausalLM` (whose tokenizer and name
         are reused unless given). The weights are shared with the HF model, not copied.
 
@@ -305,12 +308,15 @@ class NativeCausalLM:
         quarter of the bytes, the logits move further (~1e-1), still a draft only.
         weight_dtype=torch.quint4x2 (the tag of `kernels.Int4Matrix`) keeps 4-bit copies with one
         scale per 64 weights: 0.5625 bytes per weight; needs matrix widths divisible by 64.
+        Float32 matrices are kept as `kernels.PanelMatrix` copies (16-row panels, the order the AVX2
+        kernels stream them) where `kernels.panels_preferred()`, or as `panels` says: the same numbers,
+        a copy beside the transformers model's (which stays for its own forward).
         """
         if hasattr(hf_model, "new_cache") and hasattr(hf_model, "model"):  # an HFCausalLM wrapper
             tokenizer = tokenizer if tokenizer is not None else hf_model.tokenizer
             name = name or hf_model.name
             hf_model = hf_model.model
-        return cls(hf_model.eval(), tokenizer, name, weight_dtype)
+        return cls(hf_model.eval(), tokenizer, name, weight_dtype, panels)
 
     def _store_matrices_as(self, dtype: torch.dtype) -> None:
         """Replace the borrowed matrices (not norms, biases or the embedding) by `dtype` copies."""
@@ -326,6 +332,20 @@ class NativeCausalLM:
         self.lm_head = convert(self.lm_head)
         self.name = f"{self.name}-{'int4' if dtype == torch.quint4x2 else str(dtype).removeprefix('torch.')}"
 
+    def _store_matrices_as_panels(self) -> None:
+        """Replace the borrowed float32 matrices by `kernels.PanelMatrix` copies, one at a time."""
+        for layer in self.layers:
+            for field in MATRIX_FIELDS:
+                setattr(layer, field, kernels.PanelMatrix.pack(getattr(layer, field)))
+        self.lm_head = kernels.PanelMatrix.pack(self.lm_head)  # the embedding (when tied) stays for lookups
+
+    def _store_panels_as_rows(self) -> None:
+        """Back to row-major float32 matrices (the inverse of `_store_matrices_as_panels`)."""
+        for owner, field in [(layer, f) for layer in self.layers for f in MATRIX_FIELDS] + [(self, "lm_head")]:
+            if isinstance(getattr(owner, field), kernels.PanelMatrix):
+                setattr(owner, field, getattr(owner, field).dequantize())
+        self._prepared = None
+
     # the GGUF tensor each matrix of a decoder layer was converted from (llama.cpp's names)
     _GGUF_NAMES = {"q": "attn_q", "k": "attn_k", "v": "attn_v", "o": "attn_output",
                    "gate": "ffn_gate", "up": "ffn_up", "down": "ffn_down"}
@@ -339,6 +359,8 @@ class NativeCausalLM:
 
         if not self._kernels or self.weight_dtype != torch.float32 or self.output_ids is not None:
             return 0, 0
+        # the blocks rebuild row-major float32 products bit for bit: the whole model goes row-major
+        self._store_panels_as_rows()
         blocks = gguf_blocks.tensor_blocks(path)
         wanted = [(layer, field, f"blk.{i}.{name}.weight")
                   for i, layer in enumerate(self.layers) for field, name in self._GGUF_NAMES.items()]
@@ -538,6 +560,8 @@ class NativeCausalLM:
     def _linear(self, x: torch.Tensor, weight, bias: torch.Tensor | None) -> torch.Tensor:
         if isinstance(weight, kernels.ExactBlocks):
             weight = weight.dense  # the float32 matrix the blocks rebuild exactly
+        elif isinstance(weight, kernels.PanelMatrix):
+            weight = weight.dequantize()  # a transient row-major copy (the panels' own GEMM is the usual path)
         elif isinstance(weight, kernels.QuantizedMatrix):
             # weight-only int8 or int4 (a draft): a big pass multiplies a widened copy, made at the first big
             # pass and kept (widening every prefill cost ~1 s for a 0.5B draft; PyTorch's own int8-weight
