@@ -1,7 +1,8 @@
 """verispec's own forward pass for Llama / Qwen2 decoders, built for decoding and verifying on a CPU.
 
-`NativeCausalLM` runs the weights of a `transformers` model (it borrows the tensors, no copy)
-through a hand-written pass: RMSNorm, rotary embeddings from precomputed tables, grouped-query
+`NativeCausalLM` runs the weights of a `transformers` model (it borrows the tensors; on AVX2 CPUs it
+keeps float32 matrices as `kernels.PanelMatrix` copies, the order its kernels stream them) through a
+hand-written pass: RMSNorm, rotary embeddings from precomputed tables, grouped-query
 attention, SwiGLU MLP, Qwen2's q/k/v biases, tied or separate LM head. Keys and values live in a
 preallocated `NativeStore` on the shared slot axis of `SlotCache`; rollback only moves its length.
 Its logits match the `transformers` model's to float32 rounding (~1e-6 relative), not bitwise.
