@@ -95,7 +95,8 @@ def _wrap(model: HFCausalLM, backend: str, weight_dtype: torch.dtype | None = No
     native = built.get(key)
     if native is None or native.tokenizer is not model.tokenizer:
         try:
-            native = NativeCausalLM.from_hf(model, weight_dtype=weight_dtype)
+            # exact blocks rebuild row-major products: no panel copy to pack and then undo
+            native = NativeCausalLM.from_hf(model, weight_dtype=weight_dtype, panels=False if source is not None else None)
         except ValueError as exc:  # e.g. int4 on matrices whose width is not a whole number of groups
             raise VerispecError(f"{model.name}: {exc}") from None
         if source is not None:

@@ -325,27 +325,25 @@ class NativeCausalLM:
                    torch.quint4x2: kernels.Int4Matrix.quantize}
         if dtype not in formats:
             raise ValueError(f"matrices can be stored as bfloat16, int8 or int4 (torch.quint4x2), not {dtype}")
-        convert = formats[dtype]
+        self._convert_matrices(formats[dtype])
+        self.name = f"{self.name}-{'int4' if dtype == torch.quint4x2 else str(dtype).removeprefix('torch.')}"
 
+    def _convert_matrices(self, convert) -> None:
+        """Replace each matrix (the layers' and the LM head; not norms, biases or the embedding, which
+        stays for lookups when tied) by convert(matrix), one at a time."""
         for layer in self.layers:
             for field in MATRIX_FIELDS:
                 setattr(layer, field, convert(getattr(layer, field)))
         self.lm_head = convert(self.lm_head)
-        self.name = f"{self.name}-{'int4' if dtype == torch.quint4x2 else str(dtype).removeprefix('torch.')}"
+        self._prepared = None
 
     def _store_matrices_as_panels(self) -> None:
-        """Replace the borrowed float32 matrices by `kernels.PanelMatrix` copies, one at a time."""
-        for layer in self.layers:
-            for field in MATRIX_FIELDS:
-                setattr(layer, field, kernels.PanelMatrix.pack(getattr(layer, field)))
-        self.lm_head = kernels.PanelMatrix.pack(self.lm_head)  # the embedding (when tied) stays for lookups
+        """Replace the borrowed float32 matrices by `kernels.PanelMatrix` copies."""
+        self._convert_matrices(kernels.PanelMatrix.pack)
 
     def _store_panels_as_rows(self) -> None:
         """Back to row-major float32 matrices (the inverse of `_store_matrices_as_panels`)."""
-        for owner, field in [(layer, f) for layer in self.layers for f in MATRIX_FIELDS] + [(self, "lm_head")]:
-            if isinstance(getattr(owner, field), kernels.PanelMatrix):
-                setattr(owner, field, getattr(owner, field).dequantize())
-        self._prepared = None
+        self._convert_matrices(lambda w: w.dequantize() if isinstance(w, kernels.PanelMatrix) else w)
 
     # the GGUF tensor each matrix of a decoder layer was converted from (llama.cpp's names)
     _GGUF_NAMES = {"q": "attn_q", "k": "attn_k", "v": "attn_v", "o": "attn_output",
