@@ -391,6 +391,36 @@ def test_width_k_pass_equals_k_single_steps(pair):
 
 
 @needs_kernels
+@pytest.mark.parametrize("fmt", ["f32", "panels", "bf16", "int8", "int4", "int4-avx2"])
+def test_fused_layers_equal_the_layer_loop(pair, fmt, monkeypatch):
+    """A small pass runs every layer in one C call (`kernels.LayerStack`): bitwise the logits of the Python
+    loop over the same kernels, for decode and verify widths, padded batches, rollback holes and token
+    trees, on every matrix format."""
+    if fmt == "int4-avx2" and kernels.isa() != 256:
+        pytest.skip("the AVX2 int8-activation path")
+    monkeypatch.setattr(kernels, "_int8_activations", fmt == "int4-avx2")
+    hf, _ = pair
+    weight_dtype = {"bf16": torch.bfloat16, "int8": torch.int8, "int4": torch.quint4x2, "int4-avx2": torch.quint4x2}.get(fmt)
+    model = NativeCausalLM.from_hf(hf, weight_dtype=weight_dtype, panels=fmt == "panels")
+    assert model._layer_stack() is not None  # the fused path is really taken below
+    tree = torch.tensor([[[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 0, 1]]] * 2, dtype=torch.bool)
+
+    def passes(fused: bool) -> list[torch.Tensor]:
+        model.fused_layers = fused
+        tokens, visible = left_pad([SEQUENCE[:7], SEQUENCE[3:6]])
+        cache = model.new_cache(2)
+        out = [model.forward(tokens, cache, visible)]
+        out.append(model.forward(torch.tensor([[11, 12, 13, 14, 15], [21, 22, 23, 24, 25]]), cache))
+        cache.truncate(torch.tensor([cache.slots.length - 3, cache.slots.length - 1]))  # holes differ per row
+        out.append(model.forward(torch.tensor([[30], [31]]), cache))
+        out.append(model.forward(torch.tensor([[40, 41, 42, 43], [50, 51, 52, 53]]), cache, tree=tree))
+        return out
+
+    for fused, loop in zip(passes(True), passes(False)):
+        assert torch.equal(fused, loop)
+
+
+@needs_kernels
 def test_batch_mates_do_not_change_a_row(pair):
     _, model = pair
     alone = model.forward(torch.tensor([[9, 8, 7]]), prefilled(model, SEQUENCE[:5]))

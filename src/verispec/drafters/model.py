@@ -77,10 +77,14 @@ class ModelDrafter:
         for i in range(draft_len):
             logits = self._logits_to_target_vocab(logits.float().cpu())
             if all_greedy:
-                tokens[:, i] = logits.argmax(-1)
                 if branch is None:
-                    confidence[:, i] = logits.softmax(-1).max(-1).values
+                    # the argmax and its probability exp(max - logsumexp): two passes over the vocabulary
+                    # where argmax, softmax and max took four (~0.3 ms a token at 152k)
+                    top = logits.max(-1)
+                    tokens[:, i] = top.indices
+                    confidence[:, i] = torch.exp(top.values - torch.logsumexp(logits, -1))
                 else:
+                    tokens[:, i] = logits.argmax(-1)
                     top = logits.softmax(-1).topk(2, -1)
                     confidence[:, i] = top.values[:, 0]
                     alternate_confidence[:, i] = top.values[:, 1]

@@ -286,6 +286,9 @@ class NativeCausalLM:
             self._store_matrices_as_panels()
         self._buffers: dict[str, torch.Tensor] | None = None
         self._prepared: tuple[list[dict[str, kernels.Linear]], kernels.Linear] | None = None  # see _linears
+        self._stack: kernels.LayerStack | None | bool = False  # see _layer_stack; False: not built yet
+        # VERISPEC_LAYER_LOOP=1 runs small passes layer by layer from Python (the same kernel calls)
+        self.fused_layers = not os.environ.get("VERISPEC_LAYER_LOOP")
         # Token rows a pass may carry and still be bitwise row-exact (the engine keeps verify passes within).
         self.max_exact_rows = kernels.MAX_ROWS if self._kernels else None
 
@@ -336,6 +339,7 @@ class NativeCausalLM:
                 setattr(layer, field, convert(getattr(layer, field)))
         self.lm_head = convert(self.lm_head)
         self._prepared = None
+        self._stack = False
 
     def _store_matrices_as_panels(self) -> None:
         """Replace the borrowed float32 matrices by `kernels.PanelMatrix` copies."""
@@ -379,6 +383,7 @@ class NativeCausalLM:
             log.info("%s: %d of %d matrices kept as float32 (no exact k-quant blocks for them)",
                      self.name, len(wanted) - replaced, len(wanted))
         self._prepared = None
+        self._stack = False
         return replaced, len(wanted)
 
     def with_output_ids(self, output_ids: torch.Tensor) -> "NativeCausalLM":
@@ -400,6 +405,7 @@ class NativeCausalLM:
         clone.name = f"{self.name}-vocab{len(output_ids)}"
         clone._buffers = None  # activation buffers are per model object
         clone._prepared = None
+        clone._stack = False
         return clone
 
     supports = staticmethod(supports)
@@ -514,6 +520,16 @@ class NativeCausalLM:
             self._prepared = layers, kernels.Linear(self.lm_head, self.lm_head_bias)
         return self._prepared
 
+    def _layer_stack(self) -> kernels.LayerStack | None:
+        """Every layer's norms and products as one `kernels.LayerStack` (one C call a pass), built once;
+        None where a layer's products mix weight formats."""
+        if self._stack is False:
+            linears, _ = self._linears()
+            self._stack = kernels.LayerStack.build([
+                (layer.attn_norm, linear["qkv"], linear["o"], layer.mlp_norm, linear["gate_up"], linear["down"])
+                for layer, linear in zip(self.layers, linears)])
+        return self._stack
+
     def _small_pass(self, tokens, position_ids, visible, store: NativeStore, start: int, tree=None) -> torch.Tensor:
         """Hidden states [B, T, hidden] after the final norm, every op a row-exact kernel."""
         batch, width = tokens.shape
@@ -522,6 +538,13 @@ class NativeCausalLM:
         linears, _ = self._linears()
         positions = position_ids.reshape(-1).contiguous()
         x = F.embedding(tokens.reshape(-1), self.embed)  # the residual stream [rows, hidden], a fresh copy
+        stack = self._layer_stack() if self.fused_layers else None
+        if stack is not None:
+            stack(x, buf, batch, width, self.num_heads, self.num_kv_heads, self.head_dim, positions, self._cos, self._sin,
+                  store.keys, store.values, visible, start, self.scale, self.eps, tree)
+            out = torch.empty(rows, self.hidden_size)
+            kernels.rms_norm(x, self.final_norm, self.eps, out, buf["delta"])
+            return out.view(batch, width, self.hidden_size)
         residual = None  # the last sublayer's output, added to x inside the next rms_norm
         for index, (layer, linear) in enumerate(zip(self.layers, linears)):
             kernels.rms_norm(x, layer.attn_norm, self.eps, buf["normed"], residual)
