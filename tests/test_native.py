@@ -391,14 +391,18 @@ def test_width_k_pass_equals_k_single_steps(pair):
 
 
 @needs_kernels
-@pytest.mark.parametrize("fmt", ["f32", "panels", "bf16", "int8", "int4", "int4-avx2"])
+@pytest.mark.parametrize("fmt", ["f32", "panels", "bf16", "int8", "int4", "int4-vnni", "int4-avx2"])
 def test_fused_layers_equal_the_layer_loop(pair, fmt, monkeypatch):
     """A small pass runs every layer in one C call (`kernels.LayerStack`): bitwise the logits of the Python
     loop over the same kernels, for decode and verify widths, padded batches, rollback holes and token
     trees, on every matrix format."""
-    if fmt == "int4-avx2" and kernels.isa() != 256:
-        pytest.skip("the AVX2 int8-activation path")
-    monkeypatch.setattr(kernels, "_int8_activations", fmt == "int4-avx2")
+    if fmt == "int4-vnni" and not kernels._vnni:
+        pytest.skip("CPU lacks AVX-512 VNNI")
+    if fmt == "int4-avx2":
+        monkeypatch.setattr(kernels, "_isa", 256)  # the AVX2 int8-activation path, on any AVX2 CPU
+        monkeypatch.setattr(kernels, "_vnni", False)
+    monkeypatch.setattr(kernels, "_int8_activations", fmt in ("int4-vnni", "int4-avx2"))
+    assert kernels._int4_code() == {"int4-vnni": 4, "int4-avx2": 5}.get(fmt, 3)
     hf, _ = pair
     weight_dtype = {"bf16": torch.bfloat16, "int8": torch.int8, "int4": torch.quint4x2, "int4-avx2": torch.quint4x2}.get(fmt)
     model = NativeCausalLM.from_hf(hf, weight_dtype=weight_dtype, panels=fmt == "panels")
@@ -479,15 +483,18 @@ def test_rowwise_linear_rows_are_independent(isa, fmt, monkeypatch):
 
 @needs_kernels
 @pytest.mark.parametrize("isa", [512, 256])
-@pytest.mark.parametrize("fmt", ["f32", "bf16", "int8", "int4", "int4-avx2", "panels"])
+@pytest.mark.parametrize("fmt", ["f32", "bf16", "int8", "int4", "int4-vnni", "int4-avx2", "panels"])
 def test_linear_group_equals_its_linears_called_alone(isa, fmt, monkeypatch):
     """q/k/v and gate/up run as one grouped call: every output bitwise what its own call gives, edges
     (widths not a multiple of the tile) and every row count of a verify pass included."""
     if isa > kernels.isa():
         pytest.skip(f"CPU lacks the {isa}-bit kernel")
+    if fmt == "int4-vnni" and not (isa == 512 and kernels._vnni):
+        pytest.skip("CPU lacks AVX-512 VNNI")
     monkeypatch.setattr(kernels, "_isa", isa)
-    monkeypatch.setattr(kernels, "_vnni", False)
-    monkeypatch.setattr(kernels, "_int8_activations", fmt == "int4-avx2")
+    monkeypatch.setattr(kernels, "_vnni", fmt == "int4-vnni")
+    monkeypatch.setattr(kernels, "_int8_activations", fmt in ("int4-vnni", "int4-avx2"))
+    assert kernels._int4_code() == {"int4-vnni": 4, "int4-avx2": 5}.get(fmt, 3)
     torch.manual_seed(0)
     in_features = 192
     linears = []

@@ -1216,25 +1216,6 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) static void edge_vnni(con
     }
 }
 
-/* 0 when the scratch memory for the rounded activations ran out */
-static int linear_vnni(const float *x, const uint8_t *w, const float *s, const float *b, float *y, int64_t M, int64_t N,
-                       int64_t K, int threads)
-{
-    const int64_t groups = K / I4GROUP;
-    const size_t bytes = (size_t)(M * K + M * groups * (16 * 4 + 4));
-    int8_t *qx = aligned_alloc(64, (bytes + 63) / 64 * 64);  /* a whole number of alignments, as C11 asks */
-    if (!qx) return 0;
-    int32_t *qc = (int32_t *)(qx + M * K);
-    float *qs = (float *)(qc + M * groups * 16);
-    quantize_rows_vnni(x, qx, qs, qc, M, K);
-    const vnni_job job = {qx, qs, qc, w, s, b, y, M, N, K};
-    const int64_t tiles = N / NR, grain = M * N * K < 65536 ? tiles : (tiles + 63) / 64;
-    parallel_for(linear_range_vnni, &job, tiles, grain > 0 ? grain : 1, threads);
-    for (int64_t n = tiles * NR; n < N; n++) edge_vnni(&job, n);
-    free(qx);
-    return 1;
-}
-
 /* ======== int4 weights x int8 activations on AVX2 ========
  * The arithmetic of the VNNI path above with AVX2's byte products: the activations are rounded to
  * int8 per group of I4GROUP the same way; vpmaddubsw multiplies 32 weight nibbles (unsigned) by 32
@@ -1363,6 +1344,35 @@ static void run_group(range_fn fn, const void *const *jobs, const int64_t *tiles
 
 /* 0 when the scratch memory ran out. The last N % NR weight rows run as a tile of NR whose extra
  * rows repeat the last one (each output is a function of its own weight row: nothing else changes). */
+/* int4 products on AVX-512 VNNI, activations rounded to int8 per group (quantize_rows_vnni), a group as one job: x rounded to int8 once, one wake of
+ * the pool for all their weight tiles; each output is bitwise what the product alone gives. 0 when the
+ * scratch memory ran out. */
+static int linear_vnni_group(const float *x, int count, const uint8_t *const *w, const float *const *s, const float *const *b,
+                             float *const *y, const int64_t *N, int64_t M, int64_t K, int threads)
+{
+    const int64_t groups = K / I4GROUP;
+    const size_t bytes = (size_t)(M * K + M * groups * (16 * 4 + 4));
+    int8_t *qx = aligned_alloc(64, (bytes + 63) / 64 * 64);
+    if (!qx) return 0;
+    int32_t *qc = (int32_t *)(qx + M * K);
+    float *qs = (float *)(qc + M * groups * 16);
+    quantize_rows_vnni(x, qx, qs, qc, M, K);
+    vnni_job jobs[MAX_GROUP];
+    const void *job_ptrs[MAX_GROUP];
+    int64_t tiles[MAX_GROUP], work = 0;
+    for (int i = 0; i < count; i++) {
+        jobs[i] = (vnni_job){qx, qs, qc, w[i], s[i], b[i], y[i], M, N[i], K};
+        job_ptrs[i] = &jobs[i];
+        tiles[i] = N[i] / NR;
+        work += M * N[i] * K;
+    }
+    run_group(linear_range_vnni, job_ptrs, tiles, count, work, threads);
+    for (int i = 0; i < count; i++)
+        for (int64_t n = tiles[i] * NR; n < N[i]; n++) edge_vnni(&jobs[i], n);
+    free(qx);
+    return 1;
+}
+
 static int linear_q8avx2(const float *x, int count, const uint8_t *const *w, const float *const *s, const float *const *b,
                          float *const *y, const int64_t *N, int64_t M, int64_t K, int threads)
 {
@@ -1559,11 +1569,7 @@ int rowwise_linear_group(const float *x, int count, const void *const *w, const 
                          float *const *y, const int64_t *N, int64_t M, int64_t K, int weights, int isa, int threads)
 {
     if (count < 1 || count > MAX_GROUP) return -1;
-    if (weights == 4) {
-        for (int i = 0; i < count; i++)
-            if (!linear_vnni(x, w[i], s[i], b[i], y[i], M, N[i], K, threads)) return -1;
-        return 0;
-    }
+    if (weights == 4) return linear_vnni_group(x, count, (const uint8_t *const *)w, s, b, y, N, M, K, threads) ? 0 : -1;
     if (weights == 5) return linear_q8avx2(x, count, (const uint8_t *const *)w, s, b, y, N, M, K, threads) ? 0 : -1;
     if (weights == 8) return panel_linear_group(x, count, w, b, y, N, M, K, threads);
     linear_job jobs[MAX_GROUP];
