@@ -16,6 +16,7 @@ import verispec
 from conftest import on_path, perturbed_copy, prefilled, tiny_gpt2, tiny_llama, tiny_qwen2
 from verispec.prefill import left_pad
 from verispec.models import kernels
+from verispec.models import native as native_module
 from verispec.models.native import NativeCausalLM, NativeStore, supports
 
 PROMPTS = [[1, 5, 6, 7, 8, 9, 5, 6, 7], [1, 20, 21], [4], [1, 30, 31, 32, 30, 31, 32, 30, 31, 40, 41, 42]]
@@ -232,19 +233,24 @@ def test_int4_matrix_rounds_each_group_to_its_own_scale():
 
 
 @pytest.mark.parametrize("weight_dtype", [torch.int8, torch.quint4x2])
-def test_quantized_draft_prefill_uses_a_kept_bf16_copy(pair, weight_dtype):
-    """A big pass (prefill) multiplies a bfloat16 copy of an int8/int4 matrix, widened once and kept;
-    it computes the small passes' function up to rounding."""
+def test_quantized_draft_prefill_uses_a_kept_widened_copy(pair, weight_dtype, monkeypatch):
+    """A big pass (prefill) multiplies a widened copy of an int8/int4 matrix (bfloat16 where the CPU
+    multiplies it fastest, else float32), made once and kept; it computes the small passes' function up
+    to rounding."""
     hf, _ = pair
     draft = NativeCausalLM.from_hf(hf, weight_dtype=weight_dtype)
     if not draft._kernels:
         pytest.skip("exact kernels unavailable here")
+    monkeypatch.setenv("VERISPEC_WIDE_PREFILL", "1")  # not the int4 chunks of an AVX2 CPU
+    monkeypatch.setattr(kernels, "blocked_preferred", lambda: False)  # PyTorch's GEMM, which takes the copy
     tokens = torch.arange(40).remainder(90).add(4)[None]
     big, _ = run(draft, [tokens])  # 40 > MAX_ROWS: the PyTorch path
     small, _ = run(draft, [tokens[:, :20], tokens[:, 20:]])  # the kernels
-    assert (big - small).abs().max() < 0.1 * small.abs().max()  # int8 activations vs bfloat16 ones
-    copy = draft.layers[0].gate.widened(torch.bfloat16)
-    assert copy.dtype == torch.bfloat16 and copy is draft.layers[0].gate.widened(torch.bfloat16)
+    assert (big - small).abs().max() < 0.1 * small.abs().max()  # int8 activations vs float ones
+    (dtype, copy), = draft.layers[0].gate._widened.items()  # the one copy the big pass made
+    assert dtype == (torch.bfloat16 if native_module._fast_bfloat16_matmul() else torch.float32)
+    big_again, _ = run(draft, [tokens])
+    assert torch.equal(big, big_again) and draft.layers[0].gate.widened(dtype) is copy
 
 
 @pytest.mark.parametrize("batch", [1, 3])
@@ -257,6 +263,7 @@ def test_int4_draft_prefills_in_small_passes(pair, batch, monkeypatch):
         pytest.skip("exact kernels unavailable here")
     monkeypatch.setattr(kernels, "_int8_activations", True)
     monkeypatch.setattr(kernels, "_vnni", kernels._isa == 512 and kernels._vnni)
+    monkeypatch.setenv("VERISPEC_CHUNKED_PREFILL", "1")  # where PyTorch's GEMM prefills, chunks are opt-in
     assert draft._prefills_in_chunks(batch, 70)
     lengths = [70, 45, 12][:batch]
     prompts = [[4 + (7 * b + 3 * i) % 90 for i in range(n)] for b, n in enumerate(lengths)]
