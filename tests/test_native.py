@@ -247,10 +247,29 @@ def test_quantized_draft_prefill_uses_a_kept_widened_copy(pair, weight_dtype, mo
     big, _ = run(draft, [tokens])  # 40 > MAX_ROWS: the PyTorch path
     small, _ = run(draft, [tokens[:, :20], tokens[:, 20:]])  # the kernels
     assert (big - small).abs().max() < 0.1 * small.abs().max()  # int8 activations vs float ones
-    (dtype, copy), = draft.layers[0].gate._widened.items()  # the one copy the big pass made
+    (dtype, copy), = draft.layers[0].gate._widened.items()  # the one copy (made at load, or by the big pass)
     assert dtype == (torch.bfloat16 if native_module._fast_bfloat16_matmul() else torch.float32)
     big_again, _ = run(draft, [tokens])
     assert torch.equal(big, big_again) and draft.layers[0].gate.widened(dtype) is copy
+
+
+@pytest.mark.parametrize("weight_dtype", [torch.int8, torch.quint4x2])
+def test_widened_prefill_copies_are_made_at_load(pair, weight_dtype, monkeypatch):
+    """Where a prefill multiplies widened copies (PyTorch's GEMM), they exist before the first request, so
+    its draft prefill is not priced with their one-time cost; the LM head is not widened (prefills score
+    one row); with chunked prefills nothing is widened."""
+    hf, _ = pair
+    monkeypatch.setattr(kernels, "blocked_preferred", lambda: False)
+    draft = NativeCausalLM.from_hf(hf, weight_dtype=weight_dtype)
+    if not draft._kernels:
+        pytest.skip("exact kernels unavailable here")
+    chunks = draft._prefills_in_chunks(1, kernels.MAX_ROWS + 1)
+    assert all(bool(getattr(layer, field)._widened) != chunks for layer in draft.layers for field in ("q", "gate", "down"))
+    assert not draft.lm_head._widened
+    if weight_dtype == torch.quint4x2 and kernels._int4_code() in (4, 5):
+        monkeypatch.setenv("VERISPEC_CHUNKED_PREFILL", "1")
+        chunked = NativeCausalLM.from_hf(hf, weight_dtype=weight_dtype)
+        assert not chunked.layers[0].gate._widened
 
 
 @pytest.mark.parametrize("batch", [1, 3])
@@ -258,12 +277,12 @@ def test_int4_draft_prefills_in_small_passes(pair, batch, monkeypatch):
     """With int8-rounded activations a 4-bit draft prefills through its decode kernels, MAX_ROWS rows at a
     time: bitwise what one-token passes give (padding included), and no widened float copy is made."""
     hf, _ = pair
-    draft = NativeCausalLM.from_hf(hf, weight_dtype=torch.quint4x2)
-    if not draft._kernels:
-        pytest.skip("exact kernels unavailable here")
     monkeypatch.setattr(kernels, "_int8_activations", True)
     monkeypatch.setattr(kernels, "_vnni", kernels._isa == 512 and kernels._vnni)
     monkeypatch.setenv("VERISPEC_CHUNKED_PREFILL", "1")  # where PyTorch's GEMM prefills, chunks are opt-in
+    draft = NativeCausalLM.from_hf(hf, weight_dtype=torch.quint4x2)
+    if not draft._kernels:
+        pytest.skip("exact kernels unavailable here")
     assert draft._prefills_in_chunks(batch, 70)
     lengths = [70, 45, 12][:batch]
     prompts = [[4 + (7 * b + 3 * i) % 90 for i in range(n)] for b, n in enumerate(lengths)]

@@ -293,6 +293,7 @@ class NativeCausalLM:
         self.fused_layers = not os.environ.get("VERISPEC_LAYER_LOOP")
         # Token rows a pass may carry and still be bitwise row-exact (the engine keeps verify passes within).
         self.max_exact_rows = kernels.MAX_ROWS if self._kernels else None
+        self._widen_for_prefill()
 
     @property
     def hf_model(self):
@@ -500,6 +501,25 @@ class NativeCausalLM:
         if self._blocked:
             return batch * width <= CHUNKED_PREFILL_ROWS
         return bool(os.environ.get("VERISPEC_CHUNKED_PREFILL"))
+
+    def _widen_for_prefill(self) -> None:
+        """Make now, at load, the widened copies of int8 / int4 layer matrices that prompt prefills will
+        multiply (`_linear`; ~1 s and ~1.4 GB of float32 for a 0.5B draft), so the first request does not
+        pay for them and the draft/target prefill ratio the start decision learns from (`costs.BOOK`) is
+        not inflated by them. Not where prefills take another path: 4-bit chunks or the blocked GEMM,
+        which widens int4 panels as it packs them. The LM head is left alone: a prefill scores one row
+        per prompt, which the small-pass kernels do."""
+        quantized = self.weight_dtype in (torch.int8, torch.quint4x2) and self.device.type == "cpu"
+        if not quantized or self._prefills_in_chunks(1, kernels.MAX_ROWS + 1):
+            return
+        if self.weight_dtype == torch.quint4x2 and self._blocked:
+            return
+        dtype = torch.bfloat16 if _fast_bfloat16_matmul() else torch.float32
+        for layer in self.layers:
+            for field in MATRIX_FIELDS:
+                matrix = getattr(layer, field)
+                if isinstance(matrix, (kernels.Int8Matrix, kernels.Int4Matrix)):
+                    matrix.widened(dtype)
 
     # --- small passes: the exact C kernels --------------------------------------------------------
 
