@@ -1342,57 +1342,60 @@ static void run_group(range_fn fn, const void *const *jobs, const int64_t *tiles
     if (total) parallel_for(group_range, &group, total, grain > 0 ? grain : 1, threads);
 }
 
-/* 0 when the scratch memory ran out. The last N % NR weight rows run as a tile of NR whose extra
- * rows repeat the last one (each output is a function of its own weight row: nothing else changes). */
-/* int4 products on AVX-512 VNNI, activations rounded to int8 per group (quantize_rows_vnni), a group as one job: x rounded to int8 once, one wake of
- * the pool for all their weight tiles; each output is bitwise what the product alone gives. 0 when the
- * scratch memory ran out. */
-static int linear_vnni_group(const float *x, int count, const uint8_t *const *w, const float *const *s, const float *const *b,
-                             float *const *y, const int64_t *N, int64_t M, int64_t K, int threads)
+/* The shared start of the int8-activation int4 products: x rounded to int8 per group by `quantize` into
+ * one scratch block (qx [M, K], `lanes` int32 starting lanes and a float scale per row and group), then
+ * `count` products of that x as one job over all their weight tiles (one wake of the pool). Fills jobs
+ * and tiles for the caller's edge rows; returns the scratch for the caller to free, 0 if memory ran out. */
+typedef void (*quantize_fn)(const float *, int8_t *, float *, int32_t *, int64_t, int64_t);
+static int8_t *int4_group_run(quantize_fn quantize, int lanes, range_fn range, vnni_job *jobs, int64_t *tiles,
+                              const float *x, int count, const uint8_t *const *w, const float *const *s,
+                              const float *const *b, float *const *y, const int64_t *N, int64_t M, int64_t K, int threads)
 {
     const int64_t groups = K / I4GROUP;
-    const size_t bytes = (size_t)(M * K + M * groups * (16 * 4 + 4));
-    int8_t *qx = aligned_alloc(64, (bytes + 63) / 64 * 64);
+    const size_t bytes = (size_t)(M * K + M * groups * (lanes * 4 + 4));
+    int8_t *qx = aligned_alloc(64, (bytes + 63) / 64 * 64);  /* a whole number of alignments, as C11 asks */
     if (!qx) return 0;
     int32_t *qc = (int32_t *)(qx + M * K);
-    float *qs = (float *)(qc + M * groups * 16);
-    quantize_rows_vnni(x, qx, qs, qc, M, K);
-    vnni_job jobs[MAX_GROUP];
+    float *qs = (float *)(qc + M * groups * lanes);
+    quantize(x, qx, qs, qc, M, K);
     const void *job_ptrs[MAX_GROUP];
-    int64_t tiles[MAX_GROUP], work = 0;
+    int64_t work = 0;
     for (int i = 0; i < count; i++) {
         jobs[i] = (vnni_job){qx, qs, qc, w[i], s[i], b[i], y[i], M, N[i], K};
         job_ptrs[i] = &jobs[i];
         tiles[i] = N[i] / NR;
         work += M * N[i] * K;
     }
-    run_group(linear_range_vnni, job_ptrs, tiles, count, work, threads);
+    run_group(range, job_ptrs, tiles, count, work, threads);
+    return qx;
+}
+
+/* int4 products on AVX-512 VNNI (activations rounded by quantize_rows_vnni), a group as one job; each
+ * output is bitwise what the product alone gives. 0 when the scratch memory ran out. */
+static int linear_vnni_group(const float *x, int count, const uint8_t *const *w, const float *const *s, const float *const *b,
+                             float *const *y, const int64_t *N, int64_t M, int64_t K, int threads)
+{
+    vnni_job jobs[MAX_GROUP];
+    int64_t tiles[MAX_GROUP];
+    int8_t *qx = int4_group_run(quantize_rows_vnni, 16, linear_range_vnni, jobs, tiles, x, count, w, s, b, y, N, M, K, threads);
+    if (!qx) return 0;
     for (int i = 0; i < count; i++)
         for (int64_t n = tiles[i] * NR; n < N[i]; n++) edge_vnni(&jobs[i], n);
     free(qx);
     return 1;
 }
 
+/* The same on AVX2 (quantize_rows_avx2, vpmaddubsw). 0 when the scratch memory ran out. The last N % NR
+ * weight rows run as a tile of NR whose extra rows repeat the last one (each output is a function of its
+ * own weight row: nothing else changes). */
 static int linear_q8avx2(const float *x, int count, const uint8_t *const *w, const float *const *s, const float *const *b,
                          float *const *y, const int64_t *N, int64_t M, int64_t K, int threads)
 {
     const int64_t groups = K / I4GROUP;
-    const size_t bytes = (size_t)(M * K + M * groups * (8 * 4 + 4));
-    int8_t *qx = aligned_alloc(64, (bytes + 63) / 64 * 64);
-    if (!qx) return 0;
-    int32_t *qc = (int32_t *)(qx + M * K);
-    float *qs = (float *)(qc + M * groups * 8);
-    quantize_rows_avx2(x, qx, qs, qc, M, K);
     vnni_job jobs[MAX_GROUP];
-    const void *job_ptrs[MAX_GROUP];
-    int64_t tiles[MAX_GROUP], work = 0;
-    for (int i = 0; i < count; i++) {
-        jobs[i] = (vnni_job){qx, qs, qc, w[i], s[i], b[i], y[i], M, N[i], K};
-        job_ptrs[i] = &jobs[i];
-        tiles[i] = N[i] / NR;
-        work += M * N[i] * K;
-    }
-    run_group(linear_range_q8avx2, job_ptrs, tiles, count, work, threads);
+    int64_t tiles[MAX_GROUP];
+    int8_t *qx = int4_group_run(quantize_rows_avx2, 8, linear_range_q8avx2, jobs, tiles, x, count, w, s, b, y, N, M, K, threads);
+    if (!qx) return 0;
     for (int i = 0; i < count; i++)
         for (int64_t n = tiles[i] * NR; n < N[i]; n++) {  /* the edge: one weight row at a time, same arithmetic */
             float out[Q8ROWS * NR];
