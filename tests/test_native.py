@@ -430,7 +430,8 @@ def test_fused_layers_equal_the_layer_loop(pair, fmt, monkeypatch):
     monkeypatch.setattr(kernels, "_int8_activations", fmt in ("int4-vnni", "int4-avx2"))
     assert kernels._int4_code() == {"int4-vnni": 4, "int4-avx2": 5}.get(fmt, 3)
     hf, _ = pair
-    weight_dtype = {"bf16": torch.bfloat16, "int8": torch.int8, "int4": torch.quint4x2, "int4-avx2": torch.quint4x2}.get(fmt)
+    weight_dtype = {"bf16": torch.bfloat16, "int8": torch.int8, "int4": torch.quint4x2, "int4-vnni": torch.quint4x2,
+                    "int4-avx2": torch.quint4x2}.get(fmt)
     model = NativeCausalLM.from_hf(hf, weight_dtype=weight_dtype, panels=fmt == "panels")
     assert model._layer_stack() is not None  # the fused path is really taken below
     tree = torch.tensor([[[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 0, 1]]] * 2, dtype=torch.bool)

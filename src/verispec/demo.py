@@ -27,7 +27,7 @@ def run_demo(args) -> None:
     draft = verispec.load(args.draft, weight_dtype=args.draft_dtype)
     prompt = args.prompt or DEMO_PROMPT
     options = dict(max_new_tokens=args.max_new_tokens)
-    # warm-up: first-call costs (a 4-bit draft's widened prefill copy on AVX-512 CPUs) stay out of the timings
+    # warm-up: first-call costs of both models (buffers, the kernels' thread pool, a first prefill) stay out of the timings
     warm = "def f(x):\n    return x + 1\n\n" * 8
     verispec.generate(target, warm, drafter="none", max_new_tokens=2)
     verispec.generate(target, warm, draft=draft, max_new_tokens=2)

@@ -1901,6 +1901,15 @@ def _check(*tensors: torch.Tensor) -> None:
             raise ValueError("the kernels take contiguous float32 CPU tensors")
 
 
+def _check_masks(visible: torch.Tensor, tree: torch.Tensor | None, batch: int, width: int) -> None:
+    """The attention masks the C kernels read: visible [batch, >= slots] bool with unit column stride, tree
+    (or None) [batch, width, width] contiguous bool."""
+    if visible.dtype != torch.bool or visible.stride(-1) != 1:
+        raise ValueError("visible must be a bool matrix with unit column stride")
+    if tree is not None and (tree.dtype != torch.bool or tuple(tree.shape) != (batch, width, width) or not tree.is_contiguous()):
+        raise ValueError(f"tree must be a contiguous bool tensor [{batch}, {width}, {width}]")
+
+
 class QuantizedMatrix:
     """Integer weight codes `values` and float32 `scale`s standing for a float matrix [N, K]; rows
     are output features. Subclasses define the format (`quantize`, `dequantize`, `shape`, `dtype`)."""
@@ -2278,10 +2287,7 @@ class LayerStack:
         if pointers != self._buffers:
             self._buffers = pointers
             self._buffer_ptrs[:] = pointers
-        if visible.dtype != torch.bool or visible.stride(-1) != 1:
-            raise ValueError("visible must be a bool matrix with unit column stride")
-        if tree is not None and (tree.dtype != torch.bool or tuple(tree.shape) != (batch, width, width) or not tree.is_contiguous()):
-            raise ValueError(f"tree must be a contiguous bool tensor [{batch}, {width}, {width}]")
+        _check_masks(visible, tree, batch, width)
         status = _library.decoder_layers(
             self._descs, len(self._descs), x.data_ptr(), self._buffer_ptrs, batch, width, x.shape[1], heads, kv_heads,
             head_dim, positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), keys.data_ptr(), keys.stride(0),
@@ -2423,10 +2429,7 @@ def slot_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     if out is None:
         out = torch.empty_like(q)
     _check(q, k_cache, v_cache, out)
-    if visible.dtype != torch.bool or visible.stride(-1) != 1:
-        raise ValueError("visible must be a bool matrix with unit column stride")
-    if tree is not None and (tree.dtype != torch.bool or tuple(tree.shape) != (batch, width, width) or not tree.is_contiguous()):
-        raise ValueError(f"tree must be a contiguous bool tensor [{batch}, {width}, {width}]")
+    _check_masks(visible, tree, batch, width)
     status = _library.slot_attention(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), visible.data_ptr(),
                                      None if tree is None else tree.data_ptr(), out.data_ptr(), batch, width, heads, k_cache.shape[1], head_dim,
                                      v_cache.shape[2], visible.stride(0), start, scale, _isa, torch.get_num_threads())

@@ -222,6 +222,11 @@ def _fast_bfloat16_matmul() -> bool:
         return False
 
 
+def _widened_dtype() -> torch.dtype:
+    """The dtype big passes widen int8 / int4 matrices to: bfloat16 where its GEMM is the faster one."""
+    return torch.bfloat16 if _fast_bfloat16_matmul() else torch.float32
+
+
 class NativeCausalLM:
     """A Llama/Qwen2-family causal LM behind the verispec `CausalLM` contract; see the module docstring."""
 
@@ -491,7 +496,7 @@ class NativeCausalLM:
         rows, and their attention is slower than PyTorch's on long contexts). Chunks give a draft's
         prefill the very arithmetic of its decode steps, and neither path keeps a widened copy
         (~2 GB of float32 for that draft). Where PyTorch's GEMM does big passes (AVX-512 CPUs), a widened
-        float32 copy, made at the first prefill and kept, measured faster than chunks at every prompt
+        float32 copy (made at load and kept, `_widen_for_prefill`) measured faster than chunks at every prompt
         length (2 Xeon cores, same draft: 60 tokens 0.26 s against 0.34, 200 0.65 against 0.96, 700 2.05
         against 2.92), so chunks run there only if VERISPEC_CHUNKED_PREFILL=1 asks for them.
         VERISPEC_WIDE_PREFILL=1 turns chunks off everywhere."""
@@ -514,7 +519,7 @@ class NativeCausalLM:
             return
         if self.weight_dtype == torch.quint4x2 and self._blocked:
             return
-        dtype = torch.bfloat16 if _fast_bfloat16_matmul() else torch.float32
+        dtype = _widened_dtype()
         for layer in self.layers:
             for field in MATRIX_FIELDS:
                 matrix = getattr(layer, field)
@@ -563,7 +568,6 @@ class NativeCausalLM:
         batch, width = tokens.shape
         rows = batch * width
         buf = self._buffers_for(rows)
-        linears, _ = self._linears()
         positions = position_ids.reshape(-1).contiguous()
         x = F.embedding(tokens.reshape(-1), self.embed)  # the residual stream [rows, hidden], a fresh copy
         stack = self._layer_stack() if self.fused_layers else None
@@ -573,6 +577,7 @@ class NativeCausalLM:
             out = torch.empty(rows, self.hidden_size)
             kernels.rms_norm(x, self.final_norm, self.eps, out, buf["delta"])
             return out.view(batch, width, self.hidden_size)
+        linears, _ = self._linears()
         residual = None  # the last sublayer's output, added to x inside the next rms_norm
         for index, (layer, linear) in enumerate(zip(self.layers, linears)):
             kernels.rms_norm(x, layer.attn_norm, self.eps, buf["normed"], residual)
@@ -613,11 +618,11 @@ class NativeCausalLM:
         elif isinstance(weight, kernels.PanelMatrix):
             weight = weight.dequantize()  # a transient row-major copy (the panels' own GEMM is the usual path)
         elif isinstance(weight, kernels.QuantizedMatrix):
-            # weight-only int8 or int4 (a draft): a big pass multiplies a widened copy, made at the first big
-            # pass and kept (widening every prefill cost ~1 s for a 0.5B draft; PyTorch's own int8-weight
-            # matmul is ~100x slower on a CPU without AMX): bfloat16 where the CPU multiplies it natively,
-            # else float32 (bfloat16 matmul measured 5x slower than float32 on an AVX2-only CPU).
-            weight = weight.widened(torch.bfloat16 if _fast_bfloat16_matmul() else torch.float32)
+            # weight-only int8 or int4 (a draft): a big pass multiplies a widened copy, made at load
+            # (`_widen_for_prefill`) or at the first big pass, and kept (widening every prefill cost ~1 s for
+            # a 0.5B draft; PyTorch's own int8-weight matmul is ~100x slower on a CPU without AMX), in the
+            # dtype whose GEMM is faster here (`_widened_dtype`).
+            weight = weight.widened(_widened_dtype())
         elif weight.dtype == torch.bfloat16 and self.device.type == "cpu" and not _fast_bfloat16_matmul():
             weight = weight.float()  # a transient copy: converting is cheaper than the slow bfloat16 GEMM
         if weight.dtype == x.dtype:
