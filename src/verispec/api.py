@@ -12,7 +12,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from verispec.drafters import HybridDrafter, ModelDrafter, NgramDrafter, NoDrafter
+from verispec.drafters import HybridDrafter, ModelDrafter, NgramDrafter, NoDrafter, SharedCacheDrafter
 from verispec.drafters.base import Drafter
 from verispec.engine import Request, SpeculativeEngine, TokenEvent
 from verispec.errors import VerispecError
@@ -155,9 +155,31 @@ def _load_uncached(name: str, dtype: torch.dtype, device: torch.device) -> HFCau
 DRAFTERS: dict[str, Callable[[CausalLM, CausalLM | None, float], Drafter]] = {
     "model": lambda target, draft, confidence: ModelDrafter(draft, target.vocab_size, min_confidence=confidence),
     "hybrid": lambda target, draft, confidence: HybridDrafter(ModelDrafter(draft, target.vocab_size, min_confidence=confidence)),
+    "self": lambda target, draft, confidence: SharedCacheDrafter(draft if draft is not None else self_draft(target), target,
+                                                                 min_confidence=confidence),
     "ngram": lambda target, draft, confidence: NgramDrafter(),
     "none": lambda target, draft, confidence: NoDrafter(),
 }
+
+
+# Each native target's int4 copy for drafter="self", made once and kept while the target lives.
+_SELF_DRAFTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def self_draft(target: CausalLM) -> CausalLM:
+    """The target's own int4 copy (`NativeCausalLM.lower_precision_copy`), the default draft of
+    drafter="self": made on first use (~0.56 bytes per weight more memory) and reused."""
+    draft = _SELF_DRAFTS.get(target)
+    if draft is None:
+        if not hasattr(target, "lower_precision_copy") or target.weight_dtype != torch.float32:
+            raise VerispecError(f"drafter='self' drafts with an int4 copy of a native-backend float32 target; "
+                                f"{target.name!r} is not one: load it with backend='native' (no weight_dtype), or "
+                                "use drafter='model' with a draft model")
+        try:
+            draft = _SELF_DRAFTS[target] = target.lower_precision_copy(torch.quint4x2)
+        except ValueError as exc:  # e.g. matrix widths that are not whole int4 groups
+            raise VerispecError(f"{target.name}: {exc}; pass a draft copy made with weight_dtype='int8' or 'bf16'") from None
+    return draft
 
 
 _SAME_VOCAB: dict[tuple[int, int], tuple] = {}
@@ -199,6 +221,10 @@ def make_drafter(target: CausalLM, draft: CausalLM | None, drafter: str, draft_c
         if draft is None:
             raise VerispecError(f"drafter={drafter!r} needs a draft model: pass draft=NAME_OR_PATH")
         check_compatible(target, draft)
+    if drafter == "self" and draft is not None and not getattr(target, "same_layer_shapes", lambda _: False)(draft):
+        raise VerispecError(f"drafter='self' drafts on the target's cache, so the draft must be a native-backend copy of "
+                            f"{target.name!r} (e.g. verispec.load(name, weight_dtype='int8')); {draft.name!r} is not: "
+                            "drop draft= to use the target's int4 copy, or use drafter='model'")
     if not isinstance(draft_confidence, (int, float)) or not 0.0 <= draft_confidence < 1.0:
         raise VerispecError(f"draft_confidence must be in [0, 1) (0 drafts every position), got {draft_confidence!r}")
     return DRAFTERS[drafter](target, draft, draft_confidence)

@@ -86,7 +86,14 @@ class DecodeBatch:
         self.policy = draft_len if hasattr(draft_len, "choose") else make_policy(draft_len)
         self.stats = stats if stats is not None else SpecStats()
         self.rows: list[_Row] = []
-        self.cache = target.new_cache(0)
+        self._new_cache()
+
+    def _new_cache(self) -> None:
+        """An empty target cache, handed to a drafter that drafts on it (`SharedCacheDrafter.share_cache`)."""
+        self.cache = self.target.new_cache(0)
+        share = getattr(self.drafter, "share_cache", None)
+        if share is not None:
+            share(self.cache)
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -156,7 +163,7 @@ class DecodeBatch:
         if self.rows:
             self.cache.select(keep)
         else:
-            self.cache = self.target.new_cache(0)  # an emptied batch starts afresh: no stale slots
+            self._new_cache()  # an emptied batch starts afresh: no stale slots
         self.drafter.select(keep)
 
     def next_draft_len(self) -> int:

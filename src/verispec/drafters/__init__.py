@@ -5,5 +5,6 @@ from verispec.drafters.hybrid import HybridDrafter
 from verispec.drafters.model import ModelDrafter
 from verispec.drafters.ngram import NgramDrafter
 from verispec.drafters.none import NoDrafter
+from verispec.drafters.shared import SharedCacheDrafter
 
-__all__ = ["Draft", "Drafter", "Verdict", "HybridDrafter", "ModelDrafter", "NgramDrafter", "NoDrafter"]
+__all__ = ["Draft", "Drafter", "Verdict", "HybridDrafter", "ModelDrafter", "NgramDrafter", "NoDrafter", "SharedCacheDrafter"]

@@ -416,6 +416,36 @@ class NativeCausalLM:
         clone._stack = False
         return clone
 
+    def lower_precision_copy(self, weight_dtype: torch.dtype) -> "NativeCausalLM":
+        """A copy whose layer and head matrices are `weight_dtype` versions of this model's (bfloat16, int8
+        or int4 as `torch.quint4x2`); embedding, norms, biases and RoPE tables are shared.
+
+        Meant as a draft that reads this model's cache (`drafters.SharedCacheDrafter`): it has the same
+        layer shapes, and it never prefills, so no widened copies are made for big passes (one, should it
+        run, would widen its matrices then)."""
+        if self.weight_dtype != torch.float32 or self.output_ids is not None:
+            raise ValueError(f"{self.name}: a lower-precision copy is made from a float32 model with its full head")
+        clone = copy.copy(self)
+        clone.layers = [copy.copy(layer) for layer in self.layers]
+
+        def row_major(matrix):  # the float32 numbers, whatever layout this model keeps them in
+            if isinstance(matrix, kernels.ExactBlocks):
+                return matrix.dense
+            return matrix.dequantize() if isinstance(matrix, kernels.PanelMatrix) else matrix
+
+        clone._convert_matrices(row_major)
+        clone._store_matrices_as(weight_dtype)
+        clone.weight_dtype = clone.lm_head.dtype
+        clone.name = f"{self.name}-self-{'int4' if weight_dtype == torch.quint4x2 else str(weight_dtype).removeprefix('torch.')}"
+        clone._buffers = None  # activation buffers are per model object
+        return clone
+
+    def same_layer_shapes(self, other) -> bool:
+        """Whether `other` can run on this model's cache: the same layers, key/value heads and head size."""
+        return (isinstance(other, NativeCausalLM) and len(other.layers) == len(self.layers)
+                and (other.num_kv_heads, other.head_dim, other.hidden_size, other.dtype, other.device)
+                == (self.num_kv_heads, self.head_dim, self.hidden_size, self.dtype, self.device))
+
     supports = staticmethod(supports)
 
     def __repr__(self) -> str:

@@ -391,7 +391,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--draft", default=None, help="draft model (same tokenizer as the target); omit for n-gram drafting")
     parser.add_argument("--draft-dtype", default="fp32", choices=DRAFT_DTYPES,
                         help="the draft model's matrices on the native backend: bf16 halves their bytes, int8 quarters them, int4 leaves ~1/7 (default: %(default)s)")
-    parser.add_argument("--drafter", default="auto", choices=["auto", "model", "hybrid", "ngram", "none"], help="auto = model with --draft, else ngram; none = plain decoding")
+    parser.add_argument("--drafter", default="auto", choices=["auto", "model", "self", "hybrid", "ngram", "none"], help="auto = model with --draft, else ngram; self = the target's int4 copy on its own cache; none = plain decoding")
     parser.add_argument("--draft-len", type=draft_len_arg, default="auto", help="draft tokens per step, 'auto', or 'tree' (auto plus token-tree alternates) (default: %(default)s)")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s, this machine only)")
     parser.add_argument("--port", type=int, default=8000)

@@ -1,0 +1,113 @@
+"""Self-speculation on one cache (`SharedCacheDrafter`): the target's cheaper copy drafts against the
+target's own keys and values. It writes into the target's cache while drafting, so these tests check
+that the target never computes with a number the draft wrote: greedy output equals plain decoding,
+the cache is left as found, a verify pass after a draft is bitwise the pass without one, and sampled
+output follows the target's distribution."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import verispec
+from conftest import perturbed_copy, tiny_gpt2, tiny_llama, tiny_qwen2
+from test_greedy_equivalence import PROMPTS, plain
+from test_sampling_exactness import P_THRESHOLD, first_two_tokens_pvalues, repeating_prompt
+from verispec.drafters import SharedCacheDrafter
+from verispec.errors import VerispecError
+from verispec.models.native import NativeCausalLM
+from verispec.sampling import SamplingParams
+
+NATIVE = {"llama": tiny_llama, "qwen2": tiny_qwen2}
+
+
+@pytest.fixture(scope="module", params=sorted(NATIVE))
+def native_target(request):
+    return NativeCausalLM.from_hf(NATIVE[request.param](seed=0))
+
+
+def copies(target):
+    """The default int4 copy (None: drafter="self" makes it) and a bfloat16 copy, which agrees far more often."""
+    return {"int4": None, "bf16": target.lower_precision_copy(torch.bfloat16)}
+
+
+@pytest.mark.parametrize("draft_len", [1, 3, 6, "auto", "tree"])
+@pytest.mark.parametrize("copy", ["int4", "bf16"])
+def test_self_drafts_give_plain_greedy_tokens(native_target, copy, draft_len):
+    draft = copies(native_target)[copy]
+    for prompt in PROMPTS:
+        got = verispec.generate(native_target, prompt, drafter="self", draft=draft, draft_len=draft_len, max_new_tokens=40)
+        assert got.token_ids == plain(native_target, prompt, 40), f"prompt {prompt}"
+
+
+@pytest.mark.parametrize("draft_len", [2, 5, "auto"])
+def test_self_drafts_in_a_batch_equal_each_row_alone(native_target, draft_len):
+    draft = copies(native_target)["bf16"]
+    batch = verispec.generate(native_target, PROMPTS, drafter="self", draft=draft, draft_len=draft_len, max_new_tokens=40)
+    assert [r.token_ids for r in batch] == [plain(native_target, p, 40) for p in PROMPTS]
+
+
+def test_self_drafts_are_accepted(native_target):
+    """Not a vacuous pass: a bfloat16 copy on the target's cache agrees most of the time, even on a random model."""
+    result = verispec.generate(native_target, PROMPTS[0], drafter="self", draft=copies(native_target)["bf16"], draft_len=4,
+                               max_new_tokens=40)
+    assert result.stats.acceptance_rate > 0.75 and result.stats.mean_accepted_tokens > 3
+
+
+def test_int4_copy_drafts_better_on_the_shared_cache_than_on_its_own(native_target):
+    """The same int4 copy, drafting from the target's exact history against its own approximate one."""
+    int4 = native_target.lower_precision_copy(torch.quint4x2)
+    shared = own = 0
+    for prompt in PROMPTS:
+        shared += verispec.generate(native_target, prompt, drafter="self", draft=int4, draft_len=4, max_new_tokens=40).stats.accepted_tokens
+        own += verispec.generate(native_target, prompt, drafter="model", draft=int4, draft_len=4, max_new_tokens=40).stats.accepted_tokens
+    assert shared > own
+
+
+def test_propose_leaves_the_cache_as_it_found_it_and_the_target_pass_unchanged(native_target):
+    """After drafting on the target's cache, the cache's bookkeeping is as before, and the target's verify
+    pass over [last, draft] gives bitwise the logits of the same pass on a cache no draft has touched."""
+    target = native_target
+    prompt = [1, 5, 6, 7, 8, 9]
+    drafted_on, untouched = target.new_cache(1), target.new_cache(1)
+    for cache in (drafted_on, untouched):
+        target.forward(torch.tensor([prompt[:-1]]), cache)
+    drafter = SharedCacheDrafter(target.lower_precision_copy(torch.quint4x2), target)
+    drafter.share_cache(drafted_on)
+    visible, length = drafted_on.slots.visible.clone(), drafted_on.slots.length
+    draft = drafter.propose([prompt], 5, [SamplingParams()], [torch.Generator()])
+    assert int(draft.num_drafted[0]) == 5
+    assert drafted_on.slots.length == length == drafted_on.store.length
+    assert torch.equal(drafted_on.slots.visible, visible)
+    assert drafted_on.store.capacity >= length + 5  # the draft did write slots past the end
+    tokens = torch.cat([torch.tensor([[prompt[-1]]]), draft.tokens], 1)
+    assert torch.equal(target.forward(tokens, drafted_on), target.forward(tokens, untouched))
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.8, seed=11), SamplingParams(temperature=1.2, top_k=12, top_p=0.9, seed=5)],
+                         ids=str)
+def test_self_drafts_sample_the_target_distribution(params):
+    """The first two sampled tokens over 2000 rows follow the target's joint distribution p(t1) p(t2 | t1)
+    (rows in batches of 8, so every draft pass stays on the exact kernels and is not skipped)."""
+    target = tiny_llama(seed=0)
+    native = NativeCausalLM.from_hf(target)
+    draft = NativeCausalLM.from_hf(perturbed_copy(target, scale=0.3))  # same shapes, often disagrees
+    prompt = repeating_prompt(target)
+    outputs, accepted = [], 0
+    for first in range(0, 2000, 8):
+        results = verispec.generate(native, [prompt] * 8, drafter="self", draft=draft, draft_len=3, temperature=params.temperature,
+                                    top_k=params.top_k, top_p=params.top_p, seed=params.seed + first, max_new_tokens=3)
+        outputs += [r.token_ids for r in results]
+        accepted += results[0].stats.accepted_tokens
+    assert accepted > 100  # both the accept and the resample paths ran
+    first, joint = first_two_tokens_pvalues(target, prompt, params, outputs)
+    assert first > P_THRESHOLD and joint > P_THRESHOLD
+
+
+def test_self_drafter_needs_a_native_target_and_a_matching_copy():
+    with pytest.raises(VerispecError, match="native-backend"):
+        verispec.generate(tiny_gpt2(seed=0), [1, 2, 3], drafter="self", max_new_tokens=4)
+    target = NativeCausalLM.from_hf(tiny_llama(seed=0))
+    other = NativeCausalLM.from_hf(tiny_llama(seed=1, layers=3))
+    with pytest.raises(VerispecError, match="copy of"):
+        verispec.generate(target, [1, 2, 3], drafter="self", draft=other, max_new_tokens=4)
