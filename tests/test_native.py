@@ -232,6 +232,18 @@ def test_int4_matrix_rounds_each_group_to_its_own_scale():
         kernels.Int4Matrix.quantize(torch.randn(4, 70))
 
 
+
+def test_int4_quantize_in_c_matches_the_pytorch_reference():
+    """The C quantizer (a group in registers) makes the codes and scales of the PyTorch reference."""
+    if not kernels.available():
+        pytest.skip("C kernels unavailable here")
+    torch.manual_seed(1)
+    dense = torch.randn(96, 640) * torch.logspace(-4, 1, 96)[:, None]
+    dense[::7, ::13] *= 20  # lone outliers, where clipping wins
+    fast, reference = kernels.Int4Matrix.quantize(dense), kernels.Int4Matrix.quantize_reference(dense)
+    assert torch.equal(fast.scale, reference.scale) and torch.equal(fast.values, reference.values)
+    assert not torch.equal(fast.scale, dense.reshape(96, 10, 64).abs().amax(2) / 7)  # some groups were clipped
+
 @pytest.mark.parametrize("weight_dtype", [torch.int8, torch.quint4x2])
 def test_quantized_draft_prefill_uses_a_kept_widened_copy(pair, weight_dtype, monkeypatch):
     """A big pass (prefill) multiplies a widened copy of an int8/int4 matrix (bfloat16 where the CPU

@@ -1627,6 +1627,54 @@ int64_t exact_blocks_mismatch(const void *w, const float *s, const float *dense,
     return n;
 }
 
+/* Grouped int4 quantization (`Int4Matrix.quantize`): for each group of 64 weights, of the scales
+ * peak * shrink / 7 (shrinks[0..count)), the one with the least squared rounding error (the first of
+ * equals), then the codes q + 8 packed two to a byte (low nibble: weight i, high: weight i + 32).
+ * The same float32 operations as the PyTorch reference, but a group stays in registers instead of
+ * every candidate streaming the whole matrix through memory (a 1.5B model: ~90 s -> a few seconds). */
+typedef struct { const float *w; uint8_t *packed; float *scale; const float *shrinks; int64_t K; int count; } quantize_job;
+
+__attribute__((target("avx2,fma"))) static void int4_quantize_rows(const void *arg, int64_t begin, int64_t end)
+{
+    const quantize_job *job = arg;
+    const int64_t groups = job->K / 64;
+    for (int64_t g = begin * groups; g < end * groups; g++) {
+        const float *x = job->w + g * 64;
+        float peak = 0.0f;
+        for (int i = 0; i < 64; i++) { const float a = fabsf(x[i]); peak = a > peak ? a : peak; }
+        if (peak < 1e-12f) peak = 1e-12f;
+        float best_scale = 0.0f, best_error = 0.0f;
+        for (int c = 0; c < job->count; c++) {
+            const float candidate = peak * job->shrinks[c] / 7.0f;
+            float lanes[16] = {0};  /* 16 running sums, so the loop vectorizes; then added in order */
+            for (int i = 0; i < 64; i += 16)
+                for (int j = 0; j < 16; j++) {
+                    float q = rintf(x[i + j] / candidate);
+                    q = q < -8.0f ? -8.0f : q;
+                    q = q > 7.0f ? 7.0f : q;
+                    const float r = q * candidate - x[i + j];
+                    lanes[j] += r * r;
+                }
+            float error = 0.0f;
+            for (int j = 0; j < 16; j++) error += lanes[j];
+            if (c == 0 || error < best_error) { best_scale = candidate; best_error = error; }
+        }
+        uint8_t *out = job->packed + g * 32;
+        for (int i = 0; i < 32; i++) {
+            const int lo = (int)fminf(fmaxf(rintf(x[i] / best_scale), -8.0f), 7.0f) + 8;
+            const int hi = (int)fminf(fmaxf(rintf(x[i + 32] / best_scale), -8.0f), 7.0f) + 8;
+            out[i] = (uint8_t)(lo | (hi << 4));
+        }
+        job->scale[g] = best_scale;
+    }
+}
+
+void int4_quantize(const float *w, uint8_t *packed, float *scale, const float *shrinks, int64_t N, int64_t K, int count, int threads)
+{
+    const quantize_job job = {w, packed, scale, shrinks, K, count};
+    parallel_for(int4_quantize_rows, &job, N, 16, threads);
+}
+
 int rowwise_linear(const float *x, const void *w, const float *s, const float *b, float *y, int64_t M, int64_t N,
                    int64_t K, int weights, int isa, int threads)
 {
@@ -1838,6 +1886,7 @@ _SIGNATURES = {
     "rowwise_linear_group": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 2 + [ctypes.c_int] * 3),
     "exact_blocks_mismatch": (ctypes.c_int64, [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_int]),
     "silu_mul": (None, [ctypes.c_void_p] * 2 + [ctypes.c_int64, ctypes.c_int]),
+    "int4_quantize": (None, [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_int] * 2),
     "rms_norm": (None, [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_float, ctypes.c_int]),
     "rope": (None, [ctypes.c_void_p] + [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 3),
     "cache_write": (None, [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 6),
@@ -1976,17 +2025,32 @@ class Int4Matrix(QuantizedMatrix):
     GROUP = 64
     dtype = torch.quint4x2  # the tag for this format: two 4-bit values per byte
 
+    # Each group's scale: of a few clipping ranges (amax/7 shrunk by up to 30%), the one with the least
+    # squared rounding error; clipping a lone outlier often serves the other 63 weights better.
+    SHRINKS = torch.linspace(1.0, 0.7, 7)
+
     @classmethod
     def quantize(cls, weight: torch.Tensor) -> "Int4Matrix":
         n, k = weight.shape
         if k % cls.GROUP:
             raise ValueError(f"int4 weights need in_features divisible by {cls.GROUP}, got {k}: use int8")
+        if not available():
+            return cls.quantize_reference(weight)
+        weight = weight.detach().float().contiguous()
+        packed = torch.empty(n, k // 2, dtype=torch.uint8)
+        scale = torch.empty(n, k // cls.GROUP)
+        _library.int4_quantize(weight.data_ptr(), packed.data_ptr(), scale.data_ptr(), cls.SHRINKS.data_ptr(), n, k,
+                               len(cls.SHRINKS), torch.get_num_threads())
+        return cls(packed, scale)
+
+    @classmethod
+    def quantize_reference(cls, weight: torch.Tensor) -> "Int4Matrix":
+        """`quantize` in PyTorch ops (where the C kernels are unavailable; the tests compare both)."""
+        n, k = weight.shape
         groups = weight.detach().float().reshape(n, k // cls.GROUP, cls.GROUP)
-        # Each group's scale: of a few clipping ranges (amax/7 shrunk by up to 30%), the one with the
-        # least squared rounding error; clipping a lone outlier often serves the other 63 weights better.
         peak = groups.abs().amax(dim=2).clamp(min=1e-12)
         scale, best = peak / 7.0, None
-        for shrink in torch.linspace(1.0, 0.7, 7).tolist():
+        for shrink in cls.SHRINKS.tolist():
             candidate = peak * shrink / 7.0
             rounded = torch.round(groups / candidate[..., None]).clamp(-8, 7) * candidate[..., None]
             error = (rounded - groups).pow(2).sum(dim=2)
