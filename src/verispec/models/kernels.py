@@ -1177,7 +1177,10 @@ static const tile_vnni_fn tiles_vnni[7] = {0, tile_vnni_1, tile_vnni_2, tile_vnn
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) static void linear_range_vnni(const void *arg, int64_t begin, int64_t end)
 {
     const vnni_job *job = arg;
-    const int64_t M = job->M, N = job->N, K = job->K, groups = K / I4GROUP, gblock = KBLOCK / I4GROUP;
+    /* k blocks keep a block's activation rows in L1 while the row tiles pass over it; a pass of one
+     * tile of rows (M <= 6, a decode or draft step) holds them there anyway, and runs whole rows: the
+     * same sums in the same order, without saving and reloading the accumulators every block */
+    const int64_t M = job->M, N = job->N, K = job->K, groups = K / I4GROUP, gblock = M <= 6 ? groups : KBLOCK / I4GROUP;
     __m512 local[64 * NR];
     __m512 *saved = M <= 64 ? local : aligned_alloc(64, sizeof(__m512) * (size_t)(M * NR));
     for (int64_t t = begin; t < end; t++) {
