@@ -111,3 +111,30 @@ def test_self_drafter_needs_a_native_target_and_a_matching_copy():
     other = NativeCausalLM.from_hf(tiny_llama(seed=1, layers=3))
     with pytest.raises(VerispecError, match="copy of"):
         verispec.generate(target, [1, 2, 3], drafter="self", draft=other, max_new_tokens=4)
+
+
+def test_self_drafts_under_continuous_batching(native_target):
+    """Rows join a decoding batch (its shared cache grows) and leave it (rows are selected, the emptied
+    batch makes a new cache); every request still gets plain decoding's tokens."""
+    from test_server import job
+    from verispec.api import make_drafter
+    from verispec.server.scheduler import Scheduler
+
+    target = native_target
+    draft = target.lower_precision_copy(torch.bfloat16)
+    scheduler = Scheduler(target, lambda speculate: make_drafter(target, draft, "self" if speculate else "none"), max_batch=3)
+    scheduler.start()
+    try:
+        for _ in range(2):  # the second round joins a batch that emptied
+            long_job, long_result = job([20, 21], max_new_tokens=60)
+            scheduler.submit([long_job])
+            opening = long_result.items.get(timeout=30)
+            assert opening.finish_reason is None  # decoding when the others join
+            cases = [([5, 6, 7], 20, 4), ([30, 31], 9, "auto"), ([40, 41, 42, 43], 33, 2), ([50], 14, None)]
+            later = [job(prompt, max_new_tokens=n, draft=setting) for prompt, n, setting in cases]
+            scheduler.submit([j for j, _ in later])
+            assert opening.tokens + long_result.result() == plain(target, [20, 21], 60)
+            for (_, collector), (prompt, n, _) in zip(later, cases):
+                assert collector.result() == plain(target, prompt, n), f"prompt {prompt}"
+    finally:
+        scheduler.stop()

@@ -6,7 +6,7 @@ alternate token beside any of its positions (a leaf of a token tree: a second gu
 checks in the same pass, used where the chain's own token is rejected). A greedy draft's alternate is
 its second choice; a sampled draft's is drawn from its q with the chain's token taken out, and carries
 that distribution for the verifier. The engine owns the sequences and the target's cache; each drafter
-owns whatever it keeps (its cache, its n-gram index).
+owns whatever it keeps (its cache, its n-gram index), or borrows the target's cache while it drafts.
 """
 
 from __future__ import annotations
@@ -140,6 +140,8 @@ class Drafter(Protocol):
 
     A drafter whose `add` prefills the prompts on a model of its own names it as `prefill_model`: a
     start-up cost the engine may price before choosing it (see `DecodeBatch`). Others need not have it.
+    A drafter that drafts on the target's own cache has `share_cache(cache)`: the engine hands it every
+    cache it makes, and `propose` must leave that cache as it found it (`SharedCacheDrafter`).
     """
 
     def add(self, prompts: list[list[int]]) -> None:
