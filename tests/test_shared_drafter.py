@@ -122,6 +122,9 @@ def test_self_drafts_under_continuous_batching(native_target):
 
     target = native_target
     draft = target.lower_precision_copy(torch.bfloat16)
+    cases = [([5, 6, 7], 20, 4), ([30, 31], 9, "auto"), ([40, 41, 42, 43], 33, 2), ([50], 14, None)]
+    # the references first: a native model runs one pass at a time, and the scheduler's thread will be using it
+    expected = {tuple(prompt): plain(target, prompt, n) for prompt, n, _ in [([20, 21], 60, None), *cases]}
     scheduler = Scheduler(target, lambda speculate: make_drafter(target, draft, "self" if speculate else "none"), max_batch=3)
     scheduler.start()
     try:
@@ -130,11 +133,10 @@ def test_self_drafts_under_continuous_batching(native_target):
             scheduler.submit([long_job])
             opening = long_result.items.get(timeout=30)
             assert opening.finish_reason is None  # decoding when the others join
-            cases = [([5, 6, 7], 20, 4), ([30, 31], 9, "auto"), ([40, 41, 42, 43], 33, 2), ([50], 14, None)]
             later = [job(prompt, max_new_tokens=n, draft=setting) for prompt, n, setting in cases]
             scheduler.submit([j for j, _ in later])
-            assert opening.tokens + long_result.result() == plain(target, [20, 21], 60)
-            for (_, collector), (prompt, n, _) in zip(later, cases):
-                assert collector.result() == plain(target, prompt, n), f"prompt {prompt}"
+            assert opening.tokens + long_result.result() == expected[(20, 21)]
+            for (_, collector), (prompt, _, _) in zip(later, cases):
+                assert collector.result() == expected[tuple(prompt)], f"prompt {prompt}"
     finally:
         scheduler.stop()

@@ -409,6 +409,8 @@ def target_matrices(model) -> str:
 
 
 def _draft_variant(settings: dict) -> str:
+    if settings.get("drafter") == "self" and settings.get("draft") in (None, "none"):
+        return "the target's own int4 copy, drafting on the target's cache"
     kind = "transformers dynamic int8" if settings.get("draft_int8") else f"{settings.get('draft_dtype', 'fp32')} matrices"
     return kind + (f", head restricted to {settings['draft_vocab']} tokens" if settings.get("draft_vocab") else "")
 
