@@ -320,7 +320,9 @@ def generate(target, prompt, *, draft=None, drafter: str = "auto", draft_len: in
     either (a batch: returns a list). drafter: "auto" ("model" if a draft model is given, else n-gram;
     with an adaptive draft_len, a draft model whose prompt prefill could not pay for itself over
     max_new_tokens, by the costs this process measured, gives way to n-gram for that call),
-    "model", "hybrid" (prompt lookup when it finds a match, else the draft model), "ngram", or
+    "model", "self" (the target's own int4 copy drafts on the target's cache; native float32 targets; `draft`
+    may give another copy with the target's layer shapes), "hybrid" (prompt lookup when it finds a match,
+    else the draft model), "ngram", or
     "none" (plain decoding). draft_len: "auto" (the default) drafts while the draft model's confidence
     says the next token pays for itself, up to 10, and decides from measured acceptance and costs
     whether to draft at all; "tree" does the same and also adds a second candidate beside positions
