@@ -140,3 +140,16 @@ def test_self_drafts_under_continuous_batching(native_target):
                 assert collector.result() == expected[tuple(prompt)], f"prompt {prompt}"
     finally:
         scheduler.stop()
+
+
+@pytest.mark.parametrize("draft_len", [3, "auto"])
+def test_coupled_self_drafts_give_plain_sampling_tokens(native_target, draft_len):
+    """Gumbel-max coupled sampling: a seeded call with self drafts returns, token for token, what plain
+    coupled sampling returns for that seed (sampled rows, drafted and verified on the shared cache)."""
+    common = dict(temperature=0.9, top_p=0.95, coupled=True, max_new_tokens=24)
+    for seed, prompt in enumerate(PROMPTS):
+        plain_tokens = verispec.generate(native_target, prompt, drafter="none", seed=seed, **common).token_ids
+        drafted = verispec.generate(native_target, prompt, drafter="self", draft=copies(native_target)["bf16"], draft_len=draft_len,
+                                    seed=seed, **common)
+        assert drafted.token_ids == plain_tokens, f"prompt {prompt}"
+        assert drafted.stats.accepted_tokens > 0
