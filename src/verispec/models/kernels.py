@@ -1637,6 +1637,14 @@ int64_t exact_blocks_mismatch(const void *w, const float *s, const float *dense,
  * every candidate streaming the whole matrix through memory (a 1.5B model: ~90 s -> a few seconds). */
 typedef struct { const float *w; uint8_t *packed; float *scale; const float *shrinks; int64_t K; int count; } quantize_job;
 
+/* x / scale rounded to nearest even and clamped to [-8, 7] (written with comparisons, so loops over it vectorize) */
+static inline float int4_round(float x, float scale)
+{
+    float q = rintf(x / scale);
+    q = q < -8.0f ? -8.0f : q;
+    return q > 7.0f ? 7.0f : q;
+}
+
 __attribute__((target("avx2,fma"))) static void int4_quantize_rows(const void *arg, int64_t begin, int64_t end)
 {
     const quantize_job *job = arg;
@@ -1652,10 +1660,7 @@ __attribute__((target("avx2,fma"))) static void int4_quantize_rows(const void *a
             float lanes[16] = {0};  /* 16 running sums, so the loop vectorizes; then added in order */
             for (int i = 0; i < 64; i += 16)
                 for (int j = 0; j < 16; j++) {
-                    float q = rintf(x[i + j] / candidate);
-                    q = q < -8.0f ? -8.0f : q;
-                    q = q > 7.0f ? 7.0f : q;
-                    const float r = q * candidate - x[i + j];
+                    const float r = int4_round(x[i + j], candidate) * candidate - x[i + j];
                     lanes[j] += r * r;
                 }
             float error = 0.0f;
@@ -1664,8 +1669,7 @@ __attribute__((target("avx2,fma"))) static void int4_quantize_rows(const void *a
         }
         uint8_t *out = job->packed + g * 32;
         for (int i = 0; i < 32; i++) {
-            const int lo = (int)fminf(fmaxf(rintf(x[i] / best_scale), -8.0f), 7.0f) + 8;
-            const int hi = (int)fminf(fmaxf(rintf(x[i + 32] / best_scale), -8.0f), 7.0f) + 8;
+            const int lo = (int)int4_round(x[i], best_scale) + 8, hi = (int)int4_round(x[i + 32], best_scale) + 8;
             out[i] = (uint8_t)(lo | (hi << 4));
         }
         job->scale[g] = best_scale;
