@@ -153,3 +153,47 @@ def test_coupled_self_drafts_give_plain_sampling_tokens(native_target, draft_len
                                     seed=seed, **common)
         assert drafted.token_ids == plain_tokens, f"prompt {prompt}"
         assert drafted.stats.accepted_tokens > 0
+
+
+def test_auto_drafts_with_the_self_copy_when_a_call_can_pay_for_it():
+    """drafter="auto" without a draft model: the target's int4 copy for a native float32 target and a call long
+    enough to repay making it (or once it exists), prompt lookup otherwise; a draft model keeps "model"."""
+    from verispec.api import SELF_COPY_MIN_TOKENS, _SELF_DRAFTS, resolve_drafter
+
+    target = NativeCausalLM.from_hf(tiny_llama(seed=5))
+    assert resolve_drafter(target, None, "auto", SELF_COPY_MIN_TOKENS - 1) == "ngram"
+    assert resolve_drafter(target, target, "auto", 1000) == "model"
+    assert resolve_drafter(target, None, "ngram", 1000) == "ngram"
+    assert target not in _SELF_DRAFTS
+    short = verispec.generate(target, PROMPTS[0], max_new_tokens=SELF_COPY_MIN_TOKENS - 1)
+    assert short.stats.drafter == "NgramDrafter" and target not in _SELF_DRAFTS
+    long = verispec.generate(target, PROMPTS[0], max_new_tokens=SELF_COPY_MIN_TOKENS)
+    assert long.stats.drafter == "SharedCacheDrafter" and target in _SELF_DRAFTS
+    assert long.token_ids == plain(target, PROMPTS[0], SELF_COPY_MIN_TOKENS)
+    # The copy exists now: short calls use it too, and two rows of 40 tokens count as 80.
+    assert verispec.generate(target, PROMPTS[0], max_new_tokens=8).stats.drafter == "SharedCacheDrafter"
+    assert resolve_drafter(NativeCausalLM.from_hf(tiny_llama(seed=6)), None, "auto", 2 * 40) == "self"
+    assert resolve_drafter(NativeCausalLM.from_hf(tiny_llama(seed=6)), None, "auto", None) == "self"  # a server
+
+
+def test_auto_falls_back_to_prompt_lookup_where_no_int4_copy_can_draft():
+    from verispec.api import resolve_drafter
+
+    assert resolve_drafter(tiny_llama(seed=0), None, "auto", 1000) == "ngram"  # transformers backend
+    int8 = NativeCausalLM.from_hf(tiny_llama(seed=0), weight_dtype=torch.int8)
+    assert resolve_drafter(int8, None, "auto", 1000) == "ngram"  # not a float32 target
+    restricted = NativeCausalLM.from_hf(tiny_llama(seed=0)).with_output_ids(torch.arange(50))
+    assert resolve_drafter(restricted, None, "auto", 1000) == "ngram"
+    torch.manual_seed(0)
+    config = tiny_llama(seed=0).model.config
+    config.hidden_size, config.intermediate_size, config.head_dim = 96, 160, 48  # widths that are not whole int4 groups
+    config.num_attention_heads = config.num_key_value_heads = 2
+    from transformers import LlamaForCausalLM
+
+    from verispec.models.hf import HFCausalLM
+    odd = NativeCausalLM.from_hf(HFCausalLM(LlamaForCausalLM(config), name="odd"))
+    assert odd.max_exact_rows is not None  # on the kernels: only the widths rule the copy out
+    with pytest.raises(VerispecError, match="divisible"):
+        verispec.generate(odd, PROMPTS[0], drafter="self", max_new_tokens=4)
+    assert resolve_drafter(odd, None, "auto", 1000) == "ngram"
+    assert verispec.generate(odd, PROMPTS[0], max_new_tokens=70).stats.drafter == "NgramDrafter"

@@ -209,12 +209,47 @@ def check_compatible(target: CausalLM, draft: CausalLM) -> None:
         )
 
 
+# drafter="auto" without a draft model makes the target's int4 copy only for a call asking for at least
+# this many new tokens (or when the copy exists): making it takes about as long as 30-40 of the target's
+# decode steps (Qwen2.5-Coder 1.5B: 6-9 s against 0.21 s a step on a 2-core Xeon), and drafting with it
+# saves about half of each step there (Spec-Bench 1.78x), so a first call breaks even near 60-80 tokens.
+SELF_COPY_MIN_TOKENS = 64
+
+
+def self_draft_possible(target: CausalLM) -> bool:
+    """Whether `self_draft` can give this target a copy that drafts on its C kernels: a native float32
+    target with its full head, on a CPU with the kernels, whose matrix widths are whole int4 groups."""
+    if target in _SELF_DRAFTS:
+        return True
+    if getattr(target, "max_exact_rows", None) is None or not hasattr(target, "lower_precision_copy"):
+        return False
+    if target.weight_dtype != torch.float32 or target.output_ids is not None:
+        return False
+    from verispec.models.kernels import Int4Matrix
+    widths = {target.hidden_size} | {int(m.shape[1]) for layer in target.layers for m in (layer.o, layer.down)}
+    return all(width % Int4Matrix.GROUP == 0 for width in widths)
+
+
+def resolve_drafter(target: CausalLM, draft: CausalLM | None, drafter: str, new_tokens: int | None = None) -> str:
+    """The drafter "auto" stands for (other names are returned as they are).
+
+    With a draft model: "model" (with its confidence deciding how far each draft goes, it beat prompt lookup
+    first, "hybrid", on HumanEval and matched or beat it on 12 of 13 Spec-Bench categories). Without one:
+    "self" where the target can have an int4 copy (`self_draft_possible`) and the call is long enough to
+    pay for making it (`new_tokens` in all rows at least SELF_COPY_MIN_TOKENS, None for a server or a
+    session that will make many calls); else "ngram".
+    """
+    if drafter != "auto":
+        return drafter
+    if draft is not None:
+        return "model"
+    if self_draft_possible(target) and (target in _SELF_DRAFTS or new_tokens is None or new_tokens >= SELF_COPY_MIN_TOKENS):
+        return "self"
+    return "ngram"
+
+
 def make_drafter(target: CausalLM, draft: CausalLM | None, drafter: str, draft_confidence: float = 0.0) -> Drafter:
-    if drafter == "auto":
-        # The draft model alone: with its confidence deciding how far each draft goes, it beat prompt
-        # lookup first (hybrid) on HumanEval and matched or beat it on 12 of 13 Spec-Bench categories,
-        # summarization and RAG included.
-        drafter = "model" if draft is not None else "ngram"
+    drafter = resolve_drafter(target, draft, drafter)
     if drafter not in DRAFTERS:
         raise VerispecError(f"unknown drafter {drafter!r}: use one of auto, {', '.join(DRAFTERS)}")
     if drafter in ("model", "hybrid"):
@@ -289,11 +324,13 @@ class Session:
         self.stop = normalize_stop(stop)
         if self.stop and self.target.tokenizer is None:
             raise VerispecError("stop sequences need a tokenizer: load the model with one, or drop stop=")
+        auto = drafter == "auto"
+        drafter = resolve_drafter(self.target, draft_model, drafter, len(self.prompt_ids) * max_new_tokens)
         make_drafter(self.target, draft_model, drafter, draft_confidence)  # fail on a bad drafter choice now
         # "auto" with a draft model and adaptive lengths: prompt lookup instead where the draft's prompt
         # prefill would not pay (a fixed draft_len keeps its drafter, so a seed reproduces its sample).
         adaptive = draft_len is None or draft_len in ADAPTIVE_SETTINGS
-        fallback = (lambda: make_drafter(self.target, None, "ngram")) if drafter == "auto" and draft_model is not None and adaptive else None
+        fallback = (lambda: make_drafter(self.target, None, "ngram")) if auto and draft_model is not None and adaptive else None
         self.engine = SpeculativeEngine(self.target, lambda: make_drafter(self.target, draft_model, drafter, draft_confidence), draft_len,
                                         fallback=fallback)
         checker = StopSequences(self.target.tokenizer, self.stop) if self.stop else None
@@ -317,9 +354,11 @@ def generate(target, prompt, *, draft=None, drafter: str = "auto", draft_len: in
     """Generate from `prompt` with speculative decoding; the output is what the target alone would give.
 
     target / draft: zoo name, path, hub id or loaded model. prompt: text, token ids, or a list of
-    either (a batch: returns a list). drafter: "auto" ("model" if a draft model is given, else n-gram;
-    with an adaptive draft_len, a draft model whose prompt prefill could not pay for itself over
-    max_new_tokens, by the costs this process measured, gives way to n-gram for that call),
+    either (a batch: returns a list). drafter: "auto" ("model" if a draft model is given; with an adaptive
+    draft_len, a draft model whose prompt prefill could not pay for itself over max_new_tokens, by the
+    costs this process measured, gives way to n-gram for that call. Without one, "self" for a native
+    float32 target on a CPU with verispec's kernels when the call asks for at least SELF_COPY_MIN_TOKENS
+    new tokens or the copy exists, else n-gram: see `resolve_drafter`),
     "model", "self" (the target's own int4 copy drafts on the target's cache; native float32 targets; `draft`
     may give another copy with the target's layer shapes), "hybrid" (prompt lookup when it finds a match,
     else the draft model), "ngram", or

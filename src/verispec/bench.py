@@ -128,6 +128,7 @@ def _hf_generate(model, input_ids, max_new_tokens, eos_ids, pad_id, **extra):
 
 def run_bench(args) -> dict:
     import verispec
+    from verispec.api import resolve_drafter
     from verispec.text import encode_prompt
 
     if args.quick:
@@ -150,6 +151,8 @@ def run_bench(args) -> dict:
     hf_draft = (getattr(draft, "hf_model", None) or getattr(draft, "model", None)) if draft is not None else None
     draft = cheap_draft(draft, args)
     hf_target = getattr(target, "hf_model", None) or getattr(target, "model", None)
+    # "auto" resolved once, for a run of many calls: a self copy is made now, not inside a timed call.
+    args.drafter = resolve_drafter(target, draft, args.drafter)
     eos_ids = sorted(target.eos_token_ids)
     pad_id = eos_ids[0]
     sampled = args.temperature > 0

@@ -143,7 +143,8 @@ class SpecStats:
     def summary(self) -> str:
         d = self.to_dict()
         return (
-            f"{d['emitted_tokens']} tokens in {d['total_seconds']:.2f}s ({d['tokens_per_second']:.2f} tok/s), "
+            (f"{d['drafter']}: " if d["drafter"] else "")
+            + f"{d['emitted_tokens']} tokens in {d['total_seconds']:.2f}s ({d['tokens_per_second']:.2f} tok/s), "
             f"{d['target_passes']} target passes, {d['mean_accepted_tokens']:.2f} tokens/pass, "
             f"acceptance {d['acceptance_rate']:.2%} ({d['accepted_tokens']}/{d['drafted_tokens']}), "
             f"cost ratio c={d['cost_ratio']:.3f}, predicted speedup {d['predicted_speedup']:.2f}x"

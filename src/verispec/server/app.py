@@ -26,7 +26,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from verispec.api import load, make_drafter
+from verispec.api import load, make_drafter, resolve_drafter
 from verispec.engine import Request as EngineRequest
 from verispec.errors import VerispecError
 from verispec.policy import make_policy
@@ -236,7 +236,9 @@ def build_app(target, draft=None, drafter: str = "auto", draft_len: int | str = 
     draft_model = load(draft, weight_dtype=draft_dtype) if draft is not None else None
     if target_model.tokenizer is None:
         raise VerispecError(f"{target_model.name} has no tokenizer: the server needs one to read and write text")
+    drafter = resolve_drafter(target_model, draft_model, drafter)  # a server makes many calls: "auto" may make a self copy
     make_drafter(target_model, draft_model, drafter)  # fails now on a bad choice (unknown name, vocabularies differ)
+    logging.getLogger(__name__).info("drafter: %s", drafter)
     speculative = drafter != "none"
     name = model_name or (target if isinstance(target, str) else target_model.name)
     config = ServerConfig(target_model, name, draft_len if speculative else None)
@@ -388,10 +390,10 @@ def main(argv: list[str] | None = None) -> None:
 
     parser = argparse.ArgumentParser(prog="verispec serve", description="OpenAI-compatible server with speculative decoding.")
     parser.add_argument("--target", default=DEFAULT_TARGET, help="zoo name, local directory, .gguf file or hub id (default: %(default)s)")
-    parser.add_argument("--draft", default=None, help="draft model (same tokenizer as the target); omit for n-gram drafting")
+    parser.add_argument("--draft", default=None, help="draft model (same tokenizer as the target); omit to draft with the target's own int4 copy (or n-gram where it cannot have one)")
     parser.add_argument("--draft-dtype", default="fp32", choices=DRAFT_DTYPES,
                         help="the draft model's matrices on the native backend: bf16 halves their bytes, int8 quarters them, int4 leaves ~1/7 (default: %(default)s)")
-    parser.add_argument("--drafter", default="auto", choices=["auto", "model", "self", "hybrid", "ngram", "none"], help="auto = model with --draft, else ngram; self = the target's int4 copy on its own cache; none = plain decoding")
+    parser.add_argument("--drafter", default="auto", choices=["auto", "model", "self", "hybrid", "ngram", "none"], help="auto = model with --draft, else self where the target allows (a native float32 target on verispec's CPU kernels), else ngram; self = the target's int4 copy drafting on its cache; none = plain decoding")
     parser.add_argument("--draft-len", type=draft_len_arg, default="auto", help="draft tokens per step, 'auto', or 'tree' (auto plus token-tree alternates) (default: %(default)s)")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s, this machine only)")
     parser.add_argument("--port", type=int, default=8000)
