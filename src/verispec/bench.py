@@ -412,8 +412,10 @@ def target_matrices(model) -> str:
 
 
 def _draft_variant(settings: dict) -> str:
-    if settings.get("drafter") == "self" and settings.get("draft") in (None, "none"):
-        return "the target's own int4 copy, drafting on the target's cache"
+    if settings.get("draft") in (None, "none"):
+        if settings.get("drafter") == "self":
+            return "the target's own int4 copy, drafting on the target's cache"
+        return "no draft model"
     kind = "transformers dynamic int8" if settings.get("draft_int8") else f"{settings.get('draft_dtype', 'fp32')} matrices"
     return kind + (f", head restricted to {settings['draft_vocab']} tokens" if settings.get("draft_vocab") else "")
 
@@ -487,11 +489,13 @@ def plot(report: dict, path: Path) -> None:
     ax1, ax2, *rest = axes
     ax3 = rest.pop(0) if has_verify else None
     ax4 = rest.pop(0) if has_sweep else None
-    names = [("speedup_vs_plain", "verispec vs plain"), ("speedup_vs_hf", "verispec vs HF generate"),
-             ("hf_assisted_vs_hf", "HF assisted vs HF"), ("hf_prompt_lookup_vs_hf", "HF prompt lookup vs HF")]
+    names = [("speedup_vs_plain", "verispec vs plain"), ("decode_speedup_vs_plain", "verispec vs plain, after prefill"),
+             ("speedup_vs_hf", "verispec vs HF generate"), ("hf_assisted_vs_hf", "HF assisted vs HF"),
+             ("hf_prompt_lookup_vs_hf", "HF prompt lookup vs HF")]
+    names = [(key, label) for key, label in names if any(report["categories"][c].get(key) for c in cats)]  # what ran
     width = 0.8 / len(names)
     for j, (key, label) in enumerate(names):
-        ys = [report["categories"][c][key] or 0 for c in cats]
+        ys = [report["categories"][c].get(key) or 0 for c in cats]
         ax1.bar([i + j * width for i in range(len(cats))], ys, width, label=label)
     ax1.axhline(1.0, color="k", lw=0.8)
     ax1.set_xticks([i + 0.4 - width / 2 for i in range(len(cats))], cats, rotation=45, ha="right")
