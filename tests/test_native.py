@@ -240,9 +240,19 @@ def test_int4_quantize_in_c_matches_the_pytorch_reference():
     torch.manual_seed(1)
     dense = torch.randn(96, 640) * torch.logspace(-4, 1, 96)[:, None]
     dense[::7, ::13] *= 20  # lone outliers, where clipping wins
+    dense[5, 64:128] = 0.0  # an all-zero group: its scale comes from the 1e-12 floor
+    dense[6, :64] = -dense[6, :64].abs()  # a group whose peak is a negative weight
     fast, reference = kernels.Int4Matrix.quantize(dense), kernels.Int4Matrix.quantize_reference(dense)
     assert torch.equal(fast.scale, reference.scale) and torch.equal(fast.values, reference.values)
     assert not torch.equal(fast.scale, dense.reshape(96, 10, 64).abs().amax(2) / 7)  # some groups were clipped
+    # Both vector widths (8 lanes on AVX2, 16 on AVX-512) give the same codes and scales.
+    for isa in [256] + ([512] if kernels.isa() == 512 else []):
+        values, scale = torch.empty_like(fast.values), torch.empty_like(fast.scale)
+        shrinks = kernels.Int4Matrix.SHRINKS.contiguous()
+        kernels._library.int4_quantize(dense.data_ptr(), values.data_ptr(), scale.data_ptr(), shrinks.data_ptr(), 96, 640,
+                                       len(shrinks), isa, 2)
+        assert torch.equal(scale, reference.scale) and torch.equal(values, reference.values), isa
+
 
 @pytest.mark.parametrize("weight_dtype", [torch.int8, torch.quint4x2])
 def test_quantized_draft_prefill_uses_a_kept_widened_copy(pair, weight_dtype, monkeypatch):

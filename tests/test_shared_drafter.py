@@ -170,9 +170,11 @@ def test_auto_drafts_with_the_self_copy_when_a_call_can_pay_for_it():
     long = verispec.generate(target, PROMPTS[0], max_new_tokens=SELF_COPY_MIN_TOKENS)
     assert long.stats.drafter == "SharedCacheDrafter" and target in _SELF_DRAFTS
     assert long.token_ids == plain(target, PROMPTS[0], SELF_COPY_MIN_TOKENS)
-    # The copy exists now: short calls use it too, and two rows of 40 tokens count as 80.
+    # The copy exists now: short calls use it too. Rows count together: a batch of two asking for 20 each pays.
     assert verispec.generate(target, PROMPTS[0], max_new_tokens=8).stats.drafter == "SharedCacheDrafter"
-    assert resolve_drafter(NativeCausalLM.from_hf(tiny_llama(seed=6)), None, "auto", 2 * 40) == "self"
+    fresh = NativeCausalLM.from_hf(tiny_llama(seed=6))
+    assert resolve_drafter(fresh, None, "auto", 20) == "ngram" and 20 < SELF_COPY_MIN_TOKENS <= 2 * 20
+    assert verispec.generate(fresh, PROMPTS[:2], max_new_tokens=20)[0].stats.drafter == "SharedCacheDrafter"
     assert resolve_drafter(NativeCausalLM.from_hf(tiny_llama(seed=6)), None, "auto", None) == "self"  # a server
 
 

@@ -210,10 +210,10 @@ def check_compatible(target: CausalLM, draft: CausalLM) -> None:
 
 
 # drafter="auto" without a draft model makes the target's int4 copy only for a call asking for at least
-# this many new tokens (or when the copy exists): making it takes about as long as 30-40 of the target's
-# decode steps (Qwen2.5-Coder 1.5B: 6-9 s against 0.21 s a step on a 2-core Xeon), and drafting with it
-# saves about half of each step there (Spec-Bench 1.78x), so a first call breaks even near 60-80 tokens.
-SELF_COPY_MIN_TOKENS = 64
+# this many new tokens (or when the copy exists): making it takes about as long as 13-17 of the target's
+# decode steps (Qwen2.5-Coder 1.5B: 2.7-3.5 s against 0.21 s a step on a 2-core Xeon), and drafting with
+# it saves about half of each step there (Spec-Bench 1.78x), so a first call breaks even near 30 tokens.
+SELF_COPY_MIN_TOKENS = 32
 
 
 def self_draft_possible(target: CausalLM) -> bool:

@@ -87,6 +87,16 @@ _PREAMBLE = r"""
 #include <stdlib.h>
 #include <string.h>
 
+/* Grouped int4 quantization (`Int4Matrix.quantize`): for each group of 64 weights, of the scales
+ * peak * shrink / 7 (shrinks[0..count)), the one with the least squared rounding error (the first of
+ * equals), then the codes q + 8 packed two to a byte (low nibble: weight i, high: weight i + 32).
+ * The same float32 operations as the PyTorch reference, but a group stays in registers instead of
+ * every candidate streaming the whole matrix through memory (a 1.5B model: ~90 s -> a few seconds).
+ * Each weight's code is x * (1 / scale) (the float32 reciprocal) rounded to nearest even and clamped to
+ * [-8, 7], in vectors (int4_quantize_rows$SFX): a multiply where a division cost ~4x the time. */
+typedef struct { const float *w; uint8_t *packed; float *scale; const float *shrinks; int64_t K; int count; } quantize_job;
+#define I4MAXSHRINKS 16  /* most candidate scales per group */
+
 /* Built with -ffp-contract=off: the compiler never fuses a*b+c by itself, so scalar code rounds
  * exactly as written and only the explicit fmadd intrinsics fuse. */
 
@@ -717,6 +727,57 @@ __attribute__((target($ISA))) static void edge$SFXi4(const float *x, const uint8
             }
         }
         y[i * N] = $HSUM(acc) + (b ? b[0] : 0.0f);
+    }
+}
+
+/* Int4 quantization, $LANES lanes at a time. Per lane the operations of the PyTorch reference: the code
+ * x * (1 / s) rounded to nearest even and clamped; the error q * s - x; r * r added to the lane's sum for
+ * i = 0, 16, 32, 48; then the 16 lane sums added in order, so either ISA picks the same scale. */
+__attribute__((target($ISA))) static void int4_quantize_rows$SFX(const void *arg, int64_t begin, int64_t end)
+{
+    const quantize_job *job = arg;
+    const int64_t groups = job->K / 64;
+    const $VEC low = $SET1(-8.0f), high = $SET1(7.0f);
+    for (int64_t g = begin * groups; g < end * groups; g++) {
+        const float *x = job->w + g * 64;
+        $VEC most = $ZERO();  /* the largest |x| per lane: max(x, -x) */
+        for (int i = 0; i < 64; i += $LANES) {
+            const $VEC xv = $LOAD(x + i);
+            most = $MAX(most, $MAX(xv, $SUB($ZERO(), xv)));
+        }
+        float lanes[$LANES], peak = 0.0f;
+        $STORE(lanes, most);
+        for (int j = 0; j < $LANES; j++) peak = lanes[j] > peak ? lanes[j] : peak;
+        if (peak < 1e-12f) peak = 1e-12f;
+        float candidates[I4MAXSHRINKS], sums[I4MAXSHRINKS][16], errors[I4MAXSHRINKS];
+        for (int c = 0; c < job->count; c++) {
+            candidates[c] = peak * job->shrinks[c] / 7.0f;
+            const $VEC scale = $SET1(candidates[c]), inverse = $SET1(1.0f / candidates[c]);
+            for (int v = 0; v < 16 / $LANES; v++) {
+                $VEC sum = $ZERO();
+                for (int i = 0; i < 64; i += 16) {
+                    const $VEC xv = $LOAD(x + i + v * $LANES);
+                    const $VEC q = $MIN($MAX($ROUND($MUL(xv, inverse)), low), high);
+                    const $VEC r = $SUB($MUL(q, scale), xv);
+                    sum = $ADD(sum, $MUL(r, r));
+                }
+                $STORE(sums[c] + v * $LANES, sum);
+            }
+            errors[c] = 0.0f;
+        }
+        /* each candidate's lane sums added in order; the candidates side by side, as independent chains */
+        for (int j = 0; j < 16; j++)
+            for (int c = 0; c < job->count; c++) errors[c] += sums[c][j];
+        float best_scale = candidates[0], best_error = errors[0];
+        for (int c = 1; c < job->count; c++)
+            if (errors[c] < best_error) { best_scale = candidates[c]; best_error = errors[c]; }
+        const $VEC inverse = $SET1(1.0f / best_scale);
+        float codes[64];
+        for (int i = 0; i < 64; i += $LANES)
+            $STORE(codes + i, $MIN($MAX($ROUND($MUL($LOAD(x + i), inverse)), low), high));
+        uint8_t *out = job->packed + g * 32;
+        for (int i = 0; i < 32; i++) out[i] = (uint8_t)(((int)codes[i] + 8) | (((int)codes[i + 32] + 8) << 4));
+        job->scale[g] = best_scale;
     }
 }
 """
@@ -1630,56 +1691,11 @@ int64_t exact_blocks_mismatch(const void *w, const float *s, const float *dense,
     return n;
 }
 
-/* Grouped int4 quantization (`Int4Matrix.quantize`): for each group of 64 weights, of the scales
- * peak * shrink / 7 (shrinks[0..count)), the one with the least squared rounding error (the first of
- * equals), then the codes q + 8 packed two to a byte (low nibble: weight i, high: weight i + 32).
- * The same float32 operations as the PyTorch reference, but a group stays in registers instead of
- * every candidate streaming the whole matrix through memory (a 1.5B model: ~90 s -> a few seconds). */
-typedef struct { const float *w; uint8_t *packed; float *scale; const float *shrinks; int64_t K; int count; } quantize_job;
-
-/* x / scale rounded to nearest even and clamped to [-8, 7] (written with comparisons, so loops over it vectorize) */
-static inline float int4_round(float x, float scale)
-{
-    float q = rintf(x / scale);
-    q = q < -8.0f ? -8.0f : q;
-    return q > 7.0f ? 7.0f : q;
-}
-
-__attribute__((target("avx2,fma"))) static void int4_quantize_rows(const void *arg, int64_t begin, int64_t end)
-{
-    const quantize_job *job = arg;
-    const int64_t groups = job->K / 64;
-    for (int64_t g = begin * groups; g < end * groups; g++) {
-        const float *x = job->w + g * 64;
-        float peak = 0.0f;
-        for (int i = 0; i < 64; i++) { const float a = fabsf(x[i]); peak = a > peak ? a : peak; }
-        if (peak < 1e-12f) peak = 1e-12f;
-        float best_scale = 0.0f, best_error = 0.0f;
-        for (int c = 0; c < job->count; c++) {
-            const float candidate = peak * job->shrinks[c] / 7.0f;
-            float lanes[16] = {0};  /* 16 running sums, so the loop vectorizes; then added in order */
-            for (int i = 0; i < 64; i += 16)
-                for (int j = 0; j < 16; j++) {
-                    const float r = int4_round(x[i + j], candidate) * candidate - x[i + j];
-                    lanes[j] += r * r;
-                }
-            float error = 0.0f;
-            for (int j = 0; j < 16; j++) error += lanes[j];
-            if (c == 0 || error < best_error) { best_scale = candidate; best_error = error; }
-        }
-        uint8_t *out = job->packed + g * 32;
-        for (int i = 0; i < 32; i++) {
-            const int lo = (int)int4_round(x[i], best_scale) + 8, hi = (int)int4_round(x[i + 32], best_scale) + 8;
-            out[i] = (uint8_t)(lo | (hi << 4));
-        }
-        job->scale[g] = best_scale;
-    }
-}
-
-void int4_quantize(const float *w, uint8_t *packed, float *scale, const float *shrinks, int64_t N, int64_t K, int count, int threads)
+void int4_quantize(const float *w, uint8_t *packed, float *scale, const float *shrinks, int64_t N, int64_t K, int count, int isa,
+                   int threads)
 {
     const quantize_job job = {w, packed, scale, shrinks, K, count};
-    parallel_for(int4_quantize_rows, &job, N, 16, threads);
+    parallel_for(isa == 512 ? int4_quantize_rows512 : int4_quantize_rows256, &job, N, 16, threads);
 }
 
 int rowwise_linear(const float *x, const void *w, const float *s, const float *b, float *y, int64_t M, int64_t N,
@@ -1893,7 +1909,7 @@ _SIGNATURES = {
     "rowwise_linear_group": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 2 + [ctypes.c_int] * 3),
     "exact_blocks_mismatch": (ctypes.c_int64, [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_int]),
     "silu_mul": (None, [ctypes.c_void_p] * 2 + [ctypes.c_int64, ctypes.c_int]),
-    "int4_quantize": (None, [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_int] * 2),
+    "int4_quantize": (None, [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_int] * 3),
     "rms_norm": (None, [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_float, ctypes.c_int]),
     "rope": (None, [ctypes.c_void_p] + [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 3),
     "cache_write": (None, [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 6),
@@ -2034,7 +2050,7 @@ class Int4Matrix(QuantizedMatrix):
 
     # Each group's scale: of a few clipping ranges (amax/7 shrunk by up to 30%), the one with the least
     # squared rounding error; clipping a lone outlier often serves the other 63 weights better.
-    SHRINKS = torch.linspace(1.0, 0.7, 7)
+    SHRINKS = torch.linspace(1.0, 0.7, 7)  # at most 16 (I4MAXSHRINKS in the C quantizer)
 
     @classmethod
     def quantize(cls, weight: torch.Tensor) -> "Int4Matrix":
@@ -2047,7 +2063,7 @@ class Int4Matrix(QuantizedMatrix):
         packed = torch.empty(n, k // 2, dtype=torch.uint8)
         scale = torch.empty(n, k // cls.GROUP)
         _library.int4_quantize(weight.data_ptr(), packed.data_ptr(), scale.data_ptr(), cls.SHRINKS.data_ptr(), n, k,
-                               len(cls.SHRINKS), torch.get_num_threads())
+                               len(cls.SHRINKS), isa(), torch.get_num_threads())
         return cls(packed, scale)
 
     @classmethod
@@ -2059,14 +2075,14 @@ class Int4Matrix(QuantizedMatrix):
         scale, best = peak / 7.0, None
         for shrink in cls.SHRINKS.tolist():
             candidate = peak * shrink / 7.0
-            rounded = torch.round(groups / candidate[..., None]).clamp(-8, 7) * candidate[..., None]
+            rounded = torch.round(groups * (1.0 / candidate)[..., None]).clamp(-8, 7) * candidate[..., None]
             error = (rounded - groups).pow(2).sum(dim=2)
             if best is None:
                 best = error
             else:
                 better = error < best
                 scale, best = torch.where(better, candidate, scale), torch.where(better, error, best)
-        q = (torch.round(groups / scale[..., None]).clamp(-8, 7) + 8).to(torch.uint8)
+        q = (torch.round(groups * (1.0 / scale)[..., None]).clamp(-8, 7) + 8).to(torch.uint8)
         half = cls.GROUP // 2
         packed = q[..., :half] | (q[..., half:] << 4)
         return cls(packed.reshape(n, k // 2).contiguous(), scale.contiguous())
