@@ -92,8 +92,8 @@ _PREAMBLE = r"""
  * equals), then the codes q + 8 packed two to a byte (low nibble: weight i, high: weight i + 32).
  * The same float32 operations as the PyTorch reference, but a group stays in registers instead of
  * every candidate streaming the whole matrix through memory (a 1.5B model: ~90 s -> a few seconds).
- * Each weight's code is x * (1 / scale) (the float32 reciprocal) rounded to nearest even and clamped to
- * [-8, 7], in vectors (int4_quantize_rows$SFX): a multiply where a division cost ~4x the time. */
+ * Each weight's code is x * (1 / scale) (the float32 reciprocal: a multiply is cheaper than a division)
+ * rounded to nearest even and clamped to [-8, 7], in vectors (int4_quantize_rows512 / int4_quantize_rows256). */
 typedef struct { const float *w; uint8_t *packed; float *scale; const float *shrinks; int64_t K; int count; } quantize_job;
 #define I4MAXSHRINKS 16  /* most candidate scales per group */
 
