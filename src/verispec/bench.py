@@ -30,7 +30,7 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("prompts", nargs="?", default=DEFAULT_PROMPTS, help="JSONL in Spec-Bench ({category, turns}) or HumanEval ({task_id, prompt}) form")
     p.add_argument("--target", default="qwen2.5-coder-1.5b")
     p.add_argument("--draft", default="qwen2.5-coder-0.5b", help="draft model; 'none' for n-gram only")
-    p.add_argument("--drafter", default="auto", help="auto | model | self (the target's int4 copy on its cache; use with --draft none) | hybrid | ngram")
+    p.add_argument("--drafter", default="auto", help="auto (model with a draft; with --draft none, self where the target allows, else ngram) | model | self (the target's int4 copy on its cache; use with --draft none) | hybrid | ngram")
     p.add_argument("--draft-len", type=draft_len_arg, default="auto", help="int, 'auto' (adaptive) or 'tree' (auto plus token-tree alternates)")
     p.add_argument("--draft-dtype", default="int4", help="matrix dtype of a native-backend draft: fp32, bf16 (half the bytes), int8 (weight-only, a quarter) or int4 (grouped, ~1/7) (default: %(default)s)")
     p.add_argument("--gguf-blocks", action="store_true",
