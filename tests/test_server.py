@@ -584,3 +584,27 @@ def test_admission_prefills_similar_lengths_together_and_bounds_the_stall(monkey
         assert admitted == [4, 1, 1, 4]
     finally:
         scheduler.stop()
+
+
+def test_a_server_without_a_draft_model_self_speculates():
+    """`verispec serve` with no draft option: "auto" makes the target's int4 copy at start, and answers through
+    HTTP are plain decoding's, from fewer target passes than tokens."""
+    zoo.pull("smollm2-135m")
+    process = ServerProcess(["--target", "smollm2-135m"], threads=1).start()
+    try:
+        torch.set_num_threads(1)
+        model = verispec.load("smollm2-135m")
+        plain = verispec.generate(model, CHAT, drafter="none", max_new_tokens=40, chat=True).text
+        try:
+            process.wait_ready(timeout=180)
+        except ServerStartError as exc:
+            pytest.fail(str(exc))
+        assert "drafter: self" in process.log_text()
+        client = openai.OpenAI(base_url=process.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        result = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": CHAT}], max_tokens=40,
+                                                temperature=0)
+        assert result.choices[0].message.content == plain
+        spec = result.usage.model_extra["speculative"]
+        assert spec["accepted_tokens"] > 0 and spec["target_passes"] < result.usage.completion_tokens
+    finally:
+        process.stop()
