@@ -226,8 +226,7 @@ def self_draft_possible(target: CausalLM) -> bool:
     if target.weight_dtype != torch.float32 or target.output_ids is not None:
         return False
     from verispec.models.kernels import Int4Matrix
-    widths = {target.hidden_size} | {int(m.shape[1]) for layer in target.layers for m in (layer.o, layer.down)}
-    return all(width % Int4Matrix.GROUP == 0 for width in widths)
+    return all(int(matrix.shape[1]) % Int4Matrix.GROUP == 0 for matrix in target.matrices())
 
 
 def resolve_drafter(target: CausalLM, draft: CausalLM | None, drafter: str, new_tokens: int | None = None) -> str:

@@ -401,12 +401,10 @@ def summarize(results: list[Measurement], args, verify_ratio: dict[int, float]) 
 def target_matrices(model) -> str:
     """How the target's matrices are stored, for the report: float32, or exact GGUF blocks for how many."""
     from verispec.models import kernels
-    from verispec.models.native import MATRIX_FIELDS
 
-    layers = getattr(model, "layers", None)
-    if not layers:
+    if not getattr(model, "layers", None):
         return "float32 matrices"
-    matrices = [getattr(layer, f) for layer in layers for f in MATRIX_FIELDS] + [model.lm_head]
+    matrices = model.matrices()
     exact = sum(isinstance(m, kernels.ExactBlocks) for m in matrices)
     return f"exact GGUF Q4_K/Q6_K blocks for {exact} of {len(matrices)} matrices" if exact else "float32 matrices"
 

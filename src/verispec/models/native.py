@@ -339,6 +339,10 @@ class NativeCausalLM:
         self._convert_matrices(formats[dtype])
         self.name = f"{self.name}-{'int4' if dtype == torch.quint4x2 else str(dtype).removeprefix('torch.')}"
 
+    def matrices(self) -> list:
+        """Every matrix the forward multiplies by (the layers', then the LM head), in whatever format it is kept."""
+        return [getattr(layer, field) for layer in self.layers for field in MATRIX_FIELDS] + [self.lm_head]
+
     def _convert_matrices(self, convert) -> None:
         """Replace each matrix (the layers' and the LM head; not norms, biases or the embedding, which
         stays for lookups when tied) by convert(matrix), one at a time."""
