@@ -16,6 +16,7 @@ from verispec.drafters import HybridDrafter, ModelDrafter, NgramDrafter, NoDraft
 from verispec.drafters.base import Drafter
 from verispec.engine import Request, SpeculativeEngine, TokenEvent
 from verispec.errors import VerispecError
+from verispec.models import stored
 from verispec.models.base import CausalLM
 from verispec.models.hf import HFCausalLM, pick_device
 from verispec.policy import ADAPTIVE_SETTINGS
@@ -176,7 +177,7 @@ def self_draft(target: CausalLM) -> CausalLM:
                                 f"{target.name!r} is not one: load it with backend='native' (no weight_dtype), or "
                                 "use drafter='model' with a draft model")
         try:
-            draft = _SELF_DRAFTS[target] = target.lower_precision_copy(torch.quint4x2)
+            draft = _SELF_DRAFTS[target] = stored.int4_copy(target)
         except ValueError as exc:  # e.g. matrix widths that are not whole int4 groups
             raise VerispecError(f"{target.name}: {exc}; pass a draft copy made with weight_dtype='int8' or 'bf16'") from None
     return draft

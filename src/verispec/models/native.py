@@ -420,9 +420,11 @@ class NativeCausalLM:
         clone._stack = False
         return clone
 
-    def lower_precision_copy(self, weight_dtype: torch.dtype) -> "NativeCausalLM":
+    def lower_precision_copy(self, weight_dtype: torch.dtype, matrices: list | None = None) -> "NativeCausalLM":
         """A copy whose layer and head matrices are `weight_dtype` versions of this model's (bfloat16, int8
-        or int4 as `torch.quint4x2`); embedding, norms, biases and RoPE tables are shared.
+        or int4 as `torch.quint4x2`); embedding, norms, biases and RoPE tables are shared. `matrices`, if
+        given, are those versions already made (in `matrices()` order: a copy read back from disk by
+        `models.stored`), taken as they are.
 
         Meant as a draft that reads this model's cache (`drafters.SharedCacheDrafter`): it has the same
         layer shapes, and it never prefills, so no widened copies are made for big passes (one, should it
@@ -437,8 +439,12 @@ class NativeCausalLM:
                 return matrix.dense
             return matrix.dequantize() if isinstance(matrix, kernels.PanelMatrix) else matrix
 
-        clone._convert_matrices(row_major)
-        clone._store_matrices_as(weight_dtype)
+        if matrices is None:
+            clone._convert_matrices(row_major)
+            clone._store_matrices_as(weight_dtype)
+        else:
+            given = iter(matrices)
+            clone._convert_matrices(lambda _: next(given))
         clone.weight_dtype = clone.lm_head.dtype
         clone.name = f"{self.name}-self-{'int4' if weight_dtype == torch.quint4x2 else str(weight_dtype).removeprefix('torch.')}"
         clone._buffers = None  # activation buffers are per model object

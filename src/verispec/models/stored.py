@@ -1,0 +1,138 @@
+"""The int4 self-draft copy of a model, kept on disk so that a new process reads it instead of making it.
+
+`drafter="self"` drafts with an int4 copy of the target's own matrices (`NativeCausalLM.lower_precision_copy`).
+Making it for the 1.5B target takes ~3 s (undo the panel layout, quantize ~1.3 billion weights); reading
+it back from the page cache takes a fraction of that. A stored copy is named by a fingerprint of the
+source matrices (shapes, a checksum of every value and a strided sample) and of the quantizer's settings,
+so changed weights or a changed quantizer never meet an old copy. Even if one did, only drafting would
+suffer: the target still verifies every token.
+
+Layout under the zoo's `home()`: `copies/<model>-int4-<fingerprint>.safetensors`, written to a temporary
+file and renamed, so a reader never sees half a copy. Copies of small models (under `STORE_MIN_WEIGHTS`)
+are quick to make and are not stored; `VERISPEC_STORE_COPIES=0` turns storing and reading off.
+
+This module knows nothing about drafting; it hands a model its copy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import re
+import time
+from pathlib import Path
+
+import torch
+
+from verispec.models import kernels
+
+log = logging.getLogger(__name__)
+
+FORMAT = 1  # bump when the stored tensors change meaning
+STORE_MIN_WEIGHTS = 200_000_000  # below this the copy is made in well under a second: not worth 0.56 bytes/weight on disk
+_SAMPLES = 4096  # values per matrix in the fingerprint's strided sample
+
+
+def enabled() -> bool:
+    return os.environ.get("VERISPEC_STORE_COPIES", "1") not in ("0", "false", "no", "")
+
+
+def _float32_values(matrix) -> torch.Tensor:
+    """The float32 numbers a matrix is kept as (in whatever layout this model keeps them)."""
+    if isinstance(matrix, kernels.ExactBlocks):
+        return matrix.dense
+    if isinstance(matrix, kernels.PanelMatrix):
+        return matrix.values
+    return matrix
+
+
+def fingerprint(model) -> str:
+    """Hex digest naming `model`'s int4 copy: every matrix's shape, the sum of its float32 bit patterns, a
+    strided sample of its values, and the quantizer's settings."""
+    digest = hashlib.sha256(f"int4 format {FORMAT} group {kernels.Int4Matrix.GROUP} "
+                            f"shrinks {kernels.Int4Matrix.SHRINKS.tolist()}".encode())
+    for matrix in model.matrices():
+        values = _float32_values(matrix).detach().contiguous()
+        flat = values.view(-1)
+        bits = flat.view(torch.int32)
+        sample = flat[torch.linspace(0, flat.numel() - 1, _SAMPLES).long()]
+        # the bit patterns' sum modulo 2**32: any one changed weight changes it (and integer sums are fast)
+        digest.update(f"{tuple(matrix.shape)} {tuple(values.shape)} {int(bits.sum(dtype=torch.int32))}".encode())
+        digest.update(sample.cpu().numpy().tobytes())
+    return digest.hexdigest()[:24]
+
+
+def path_for(model, key: str) -> Path:
+    from verispec.zoo import home
+
+    slug = re.sub(r"[^A-Za-z0-9._-]+", "_", str(model.name)).strip("_")[-80:] or "model"
+    return home() / "copies" / f"{slug}-int4-{key}.safetensors"
+
+
+def _worth_storing(model) -> bool:
+    return enabled() and sum(m.shape[0] * m.shape[1] for m in model.matrices()) >= STORE_MIN_WEIGHTS
+
+
+def _read(model, path: Path) -> list | None:
+    """The stored matrices, in `model.matrices()` order, or None if the file is missing or does not fit."""
+    from safetensors.torch import load_file
+
+    if not path.exists():
+        return None
+    try:
+        tensors = load_file(path)
+    except Exception as exc:  # noqa: BLE001 -- any unreadable file (truncated, foreign, corrupt) is made again
+        log.warning("ignoring the stored int4 copy %s (%s): making it again", path, exc)
+        return None
+    stored = []
+    for i, source in enumerate(model.matrices()):
+        n, k = source.shape
+        values, scale = tensors.get(f"{i}.values"), tensors.get(f"{i}.scale")
+        if (values is None or scale is None or values.dtype != torch.uint8 or scale.dtype != torch.float32
+                or tuple(values.shape) != (n, k // 2) or tuple(scale.shape) != (n, k // kernels.Int4Matrix.GROUP)):
+            log.warning("ignoring the stored int4 copy %s: matrix %d does not fit %s; making it again", path, i, model.name)
+            return None
+        stored.append(kernels.Int4Matrix(values.to(source.device), scale.to(source.device)))
+    if len(tensors) != 2 * len(stored):
+        log.warning("ignoring the stored int4 copy %s: it holds %d tensors, %s needs %d; making it again",
+                    path, len(tensors), model.name, 2 * len(stored))
+        return None
+    return stored
+
+
+def _write(copy, path: Path, source_name: str) -> None:
+    from safetensors.torch import save_file
+
+    tensors = {}
+    for i, matrix in enumerate(copy.matrices()):
+        tensors[f"{i}.values"], tensors[f"{i}.scale"] = matrix.values.cpu(), matrix.scale.cpu()
+    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, partial, metadata={"format": str(FORMAT), "source": source_name})
+        os.replace(partial, path)
+    except OSError as exc:  # a full or read-only disk: the copy still works, from memory
+        log.warning("could not store the int4 copy of %s at %s (%s); it will be made again next time", source_name, path, exc)
+        with contextlib.suppress(OSError):
+            partial.unlink()
+
+
+def int4_copy(model):
+    """`model.lower_precision_copy(torch.quint4x2)`, read from disk when a stored copy of these very weights
+    exists, else made (and stored, for models of `STORE_MIN_WEIGHTS` weights or more)."""
+    if not _worth_storing(model):
+        return model.lower_precision_copy(torch.quint4x2)
+    started = time.perf_counter()
+    path = path_for(model, fingerprint(model))
+    stored = _read(model, path)
+    if stored is not None:
+        copy = model.lower_precision_copy(torch.quint4x2, matrices=stored)
+        log.info("int4 copy of %s read from %s in %.1f s", model.name, path, time.perf_counter() - started)
+        return copy
+    copy = model.lower_precision_copy(torch.quint4x2)
+    made = time.perf_counter()
+    _write(copy, path, str(model.name))
+    log.info("int4 copy of %s made in %.1f s, stored at %s in %.1f s", model.name, made - started, path, time.perf_counter() - made)
+    return copy

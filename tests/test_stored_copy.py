@@ -1,0 +1,117 @@
+"""The int4 self-draft copy kept on disk (`models.stored`): a new process reads the very codes and scales it
+would have made, changed weights get a copy of their own, and a damaged or foreign file is made again."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+import verispec
+from conftest import tiny_llama, tiny_qwen2
+from test_greedy_equivalence import PROMPTS, plain
+from verispec.models import kernels, stored
+from verispec.models.native import NativeCausalLM
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    """An empty cache root, and every model big enough to store its copy."""
+    monkeypatch.setenv("VERISPEC_HOME", str(tmp_path))
+    monkeypatch.setattr(stored, "STORE_MIN_WEIGHTS", 0)
+    return tmp_path
+
+
+def stored_files(home):
+    return sorted((home / "copies").glob("*.safetensors")) if (home / "copies").exists() else []
+
+
+def same_matrices(a, b) -> bool:
+    return all(torch.equal(x.values, y.values) and torch.equal(x.scale, y.scale) for x, y in zip(a.matrices(), b.matrices(), strict=True))
+
+
+def test_a_stored_copy_is_read_back_instead_of_made(home, monkeypatch):
+    hf = tiny_qwen2(seed=3)
+    source = NativeCausalLM.from_hf(hf)
+    made = stored.int4_copy(source)
+    assert stored_files(home) == [stored.path_for(source, stored.fingerprint(source))]
+    target = NativeCausalLM.from_hf(hf)  # as in a new process: the same weights, no copy in memory
+
+    def no_quantizing(*args, **kwargs):
+        raise AssertionError("the stored copy should have been read, not made")
+
+    monkeypatch.setattr(kernels.Int4Matrix, "quantize", no_quantizing)
+    read = stored.int4_copy(target)
+    assert same_matrices(read, made) and read.weight_dtype == torch.quint4x2 and read.name == made.name
+    for prompt in PROMPTS:  # the same drafts as the copy it was stored from, and plain decoding's tokens
+        got = verispec.generate(target, prompt, drafter="self", draft=read, draft_len=3, max_new_tokens=30)
+        want = verispec.generate(target, prompt, drafter="self", draft=made, draft_len=3, max_new_tokens=30)
+        assert got.token_ids == want.token_ids == plain(target, prompt, 30)
+        assert (got.stats.drafted_tokens, got.stats.accepted_tokens) == (want.stats.drafted_tokens, want.stats.accepted_tokens)
+
+
+def test_self_drafter_stores_the_copy_it_makes(home):
+    target = NativeCausalLM.from_hf(tiny_llama(seed=4))
+    result = verispec.generate(target, PROMPTS[0], drafter="self", max_new_tokens=20)
+    assert result.token_ids == plain(target, PROMPTS[0], 20)
+    assert len(stored_files(home)) == 1
+
+
+def test_changed_weights_get_a_copy_of_their_own(home):
+    hf = tiny_llama(seed=5)
+    before = stored.fingerprint(NativeCausalLM.from_hf(hf))
+    with torch.no_grad():  # one weight, off the fingerprint's strided sample
+        hf.model.model.layers[1].mlp.down_proj.weight[0, 1] += 1e-3
+    after = stored.fingerprint(NativeCausalLM.from_hf(hf))
+    assert before != after
+    assert stored.fingerprint(NativeCausalLM.from_hf(hf)) == after  # and the same weights, the same name
+
+
+def test_a_damaged_file_is_made_again(home, caplog):
+    hf = tiny_qwen2(seed=6)
+    made = stored.int4_copy(NativeCausalLM.from_hf(hf))
+    [path] = stored_files(home)
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    with caplog.at_level(logging.WARNING, logger="verispec.models.stored"):
+        again = stored.int4_copy(NativeCausalLM.from_hf(hf))
+    assert "making it again" in caplog.text
+    assert same_matrices(again, made)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="verispec.models.stored"):
+        stored.int4_copy(NativeCausalLM.from_hf(hf))  # rewritten whole: read without complaint
+    assert caplog.text == ""
+
+
+def test_a_file_that_does_not_fit_the_model_is_made_again(home, caplog):
+    small, other = NativeCausalLM.from_hf(tiny_llama(seed=7)), NativeCausalLM.from_hf(tiny_llama(seed=7, layers=3))
+    stored.int4_copy(other)
+    [foreign] = stored_files(home)
+    path = stored.path_for(small, stored.fingerprint(small))
+    foreign.rename(path)  # another model's matrices under this model's name
+    with caplog.at_level(logging.WARNING, logger="verispec.models.stored"):
+        copy = stored.int4_copy(small)
+    assert "matrix 14 does not fit" in caplog.text  # the 3-layer model's third layer where this one has its head
+    assert same_matrices(copy, small.lower_precision_copy(torch.quint4x2))
+
+
+def test_small_models_and_the_off_switch_store_nothing(home, monkeypatch):
+    monkeypatch.setattr(stored, "STORE_MIN_WEIGHTS", 200_000_000)
+    stored.int4_copy(NativeCausalLM.from_hf(tiny_llama(seed=8)))
+    assert stored_files(home) == []
+    monkeypatch.setattr(stored, "STORE_MIN_WEIGHTS", 0)
+    monkeypatch.setenv("VERISPEC_STORE_COPIES", "0")
+    stored.int4_copy(NativeCausalLM.from_hf(tiny_llama(seed=8)))
+    assert stored_files(home) == []
+
+
+def test_an_unwritable_cache_still_gives_the_copy(tmp_path, monkeypatch, caplog):
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("")
+    monkeypatch.setenv("VERISPEC_HOME", str(blocker))
+    monkeypatch.setattr(stored, "STORE_MIN_WEIGHTS", 0)
+    target = NativeCausalLM.from_hf(tiny_llama(seed=9))
+    with caplog.at_level(logging.WARNING, logger="verispec.models.stored"):
+        copy = stored.int4_copy(target)
+    assert "could not store" in caplog.text
+    assert same_matrices(copy, target.lower_precision_copy(torch.quint4x2))
