@@ -57,7 +57,7 @@ def fingerprint(model) -> str:
         values = _float32_values(matrix).detach().contiguous()
         flat = values.view(-1)
         bits = flat.view(torch.int32)
-        sample = flat[torch.linspace(0, flat.numel() - 1, _SAMPLES).long()]
+        sample = flat[torch.arange(_SAMPLES, dtype=torch.int64) * (flat.numel() - 1) // (_SAMPLES - 1)]  # ends included
         # the bit patterns' sum modulo 2**32: any one changed weight changes it (and integer sums are fast)
         digest.update(f"{tuple(matrix.shape)} {tuple(values.shape)} {int(bits.sum(dtype=torch.int32))}".encode())
         digest.update(sample.cpu().numpy().tobytes())
