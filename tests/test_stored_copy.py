@@ -115,3 +115,23 @@ def test_an_unwritable_cache_still_gives_the_copy(tmp_path, monkeypatch, caplog)
         copy = stored.int4_copy(target)
     assert "could not store" in caplog.text
     assert same_matrices(copy, target.lower_precision_copy(torch.quint4x2))
+
+
+def test_auto_drafts_short_calls_with_a_stored_copy(home, monkeypatch):
+    """A short call would not pay for making the copy, but reading a stored one costs little: "self"."""
+    from verispec.api import SELF_COPY_MIN_TOKENS, resolve_drafter
+
+    hf = tiny_llama(seed=10)
+    first = NativeCausalLM.from_hf(hf)
+    assert resolve_drafter(first, None, "auto", 4) == "ngram"
+    verispec.generate(first, PROMPTS[0], max_new_tokens=SELF_COPY_MIN_TOKENS)  # makes and stores it
+    later = NativeCausalLM.from_hf(hf)  # another process, as it were
+    result = verispec.generate(later, PROMPTS[1], max_new_tokens=4)
+    assert result.stats.drafter == "SharedCacheDrafter" and result.token_ids == plain(later, PROMPTS[1], 4)
+
+    def no_fingerprint(model):
+        raise AssertionError("no copy under this name is stored: nothing to fingerprint")
+
+    monkeypatch.setattr(stored, "fingerprint", no_fingerprint)
+    other = NativeCausalLM.from_hf(tiny_qwen2(seed=10))
+    assert resolve_drafter(other, None, "auto", 4) == "ngram"

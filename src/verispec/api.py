@@ -211,7 +211,7 @@ def check_compatible(target: CausalLM, draft: CausalLM) -> None:
 
 
 # drafter="auto" without a draft model makes the target's int4 copy only for a call asking for at least
-# this many new tokens (or when the copy exists): making it takes about as long as 13-17 of the target's
+# this many new tokens (or when the copy exists, in memory or on disk): making it takes about as long as 13-17 of the target's
 # decode steps (Qwen2.5-Coder 1.5B: 2.7-3.5 s against 0.21 s a step on a 2-core Xeon), and drafting with
 # it saves about half of each step there (Spec-Bench 1.78x), so a first call breaks even near 30 tokens.
 SELF_COPY_MIN_TOKENS = 32
@@ -237,13 +237,15 @@ def resolve_drafter(target: CausalLM, draft: CausalLM | None, drafter: str, new_
     first, "hybrid", on HumanEval and matched or beat it on 12 of 13 Spec-Bench categories). Without one:
     "self" where the target can have an int4 copy (`self_draft_possible`) and the call is long enough to
     pay for making it (`new_tokens` in all rows at least SELF_COPY_MIN_TOKENS, None for a server or a
-    session that will make many calls); else "ngram".
+    session that will make many calls) or need not make it (it is in memory, or stored on disk and read
+    back in a fraction of a second: `models.stored`); else "ngram".
     """
     if drafter != "auto":
         return drafter
     if draft is not None:
         return "model"
-    if self_draft_possible(target) and (target in _SELF_DRAFTS or new_tokens is None or new_tokens >= SELF_COPY_MIN_TOKENS):
+    if self_draft_possible(target) and (target in _SELF_DRAFTS or new_tokens is None or new_tokens >= SELF_COPY_MIN_TOKENS
+                                        or stored.has_copy(target)):
         return "self"
     return "ngram"
 
@@ -358,7 +360,7 @@ def generate(target, prompt, *, draft=None, drafter: str = "auto", draft_len: in
     draft_len, a draft model whose prompt prefill could not pay for itself over max_new_tokens, by the
     costs this process measured, gives way to n-gram for that call. Without one, "self" for a native
     float32 target on a CPU with verispec's kernels when the call asks for at least SELF_COPY_MIN_TOKENS
-    new tokens or the copy exists, else n-gram: see `resolve_drafter`),
+    new tokens or the copy exists (in memory or stored on disk), else n-gram: see `resolve_drafter`),
     "model", "self" (the target's own int4 copy drafts on the target's cache; native float32 targets; `draft`
     may give another copy with the target's layer shapes), "hybrid" (prompt lookup when it finds a match,
     else the draft model), "ngram", or

@@ -22,6 +22,7 @@ import logging
 import os
 import re
 import time
+import weakref
 from pathlib import Path
 
 import torch
@@ -64,11 +65,37 @@ def fingerprint(model) -> str:
     return digest.hexdigest()[:24]
 
 
+# Each model object's fingerprint, computed once (~0.3 s for the 1.5B): weights edited in place after that
+# would keep the old name, which could only cost drafting speed.
+_FINGERPRINTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _fingerprint_of(model) -> str:
+    key = _FINGERPRINTS.get(model)
+    if key is None:
+        key = _FINGERPRINTS[model] = fingerprint(model)
+    return key
+
+
+def _slug(model) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", str(model.name)).strip("_")[-80:] or "model"
+
+
 def path_for(model, key: str) -> Path:
     from verispec.zoo import home
 
-    slug = re.sub(r"[^A-Za-z0-9._-]+", "_", str(model.name)).strip("_")[-80:] or "model"
-    return home() / "copies" / f"{slug}-int4-{key}.safetensors"
+    return home() / "copies" / f"{_slug(model)}-int4-{key}.safetensors"
+
+
+def has_copy(model) -> bool:
+    """Whether a stored copy of these very weights is on disk (no fingerprint is computed unless some copy
+    under this model's name is)."""
+    if not _worth_storing(model):
+        return False
+    directory = path_for(model, "").parent
+    if not directory.is_dir() or not any(directory.glob(f"{_slug(model)}-int4-*.safetensors")):
+        return False
+    return path_for(model, _fingerprint_of(model)).exists()
 
 
 def _worth_storing(model) -> bool:
@@ -125,7 +152,7 @@ def int4_copy(model):
     if not _worth_storing(model):
         return model.lower_precision_copy(torch.quint4x2)
     started = time.perf_counter()
-    path = path_for(model, fingerprint(model))
+    path = path_for(model, _fingerprint_of(model))
     stored = _read(model, path)
     if stored is not None:
         copy = model.lower_precision_copy(torch.quint4x2, matrices=stored)
