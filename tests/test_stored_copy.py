@@ -135,3 +135,20 @@ def test_auto_drafts_short_calls_with_a_stored_copy(home, monkeypatch):
     monkeypatch.setattr(stored, "fingerprint", no_fingerprint)
     other = NativeCausalLM.from_hf(tiny_qwen2(seed=10))
     assert resolve_drafter(other, None, "auto", 4) == "ngram"
+
+
+def test_storing_a_copy_replaces_older_copies_under_the_same_name(home):
+    hf = tiny_llama(seed=11)
+    first = NativeCausalLM.from_hf(hf)
+    stored.int4_copy(first)
+    [old] = stored_files(home)
+    neighbour = NativeCausalLM.from_hf(tiny_llama(seed=11))
+    neighbour.name = f"{first.name}-int4"  # a name that starts like this one's copies: left alone
+    stored.int4_copy(neighbour)
+    with torch.no_grad():
+        hf.model.model.layers[0].self_attn.q_proj.weight.mul_(1.5)  # re-trained, say
+    edited = NativeCausalLM.from_hf(hf)
+    stored.int4_copy(edited)
+    assert stored_files(home) == sorted([stored.path_for(edited, stored.fingerprint(edited)),
+                                         stored.path_for(neighbour, stored.fingerprint(neighbour))])
+    assert not old.exists()

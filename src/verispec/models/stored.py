@@ -8,7 +8,8 @@ so changed weights or a changed quantizer never meet an old copy. Even if one di
 suffer: the target still verifies every token.
 
 Layout under the zoo's `home()`: `copies/<model>-int4-<fingerprint>.safetensors`, written to a temporary
-file and renamed, so a reader never sees half a copy. Copies of small models (under `STORE_MIN_WEIGHTS`)
+file and renamed, so a reader never sees half a copy; storing one removes the copies of other weights
+stored under the same model name. Copies of small models (under `STORE_MIN_WEIGHTS`)
 are quick to make and are not stored; `VERISPEC_STORE_COPIES=0` turns storing and reading off.
 
 This module knows nothing about drafting; it hands a model its copy.
@@ -87,13 +88,21 @@ def path_for(model, key: str) -> Path:
     return home() / "copies" / f"{_slug(model)}-int4-{key}.safetensors"
 
 
+def _stored_under(model) -> list[Path]:
+    """The copies stored under this model's name, for whatever weights."""
+    directory = path_for(model, "").parent
+    if not directory.is_dir():
+        return []
+    name = re.compile(re.escape(_slug(model)) + r"-int4-[0-9a-f]{24}\.safetensors")
+    return [path for path in directory.iterdir() if name.fullmatch(path.name)]
+
+
 def has_copy(model) -> bool:
     """Whether a stored copy of these very weights is on disk (no fingerprint is computed unless some copy
     under this model's name is)."""
     if not _worth_storing(model):
         return False
-    directory = path_for(model, "").parent
-    if not directory.is_dir() or not any(directory.glob(f"{_slug(model)}-int4-*.safetensors")):
+    if not _stored_under(model):
         return False
     return path_for(model, _fingerprint_of(model)).exists()
 
@@ -129,7 +138,9 @@ def _read(model, path: Path) -> list | None:
     return stored
 
 
-def _write(copy, path: Path, source_name: str) -> None:
+def _write(copy, path: Path, copy_of) -> None:
+    """Store `copy` at `path`, replacing any copy of other weights stored under `copy_of`'s name (one copy per
+    model name keeps the store from growing with every re-pulled or edited model)."""
     from safetensors.torch import save_file
 
     tensors = {}
@@ -138,10 +149,13 @@ def _write(copy, path: Path, source_name: str) -> None:
     partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        save_file(tensors, partial, metadata={"format": str(FORMAT), "source": source_name})
+        save_file(tensors, partial, metadata={"format": str(FORMAT), "source": str(copy_of.name)})
         os.replace(partial, path)
+        for older in _stored_under(copy_of):  # copies of earlier weights under this name
+            if older != path:
+                older.unlink(missing_ok=True)
     except OSError as exc:  # a full or read-only disk: the copy still works, from memory
-        log.warning("could not store the int4 copy of %s at %s (%s); it will be made again next time", source_name, path, exc)
+        log.warning("could not store the int4 copy of %s at %s (%s); it will be made again next time", copy_of.name, path, exc)
         with contextlib.suppress(OSError):
             partial.unlink()
 
@@ -160,6 +174,6 @@ def int4_copy(model):
         return copy
     copy = model.lower_precision_copy(torch.quint4x2)
     made = time.perf_counter()
-    _write(copy, path, str(model.name))
+    _write(copy, path, model)
     log.info("int4 copy of %s made in %.1f s, stored at %s in %.1f s", model.name, made - started, path, time.perf_counter() - made)
     return copy
