@@ -1875,9 +1875,9 @@ _tried = False
 
 
 def _cache_dir() -> Path:
-    configured = os.environ.get("VERISPEC_HOME")
-    root = Path(configured).expanduser() if configured else Path.home() / ".cache" / "verispec"
-    return root / "kernels"
+    from verispec.zoo import home
+
+    return home() / "kernels"
 
 
 def _build() -> Path:

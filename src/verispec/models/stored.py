@@ -82,15 +82,19 @@ def _slug(model) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", str(model.name)).strip("_")[-80:] or "model"
 
 
-def path_for(model, key: str) -> Path:
+def _directory() -> Path:
     from verispec.zoo import home
 
-    return home() / "copies" / f"{_slug(model)}-int4-{key}.safetensors"
+    return home() / "copies"
+
+
+def path_for(model, key: str) -> Path:
+    return _directory() / f"{_slug(model)}-int4-{key}.safetensors"
 
 
 def _stored_under(model) -> list[Path]:
     """The copies stored under this model's name, for whatever weights."""
-    directory = path_for(model, "").parent
+    directory = _directory()
     if not directory.is_dir():
         return []
     name = re.compile(re.escape(_slug(model)) + r"-int4-[0-9a-f]{24}\.safetensors")
