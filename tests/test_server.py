@@ -539,6 +539,30 @@ def test_lanes_and_cancellation(tiny_scheduler):
         assert isinstance(item, TokenEvent) and item.finish_reason is None
 
 
+@pytest.mark.parametrize("draft", [4, None])
+def test_cancelling_one_row_leaves_its_batch_mates_decoding(draft):
+    """A row cancelled mid-flight (its client left) leaves a batch of several on a native target, whose
+    caches are inference tensors: its batch mates finish exactly as plain decoding, nothing fails."""
+    from verispec.models.native import NativeCausalLM
+
+    target = NativeCausalLM.from_hf(tiny_llama(seed=0))
+    scheduler = Scheduler(target, lambda speculate: make_drafter(target, None, "ngram" if speculate else "none"), max_batch=4)
+    scheduler.start()
+    try:
+        prompts = [[5, 6, 7, 5, 6], [30, 31], [40, 41, 42, 43], [50, 51]]
+        jobs = [job(p, max_new_tokens=60, draft=draft) for p in prompts]
+        scheduler.submit([j for j, _ in jobs])
+        leaving = jobs[1][1].items.get(timeout=30)
+        assert isinstance(leaving, TokenEvent) and leaving.finish_reason is None  # it is in the batch, decoding
+        scheduler.cancel([jobs[1][0].id])
+        for i, (prompt, (_, collector)) in enumerate(zip(prompts, jobs)):
+            if i != 1:
+                assert collector.result() == plain_tokens(target, prompt, max_new_tokens=60), prompt
+        assert scheduler.step_failures == 0 and scheduler.thread.is_alive()
+    finally:
+        scheduler.stop()
+
+
 def test_admission_prefills_similar_lengths_together_and_bounds_the_stall(monkeypatch):
     """Prompts are prefilled in groups of similar length; while rows decode, a few new prompts are read
     a bounded number of tokens per step, and a burst that outnumbers the running rows at once."""

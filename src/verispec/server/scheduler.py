@@ -230,8 +230,15 @@ class Scheduler:
         self.waiting = [job for job in self.waiting if job.id not in job_ids]
         for lane in self.lanes:
             for job_id in job_ids & lane.jobs.keys():
-                lane.batch.remove(job_id)  # frees the row's slot now, not when it would have finished
                 del lane.jobs[job_id]
+                try:
+                    lane.batch.remove(job_id)  # frees the row's slot now, not when it would have finished
+                except Exception:
+                    # The batch may be half-updated: its other rows fail, the other lanes go on.
+                    log.exception("removing a cancelled row failed for a batch of %d", len(lane.jobs) + 1)
+                    self.step_failures += 1
+                    self._fail_lane(lane, "internal error while removing another request from this batch")
+                    break
         # An emptied DecodeBatch keeps stale slot bookkeeping (its KV store forgets its slots, the SlotCache
         # does not), so a request must never join one: drop empty lanes before the next admission.
         self.lanes = [lane for lane in self.lanes if lane.jobs]
