@@ -1,9 +1,13 @@
 """The HTTP layer: OpenAI's API over the scheduler, with FastAPI under uvicorn, and `verispec serve`.
 
-Two threads share the work. The event loop checks each request (`protocol`), turns text into token
-ids and token ids back into text, and answers in OpenAI's JSON or server-sent events. The worker
+The event loop only moves bytes: it reads a body (at most `max_body_bytes`, else 413), hands the
+parsing, checking (`protocol`) and tokenizing of it to a thread, and answers in OpenAI's JSON or
+server-sent events, so a huge or slow request cannot stall /health or other streams. The worker
 thread (`scheduler`) owns the models and decodes; each request's `TokenEvent`s come back to the loop
-through a thread-safe callback. A request that does not fit in the queue gets a 503 at once.
+through a thread-safe callback. A request that does not fit in the queue now gets a 503 at once; one
+that could never fit, a 400. Every request is counted on /metrics with the status it ended with (a
+stream that fails after its 200 header counts as its error), and a fault inside one request's
+handling is that request's 500, never the server's.
 """
 
 from __future__ import annotations
@@ -38,6 +42,9 @@ from verispec.text import IncrementalText, StopSequences, final_text
 
 DISCONNECT_POLL_SECONDS = 0.5  # how often a waiting non-streamed request checks that its client is still there
 RETRY_AFTER_SECONDS = 1  # the Retry-After a client gets with a 503 when the queue is full
+MAX_BODY_BYTES = 4 * 2**20  # default limit of a request body: ~1M tokens of text, far past any context here
+
+log = logging.getLogger(__name__)
 
 
 
@@ -86,6 +93,7 @@ class Generation:
         self.events: asyncio.Queue = asyncio.Queue()
         self.started = time.perf_counter()
         self.first_token_at: float | None = None
+        self.counted = False  # a streamed response: counted on /metrics yet
         checker = StopSequences(tokenizer, spec.stop) if spec.stop else None
         self.choices = []
         for p, ids in enumerate(spec.prompts):
@@ -166,8 +174,9 @@ class EventStream(StreamingResponse):
     """Server-sent events; `on_close` runs however the response ends, even if its body never started
     (the client left before the first byte), so the jobs behind it never run on unread."""
 
-    def __init__(self, events: AsyncIterator[str], on_close: Callable[[], None]):
-        super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    def __init__(self, events: AsyncIterator[str], on_close: Callable[[], None], headers: dict[str, str] | None = None):
+        super().__init__(events, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})})
         self.on_close = on_close
 
     async def __call__(self, scope, receive, send) -> None:
@@ -215,16 +224,18 @@ DRAFT_DTYPES = ("fp32", "bf16", "int8", "int4")
 
 
 def build_app(target, draft=None, drafter: str = "auto", draft_len: int | str = "auto", api_key: str | None = None,
-              max_batch: int = 8, max_queue: int = 256, draft_dtype: str = "fp32", model_name: str | None = None):
+              max_batch: int = 8, max_queue: int = 256, draft_dtype: str = "fp32", model_name: str | None = None,
+              max_body_bytes: int = MAX_BODY_BYTES):
     """A FastAPI app serving `target` (a zoo name, path or loaded model) with OpenAI's API.
 
     draft / drafter / draft_len: as for `verispec.generate` (drafter "none" serves plain decoding);
     draft_len is an int >= 1, "auto" or "tree". api_key: when set, /v1/* needs `Authorization: Bearer KEY`.
     max_batch: most sequences decoded at once; max_queue: most sequences waiting for a row (a request
     beyond it gets a 503). draft_dtype: "fp32", "bf16", "int8" or "int4" (weight-only), the draft model's
-    matrices on the native backend. The models load now; the worker starts with the app.
+    matrices on the native backend. max_body_bytes: largest request body read (larger ones get a 413).
+    The models load now; the worker starts with the app.
     """
-    for option, value, low in (("max_batch", max_batch, 1), ("max_queue", max_queue, 0)):
+    for option, value, low in (("max_batch", max_batch, 1), ("max_queue", max_queue, 0), ("max_body_bytes", max_body_bytes, 1)):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise VerispecError(f"{option} must be an integer >= {low}, got {value!r}")
     if draft_dtype not in DRAFT_DTYPES:
@@ -238,7 +249,7 @@ def build_app(target, draft=None, drafter: str = "auto", draft_len: int | str = 
         raise VerispecError(f"{target_model.name} has no tokenizer: the server needs one to read and write text")
     drafter = resolve_drafter(target_model, draft_model, drafter)  # a server makes many calls: "auto" may make a self copy
     make_drafter(target_model, draft_model, drafter)  # fails now on a bad choice (unknown name, vocabularies differ)
-    logging.getLogger(__name__).info("drafter: %s", drafter)
+    log.info("drafter: %s", drafter)
     speculative = drafter != "none"
     name = model_name or (target if isinstance(target, str) else target_model.name)
     config = ServerConfig(target_model, name, draft_len if speculative else None)
@@ -307,24 +318,61 @@ def build_app(target, draft=None, drafter: str = "auto", draft_len: int | str = 
             return error_response(error)
         return {"object": "list", "data": [{"id": name, "object": "model", "created": created, "owned_by": "verispec"}]}
 
+    async def read_body(request: Request) -> bytes:
+        """The body, refused with a 413 once it passes max_body_bytes (before reading it, if it says its length)."""
+        too_large = ApiError(413, f"the request body is larger than this server's limit of {max_body_bytes} bytes: "
+                                  "shorten the prompt (or start the server with a larger --max-body-mb)", code="request_too_large")
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > max_body_bytes:
+            raise too_large
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_body_bytes:
+                raise too_large
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def parse(raw: bytes, endpoint: Endpoint) -> Spec:
+        """Body bytes -> a checked Spec; runs on a thread, since tokenizing a long prompt takes a while."""
+        try:
+            body = json.loads(raw)
+        except RecursionError as exc:
+            raise ApiError(400, "the request body nests JSON too deeply", code="invalid_json") from exc
+        except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError, and integers of more than 4300 digits
+            raise ApiError(400, f"the request body is not valid JSON: {str(exc)[:200]}", code="invalid_json") from exc
+        try:  # a lone UTF-16 surrogate ("\ud800") is valid JSON but not text any tokenizer can read
+            json.dumps(body, ensure_ascii=False).encode()
+        except UnicodeEncodeError as exc:
+            raise ApiError(400, "the request body holds a lone UTF-16 surrogate (an invalid \\u escape): send valid "
+                                "Unicode text", code="invalid_json") from exc
+        except RecursionError as exc:
+            raise ApiError(400, "the request body nests JSON too deeply", code="invalid_json") from exc
+        return endpoint.parse(body, config, tokenizer)
+
     async def generate(request: Request, endpoint: Endpoint):
         status = 200
         try:
             check_key(request)
-            try:
-                body = json.loads(await request.body())
-            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                raise ApiError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from exc
-            spec = endpoint.parse(body, config, tokenizer)
+            spec = await asyncio.to_thread(parse, await read_body(request), endpoint)
+            if spec.ignored:
+                log.warning("%s: ignored fields this server does not know: %s", endpoint.path, ", ".join(spec.ignored[:10]))
+            headers = {"X-Verispec-Ignored-Fields": ",".join(spec.ignored[:10])[:200]} if spec.ignored else None
             generation = Generation(spec, tokenizer, asyncio.get_running_loop())
+            jobs = [c.job for c in generation.choices]
+            capacity = scheduler.max_batch + scheduler.max_queue
+            if len(jobs) > capacity:  # would get a 503 for ever: retrying cannot help
+                raise ApiError(400, f"the request asks for {len(jobs)} sequences but this server holds at most {capacity} "
+                                    "running and waiting: ask for fewer prompts or a smaller n", param="n", code="invalid_value")
             try:
-                scheduler.submit([c.job for c in generation.choices])
+                scheduler.submit(jobs)
             except QueueFull as exc:
                 raise ApiError(503, f"the server is busy: {exc}. Retry later.", code="server_busy") from exc
             if spec.stream:
-                return EventStream(stream(generation, endpoint), on_close=lambda: release(generation))
+                status = None  # counted by the stream, with the status it ends with
+                return EventStream(stream(generation, endpoint), on_close=lambda: close_stream(generation, endpoint), headers=headers)
             try:
-                return JSONResponse(await complete(generation, endpoint, request))
+                return JSONResponse(await complete(generation, endpoint, request), headers=headers)
             finally:
                 release(generation)
         except ApiError as error:
@@ -333,8 +381,13 @@ def build_app(target, draft=None, drafter: str = "auto", draft_len: int | str = 
         except asyncio.CancelledError:
             status = 499  # the client went away (nginx's code for it)
             raise
+        except Exception:  # a bug in handling this request: its 500, not the server's
+            log.exception("handling a request to %s failed", endpoint.path)
+            status = 500
+            return error_response(ApiError(500, "internal error while handling the request", code="internal_error"))
         finally:
-            metrics.count_request(endpoint.path, status)
+            if status is not None:
+                metrics.count_request(endpoint.path, status)
 
     async def complete(generation: Generation, endpoint: Endpoint, request: Request) -> dict:
         async for _ in generation.updates(is_disconnected=request.is_disconnected):
@@ -347,6 +400,7 @@ def build_app(target, draft=None, drafter: str = "auto", draft_len: int | str = 
     async def stream(generation: Generation, endpoint: Endpoint) -> AsyncIterator[str]:
         head = {"id": endpoint.id_prefix + uuid.uuid4().hex, "object": endpoint.chunk_object, "created": int(time.time()), "model": name}
         sse = lambda payload: f"data: {json.dumps(payload)}\n\n"
+        status = 499  # unless it ends otherwise: the client went away and Starlette cancelled this generator
         try:
             if endpoint.chat:
                 yield sse({**head, "choices": [endpoint.chunk_choice(c, None, None) for c in generation.choices]})
@@ -356,13 +410,29 @@ def build_app(target, draft=None, drafter: str = "auto", draft_len: int | str = 
                     yield sse({**head, "choices": [endpoint.chunk_choice(choice, delta, choice.finish_reason)]})
             if generation.spec.include_usage:
                 yield sse({**head, "choices": [], "usage": generation.usage()})
+            status = 200
             yield "data: [DONE]\n\n"
             metrics.observe(endpoint.path, *generation.timings())
         except ApiError as error:
+            status = error.status
             yield sse(error.body())
             yield "data: [DONE]\n\n"
+        except Exception:
+            log.exception("streaming a response of %s failed", endpoint.path)
+            status = 500
+            yield sse(ApiError(500, "internal error while streaming the response", code="internal_error").body())
+            yield "data: [DONE]\n\n"
         finally:
+            metrics.count_request(endpoint.path, status)
+            generation.counted = True
             release(generation)
+
+    def close_stream(generation: Generation, endpoint: Endpoint) -> None:
+        """The stream's response is over; one whose body never started (the client left first) is a 499."""
+        release(generation)
+        if not generation.counted:
+            generation.counted = True
+            metrics.count_request(endpoint.path, 499)
 
     completions_endpoint = Endpoint("/v1/completions", parse_completion, chat=False)
     chat_endpoint = Endpoint("/v1/chat/completions", parse_chat, chat=True)
@@ -402,11 +472,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-batch", type=int, default=8, help="most sequences decoded at once (default: %(default)s)")
     parser.add_argument("--max-queue", type=int, default=256,
                         help="most sequences waiting for a free row; beyond it requests get 503 (default: %(default)s)")
+    parser.add_argument("--max-body-mb", type=float, default=MAX_BODY_BYTES / 2**20,
+                        help="largest request body read, in MiB; larger ones get 413 (default: %(default)s)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(name)s: %(message)s")
     try:
         serve(args.target, host=args.host, port=args.port, draft=args.draft, draft_dtype=args.draft_dtype, drafter=args.drafter,
-              draft_len=args.draft_len, api_key=args.api_key, max_batch=args.max_batch, max_queue=args.max_queue)
+              draft_len=args.draft_len, api_key=args.api_key, max_batch=args.max_batch, max_queue=args.max_queue,
+              max_body_bytes=max(1, int(args.max_body_mb * 2**20)))
     except VerispecError as exc:
         parser.exit(2, f"verispec serve: error: {exc}\n")
 

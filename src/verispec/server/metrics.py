@@ -109,6 +109,9 @@ class Metrics:
         metric("verispec_queue_rejected_total", "counter", "Sequences refused because the queue was full.", scheduler.rejected)
         metric("verispec_step_failures_total", "counter", "Decoding steps or admissions that failed (their batch was failed with 500).",
                scheduler.step_failures)
+        metric("verispec_sequence_failures_total", "counter",
+               "Sequences the worker could not finish, by the status their request got (400 refused by the engine, "
+               "500 failed in it, 503 the server stopping).", [(f'status="{s}"', n) for s, n in sorted(dict(scheduler.failed).items())])
         phases, widths = scheduler.clock.snapshot()
         metric("verispec_worker_seconds_total", "counter",
                "Worker time by phase: prefill (admitting prompts), draft, target (forward pass), verify (acceptance and "

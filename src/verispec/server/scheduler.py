@@ -141,6 +141,7 @@ class Scheduler:
         self.waiting: list[Job] = []
         self.lanes: list[Lane] = []
         self.step_failures = 0
+        self.failed: dict[int, int] = defaultdict(int)  # JobFailed status -> sequences failed with it
         self.rejected = 0  # jobs refused by submit() because the queue was full
         self._in_flight: set[int] = set()  # ids of jobs submitted and not yet finished, failed or cancelled
         self._in_flight_lock = threading.Lock()
@@ -204,6 +205,8 @@ class Scheduler:
     def _finish(self, job: Job, item: TokenEvent | JobFailed) -> None:
         """Deliver a job's last item; it no longer counts against the queue limit."""
         self._release([job.id])
+        if isinstance(item, JobFailed):
+            self.failed[item.status] += 1
         job.deliver(item)
 
     def _release(self, job_ids) -> None:
