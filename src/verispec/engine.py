@@ -24,7 +24,7 @@ from verispec.errors import VerispecError
 from verispec.models.base import CausalLM
 from verispec.policy import DraftPolicy, make_policy, start_pays
 from verispec.prefill import prefill
-from verispec.sampling import SamplingParams, make_generator
+from verispec.sampling import SamplingParams, TokenLogprob, make_generator, process_logits, token_logprobs
 from verispec.stats import SpecStats
 from verispec.verifiers import verifier_for
 
@@ -42,6 +42,11 @@ class Request:
     stop_checker: StopChecker | None = None
     id: Hashable = None  # echoed in every TokenEvent
     stats: SpecStats | None = None  # also count this request's steps here (per-request figures)
+    # None: no log-probabilities; n >= 0: each emitted token's (TokenEvent.logprobs), with the n most likely beside it.
+    logprobs: int | None = None
+    # False: log-softmax of the target's raw logits (vLLM's default, "raw_logprobs"); True: of its logits after
+    # logit_bias, min_tokens and the penalties (`process_logits`), still before temperature, min_p, top-k and top-p.
+    processed_logprobs: bool = False
 
 
 @dataclass
@@ -52,6 +57,7 @@ class TokenEvent:
     tokens: list[int]
     from_draft: list[bool]  # per token: accepted from the draft (True) or the target's own (False)
     finish_reason: str | None = None  # "stop" (EOS or stop sequence), "length", or None while running
+    logprobs: list[TokenLogprob] | None = None  # per token, when the request asked for them
 
 
 @dataclass
@@ -112,6 +118,16 @@ class DecodeBatch:
         bad = [t for t in request.prompt if not 0 <= t < self.target.vocab_size]
         if bad:
             raise VerispecError(f"the prompt has token ids outside the vocabulary [0, {self.target.vocab_size}): {bad[:5]}")
+        bad = [t for t, _ in request.sampling.logit_bias if t >= self.target.vocab_size]
+        if bad:
+            raise VerispecError(f"logit_bias names token ids outside the vocabulary [0, {self.target.vocab_size}): {bad[:5]}")
+        if request.sampling.min_tokens > request.max_new_tokens:
+            raise VerispecError(f"min_tokens ({request.sampling.min_tokens}) is more than max_new_tokens ({request.max_new_tokens}): "
+                                "lower min_tokens or raise max_new_tokens")
+        if request.logprobs is not None and (not isinstance(request.logprobs, int) or isinstance(request.logprobs, bool)
+                                             or not 0 <= request.logprobs <= self.target.vocab_size):
+            raise VerispecError(f"logprobs must be None or an integer in [0, {self.target.vocab_size}] (how many most likely "
+                                f"tokens to list beside each one), got {request.logprobs!r}")
 
     @torch.inference_mode()
     def add(self, requests: list[Request]) -> None:
@@ -210,10 +226,13 @@ class DecodeBatch:
         else:
             extra = None
             logits = self.target.forward(torch.cat([last, draft.tokens], 1), self.cache)
+        # 1b. What plain decoding would sample from at each position: penalties, logit_bias and min_tokens
+        # read the history up to that position, the draft tokens before it included.
+        processed = self._process(logits, draft)
         t2 = time.perf_counter()
         # 2. Accept a prefix (and perhaps the alternate where it broke off), add the target's own token.
         positions = [len(row.sequence) for row in self.rows]
-        verdict = verifier.verify(draft, logits, sampling, generators, positions)
+        verdict = verifier.verify(draft, processed, sampling, generators, positions)
         # 3. Roll back: the target keeps the last token and the accepted draft tokens; the drafter its own.
         if verdict.alternate is not None and bool(verdict.alternate.any()):
             self.cache.retain(start, self._accepted_path(draft, verdict))
@@ -233,7 +252,9 @@ class DecodeBatch:
         # 4. Hand out the new tokens; cut at max_new_tokens, EOS and stop sequences.
         events, running = [], []
         for b, row in enumerate(self.rows):
-            event = self._emit(row, verdict.emitted(draft, b), int(verdict.tokens_from_draft()[b]))
+            emitted = verdict.emitted(draft, b)
+            logprobs = self._logprobs(row, logits[b], processed[b], draft, verdict, b, emitted)
+            event = self._emit(row, emitted, int(verdict.tokens_from_draft()[b]), logprobs)
             events.append(event)
             if event.finish_reason is None:
                 running.append(b)
@@ -248,6 +269,50 @@ class DecodeBatch:
             stats.emitted_tokens += sum(len(events[b].tokens) for b in rows.tolist())
         self._keep(running)
         return events
+
+    def _process(self, logits: torch.Tensor, draft: Draft) -> torch.Tensor:
+        """`sampling.process_logits` for every row whose settings need it: logits [batch, width, vocab] over
+        [last token, chain, alternates] -> the same shape, each position processed with the history plain
+        decoding would have there. The draft's own q is not processed: it is only a proposal, and the
+        verifiers are exact for any q (an unpenalized draft is just accepted somewhat less often)."""
+        rows = [b for b, row in enumerate(self.rows) if row.sampling.processes_logits]
+        if not rows:
+            return logits
+        out = logits.to(torch.float32, copy=True)
+        for b in rows:
+            row = self.rows[b]
+            out[b] = process_logits(logits[b], row.sampling, row.sequence, len(row.request.prompt),
+                                    self._draft_paths(draft, b, logits.shape[1]), self.target.eos_token_ids)
+        return out
+
+    @staticmethod
+    def _draft_paths(draft: Draft, row: int, width: int) -> list[list[int]]:
+        """The draft tokens before each of the pass's `width` positions for `row`: [] for the last token's,
+        d[:j] for chain position j, d[:i] + [alternate] for the alternate beside position i. Positions past
+        the row's draft are padding (never read); they get the whole chain."""
+        chain = draft.tokens[row, : int(draft.num_drafted[row])].tolist()
+        paths = [chain[:j] for j in range(draft.draft_len + 1)]
+        if draft.has_alternates:
+            _, _, columns = draft.tree
+            paths += [chain] * (width - len(paths))
+            for i, column in enumerate(columns[row].tolist()):
+                if column >= 0:
+                    paths[column] = chain[:i] + [int(draft.alternates[row, i])]
+        return paths[:width]
+
+    @staticmethod
+    def _logprobs(row: _Row, raw: torch.Tensor, processed: torch.Tensor, draft: Draft, verdict: Verdict, b: int,
+                  emitted: list[int]) -> list[TokenLogprob] | None:
+        """The target's log-probabilities of row b's emitted tokens, each from the pass position that scored it
+        (raw [width, vocab] or processed, as the request asked): the same logits a plain step would have had."""
+        if row.request.logprobs is None:
+            return None
+        accepted = int(verdict.num_accepted[b])
+        columns = list(range(accepted + 1))
+        if verdict.took_alternate(b):  # the alternate stands at chain position `accepted`; its successor in its own column
+            columns.append(int(draft.tree[2][b, accepted]))
+        logits = (processed if row.request.processed_logprobs else raw)[columns]
+        return token_logprobs(logits, emitted, row.request.logprobs)
 
     def _fit_alternates(self, draft: Draft) -> Draft:
         """Keep a tree pass within the rows the target computes exactly (see next_draft_len): drop the
@@ -279,7 +344,7 @@ class DecodeBatch:
             if row.request.stats is not None and row.request.stats is not self.stats:
                 yield row.request.stats, torch.tensor([b])
 
-    def _emit(self, row: _Row, new_tokens: list[int], num_accepted: int) -> TokenEvent:
+    def _emit(self, row: _Row, new_tokens: list[int], num_accepted: int, logprobs: list[TokenLogprob] | None = None) -> TokenEvent:
         from_draft = [True] * num_accepted + [False]
         finish_reason = None
         if len(new_tokens) >= row.remaining:
@@ -295,7 +360,8 @@ class DecodeBatch:
             if keep is not None:
                 del row.sequence[len(row.request.prompt) + max(keep, before) :]
                 new_tokens, finish_reason = row.generated[before:], "stop"
-        return TokenEvent(row.request.id, new_tokens, from_draft[: len(new_tokens)], finish_reason)
+        return TokenEvent(row.request.id, new_tokens, from_draft[: len(new_tokens)], finish_reason,
+                          None if logprobs is None else logprobs[: len(new_tokens)])
 
 
 class SpeculativeEngine:

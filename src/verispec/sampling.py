@@ -1,13 +1,18 @@
 """Sampling settings and the pure functions that turn logits into the distribution a token is drawn from.
 
-Plain sampling and every verification rule call `warp` with the same settings, so speculative
-sampling compares against exactly the distribution plain decoding would sample from. Knows nothing
-about models, caches or drafts.
+Two stages, in vLLM's order. `process_logits` applies what depends on the sequence so far: logit_bias,
+min_tokens, then the repetition, frequency and presence penalties. `warp` then applies temperature,
+min_p, top-k and top-p. Plain decoding and every verification rule see the same processed logits and
+call `warp` with the same settings, so speculative sampling compares against exactly the distribution
+plain decoding would sample from. For that, the logits at draft position j are processed with the
+history plain decoding would have had there: prompt + generated + the draft's first j tokens
+(`process_logits`' `paths`). Knows nothing about models or caches.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Iterable, Mapping, Sequence
 
 import torch
 
@@ -33,6 +38,18 @@ class SamplingParams:
     # min(eps, sqrt(eps) * exp(-entropy)). LOSSY: the text is typical of the target, not a sample of its
     # distribution. 0 (the default) keeps sampling exact; Medusa's suggested eps is 0.09.
     typical_acceptance: float = 0.0
+    # OpenAI's penalties, over the tokens generated so far: logit -= frequency_penalty * count + presence_penalty * (count > 0).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # HF/vLLM's, over prompt and generated tokens: a seen token's logit is divided by it if positive, multiplied if not. 1: off.
+    repetition_penalty: float = 1.0
+    # After temperature, drop tokens less likely than min_p times the most likely one (vLLM, HF). 0: off.
+    min_p: float = 0.0
+    # Token id -> a number added to its logit, as OpenAI's logit_bias (-100 bans a token, 100 all but forces it).
+    # Given as a dict or pairs; kept as sorted (id, bias) pairs, so the settings stay hashable.
+    logit_bias: Mapping[int, float] | tuple[tuple[int, float], ...] = ()
+    # The stop tokens (EOS) are impossible until this many tokens have been generated (stop strings still stop).
+    min_tokens: int = 0
 
     def __post_init__(self):
         if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
@@ -52,6 +69,28 @@ class SamplingParams:
             raise VerispecError(f"typical_acceptance must be in [0, 1) (0 keeps sampling exact; e.g. 0.09), got {self.typical_acceptance!r}")
         if self.typical_acceptance and self.coupled:
             raise VerispecError("typical_acceptance is lossy and coupled=True promises plain sampling's tokens: choose one")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -2.0 <= value <= 2.0:
+                raise VerispecError(f"{name} must be a number in [-2, 2] (0 turns it off), got {value!r}")
+        if not _is_number(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= 10.0:
+            raise VerispecError(f"repetition_penalty must be in (0, 10] (1 turns it off; e.g. 1.1), got {self.repetition_penalty!r}")
+        if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise VerispecError(f"min_p must be in [0, 1] (0 turns it off; e.g. 0.05), got {self.min_p!r}")
+        if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) or self.min_tokens < 0:
+            raise VerispecError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
+
+    @property
+    def uses_history(self) -> bool:
+        """Whether the logits at a position depend on the tokens before it (penalties, min_tokens)."""
+        return (self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+                or self.min_tokens > 0)
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether `process_logits` changes anything for these settings."""
+        return self.uses_history or bool(self.logit_bias)
 
     @property
     def greedy(self) -> bool:
@@ -63,16 +102,92 @@ class SamplingParams:
         return self.typical_acceptance > 0 and not self.greedy
 
 
-def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Probabilities after temperature, top-k and top-p, over the last dimension.
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
-    logits: [..., V] (any float dtype) -> probs: [..., V] float32, rows sum to 1.
-    Greedy settings give a one-hot of the argmax, so the same code path verifies greedy drafts.
+
+def _bias_pairs(bias) -> tuple[tuple[int, float], ...]:
+    """logit_bias as a dict {token id: bias} or (id, bias) pairs -> sorted pairs; raises VerispecError."""
+    items = bias.items() if isinstance(bias, Mapping) else bias
+    try:
+        pairs = [(token, value) for token, value in items]
+    except (TypeError, ValueError):
+        raise VerispecError(f"logit_bias must map token ids to numbers, e.g. {{50256: -100}}, got {bias!r:.80}") from None
+    for token, value in pairs:
+        if not isinstance(token, int) or isinstance(token, bool) or token < 0:
+            raise VerispecError(f"logit_bias keys must be token ids (integers >= 0), got {token!r:.40}")
+        if not _is_number(value) or not -100.0 <= value <= 100.0:
+            raise VerispecError(f"logit_bias values must be numbers in [-100, 100], got {value!r:.40} for token {token}")
+    if len({token for token, _ in pairs}) != len(pairs):
+        raise VerispecError("logit_bias names a token id twice: give each token one bias")
+    return tuple(sorted((token, float(value)) for token, value in pairs))
+
+
+def default_coupled(seed: int | None, temperature: float, typical_acceptance: float = 0.0) -> bool:
+    """What `coupled` defaults to in the API and the server: on for a seeded sampled request (its text is
+    then a function of the seed, whatever the draft lengths, timing or batch mates), except for rows that
+    asked for the lossy typical acceptance. The price: a coupled draft token is accepted with chance at
+    least (1 - TV) / (1 + TV) where speculative sampling accepts with 1 - TV (TV the total variation
+    distance between draft and target), so unseeded requests keep the faster rules."""
+    return seed is not None and temperature > 0 and not typical_acceptance
+
+
+def process_logits(logits: torch.Tensor, params: SamplingParams, sequence: Sequence[int], prompt_len: int,
+                   paths: Sequence[Sequence[int]] | None = None, stop_token_ids: Iterable[int] = ()) -> torch.Tensor:
+    """The logits plain decoding samples from, before `warp`: logit_bias, the min_tokens ban on stop tokens,
+    then the repetition, frequency and presence penalties (vLLM's order).
+
+    logits [w, V]: w positions scored in one pass; position c continues sequence + paths[c] (sequence =
+    prompt (its first prompt_len tokens) + generated; paths[c] the draft tokens before position c, so
+    the verify pass of a chain has paths [], [d0], [d0, d1], ...). paths None: every position continues
+    `sequence` itself. -> [w, V] float32, a new tensor; row c is exactly what one plain step after
+    sequence + paths[c] computes from the same logits (the same elementwise operations).
+    """
+    out = logits.to(torch.float32, copy=True)
+    width, vocab = out.shape
+    paths = [()] * width if paths is None else paths
+    if params.logit_bias:
+        ids = torch.tensor([token for token, _ in params.logit_bias], device=out.device)
+        out[:, ids] += torch.tensor([bias for _, bias in params.logit_bias], device=out.device)
+    if params.min_tokens:
+        generated = len(sequence) - prompt_len
+        early = [c for c in range(width) if generated + len(paths[c]) < params.min_tokens]
+        stops = sorted(t for t in stop_token_ids if t < vocab)
+        if early and stops:
+            out[torch.tensor(early, device=out.device)[:, None], torch.tensor(stops, device=out.device)[None, :]] = float("-inf")
+    if params.repetition_penalty == 1 and params.frequency_penalty == 0 and params.presence_penalty == 0:
+        return out
+    # Each position's history: the row's own counts, plus its path of draft tokens (a scatter of a few ids).
+    on_path = torch.zeros(width, vocab, device=out.device)
+    rows = [c for c, path in enumerate(paths) for _ in path]
+    if rows:
+        tokens = torch.tensor([t for path in paths for t in path], device=out.device)
+        on_path.index_put_((torch.tensor(rows, device=out.device), tokens), torch.ones(len(rows), device=out.device), accumulate=True)
+    history = torch.tensor(list(sequence), dtype=torch.long, device=out.device)
+    if params.repetition_penalty != 1:
+        seen = (torch.bincount(history, minlength=vocab)[:vocab] > 0)[None, :] | (on_path > 0)
+        penalized = torch.where(out > 0, out / params.repetition_penalty, out * params.repetition_penalty)
+        out = torch.where(seen, penalized, out)
+    if params.frequency_penalty != 0 or params.presence_penalty != 0:
+        counts = torch.bincount(history[prompt_len:], minlength=vocab)[:vocab].float()[None, :] + on_path
+        out = out - (params.frequency_penalty * counts + params.presence_penalty * (counts > 0).float())
+    return out
+
+
+def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Probabilities after temperature, min_p, top-k and top-p (vLLM's order), over the last dimension.
+
+    logits: [..., V] (any float dtype; already through `process_logits`) -> probs: [..., V] float32, rows
+    sum to 1. Greedy settings give a one-hot of the argmax, so the same code path verifies greedy drafts.
     """
     logits = logits.float()
     if params.greedy:
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
     logits = logits / params.temperature
+    if params.min_p > 0:
+        # p(x) < min_p * max p  <=>  logit(x) < max logit + log(min_p): no softmax needed
+        cut = logits.max(-1, keepdim=True).values + torch.log(torch.tensor(params.min_p))
+        logits = logits.masked_fill(logits < cut, float("-inf"))
     if 0 < params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -93,6 +208,24 @@ def warp_rows(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tenso
     if all(p == params[0] for p in params):
         return warp(logits, params[0])
     return torch.stack([warp(logits[b], p) for b, p in enumerate(params)])
+
+
+@dataclass
+class TokenLogprob:
+    """One emitted token's log-probability under the target, and the most likely tokens at its position."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token id, log-probability), most likely first
+
+
+def token_logprobs(logits: torch.Tensor, tokens: Sequence[int], top: int) -> list[TokenLogprob]:
+    """log-softmax of logits [n, V] at tokens [n], with each position's `top` most likely tokens."""
+    logprobs = torch.log_softmax(logits.float(), -1)
+    chosen = logprobs.gather(1, torch.tensor(list(tokens), device=logprobs.device)[:, None]).squeeze(1).tolist()
+    best = logprobs.topk(top, -1) if top else None
+    return [TokenLogprob(token, value, list(zip(best.indices[i].tolist(), best.values[i].tolist())) if best is not None else [])
+            for i, (token, value) in enumerate(zip(tokens, chosen))]
 
 
 def make_generator(params: SamplingParams, device: torch.device | str = "cpu") -> torch.Generator:
