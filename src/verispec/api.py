@@ -20,7 +20,7 @@ from verispec.models import stored
 from verispec.models.base import CausalLM
 from verispec.models.hf import HFCausalLM, pick_device
 from verispec.policy import ADAPTIVE_SETTINGS
-from verispec.sampling import SamplingParams
+from verispec.sampling import SamplingParams, TokenLogprob, default_coupled
 from verispec.stats import SpecStats
 from verispec.text import IncrementalText, StopSequences, encode_prompt, final_text, normalize_stop
 
@@ -274,6 +274,7 @@ class GenerationResult:
     finish_reason: str  # "stop" or "length"
     prompt_tokens: int
     stats: SpecStats = field(repr=False, default_factory=SpecStats)  # shared by every row of one call
+    logprobs: list[TokenLogprob] | None = None  # per generated token, when asked for (`generate(logprobs=...)`)
 
 
 def _normalize_prompts(prompt) -> tuple[list, bool]:
@@ -315,12 +316,20 @@ class Session:
     """Everything one call needs, resolved and checked once."""
 
     def __init__(self, target, prompt, *, draft=None, drafter="auto", draft_len="auto", temperature=0.0, top_k=0, top_p=1.0,
-                 seed=None, coupled=False, blockwise=True, typical_acceptance=0.0, max_new_tokens=128, chat=False, stop=None,
-                 draft_confidence=0.0):
+                 seed=None, coupled=None, blockwise=True, typical_acceptance=0.0, max_new_tokens=128, chat=False, stop=None,
+                 draft_confidence=0.0, presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0, min_p=0.0,
+                 logit_bias=None, min_tokens=0, logprobs=None, processed_logprobs=False):
         self.target = load(target)
         draft_model = load(draft) if draft is not None else None
+        if coupled is None:  # seeded sampling reproduces its text by default
+            coupled = default_coupled(seed, temperature, typical_acceptance)
         self.sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, coupled=coupled,
-                                       blockwise=blockwise, typical_acceptance=typical_acceptance)
+                                       blockwise=blockwise, typical_acceptance=typical_acceptance,
+                                       presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                                       repetition_penalty=repetition_penalty, min_p=min_p, logit_bias=logit_bias or (),
+                                       min_tokens=min_tokens)
+        if not isinstance(processed_logprobs, bool):
+            raise VerispecError(f"processed_logprobs must be True or False, got {processed_logprobs!r}")
         prompts, self.batched = _normalize_prompts(prompt)
         self.prompt_ids = _tokenize(self.target, prompts, chat)
         self.stop = normalize_stop(stop)
@@ -339,7 +348,8 @@ class Session:
         # Row b of a seeded batch uses seed + b, so rows are independent draws and each is reproducible alone.
         self.requests = [
             Request(prompt=ids, sampling=replace(self.sampling, seed=None if seed is None else seed + b),
-                    max_new_tokens=max_new_tokens, stop_checker=checker, id=b)
+                    max_new_tokens=max_new_tokens, stop_checker=checker, id=b, logprobs=logprobs,
+                    processed_logprobs=processed_logprobs)
             for b, ids in enumerate(self.prompt_ids)
         ]
         self.stats = SpecStats()
@@ -349,10 +359,13 @@ class Session:
 
 
 def generate(target, prompt, *, draft=None, drafter: str = "auto", draft_len: int | str = "auto", temperature: float = 0.0,
-             top_k: int = 0, top_p: float = 1.0, seed: int | None = None, coupled: bool = False, blockwise: bool = True,
+             top_k: int = 0, top_p: float = 1.0, seed: int | None = None, coupled: bool | None = None, blockwise: bool = True,
              typical_acceptance: float = 0.0, max_new_tokens: int = 128,
              chat: bool = False, stop: str | Sequence[str] | None = None,
-             draft_confidence: float = 0.0) -> GenerationResult | list[GenerationResult]:
+             draft_confidence: float = 0.0, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+             repetition_penalty: float = 1.0, min_p: float = 0.0, logit_bias: dict[int, float] | None = None,
+             min_tokens: int = 0, logprobs: int | None = None,
+             processed_logprobs: bool = False) -> GenerationResult | list[GenerationResult]:
     """Generate from `prompt` with speculative decoding; the output is what the target alone would give.
 
     target / draft: zoo name, path, hub id or loaded model. prompt: text, token ids, or a list of
@@ -372,8 +385,20 @@ def generate(target, prompt, *, draft=None, drafter: str = "auto", draft_len: in
     an int drafts that many tokens each step. draft_confidence: a draft model
     also stops drafting a row at a token it gives less than this probability. temperature 0 is greedy.
     coupled: sample by the Gumbel-max coupling (`CoupledVerifier`): a seeded call then returns the same
-    tokens with any drafter and draft length, plain decoding included, at some cost in acceptance;
-    the default, speculative sampling, is exact too but its sample depends on how the steps were drafted.
+    tokens with any drafter and draft length, plain decoding included, at some cost in acceptance (a
+    draft token agrees with chance at least (1 - TV) / (1 + TV) where speculative sampling accepts with
+    1 - TV). None (the default) couples seeded sampled calls, so a seed reproduces its text whatever the
+    draft lengths and timing; coupled=False keeps speculative sampling, exact too but its sample depends
+    on how the steps were drafted.
+    presence_penalty, frequency_penalty (OpenAI's, in [-2, 2], over generated tokens), repetition_penalty
+    (HF/vLLM's, > 0, over prompt and generated tokens), logit_bias ({token id: bias in [-100, 100]}),
+    min_tokens (no EOS before that many tokens), min_p (drop tokens below min_p times the top one's
+    probability): as plain decoding applies them, at every draft position with the history up to it, so
+    the output is still exactly the target's.
+    logprobs: n >= 0 returns each generated token's log-probability under the target in
+    GenerationResult.logprobs, with the n most likely tokens beside it; from the target's raw logits
+    (vLLM's default), or after logit_bias, min_tokens and penalties with processed_logprobs=True (before
+    temperature and the filters either way).
     blockwise: speculative sampling judges each draft as a block (`BlockVerifier`, the default), which
     accepts at least as many tokens in expectation as the token-by-token rule (False).
     typical_acceptance: eps > 0 trades exactness for speed at temperature > 0 (`TypicalVerifier`, Medusa's
@@ -384,11 +409,16 @@ def generate(target, prompt, *, draft=None, drafter: str = "auto", draft_len: in
     session = Session(target, prompt, draft=draft, drafter=drafter, draft_len=draft_len, temperature=temperature,
                       top_k=top_k, top_p=top_p, seed=seed, coupled=coupled, blockwise=blockwise,
                       typical_acceptance=typical_acceptance, max_new_tokens=max_new_tokens, chat=chat,
-                      stop=stop, draft_confidence=draft_confidence)
+                      stop=stop, draft_confidence=draft_confidence, presence_penalty=presence_penalty,
+                      frequency_penalty=frequency_penalty, repetition_penalty=repetition_penalty, min_p=min_p,
+                      logit_bias=logit_bias, min_tokens=min_tokens, logprobs=logprobs, processed_logprobs=processed_logprobs)
     generated = [[] for _ in session.prompt_ids]
+    logprobs_out = [[] if logprobs is not None else None for _ in session.prompt_ids]
     finish = ["length"] * len(generated)
     for event in session.events():
         generated[event.request_id].extend(event.tokens)
+        if event.logprobs is not None:
+            logprobs_out[event.request_id].extend(event.logprobs)
         if event.finish_reason:
             finish[event.request_id] = event.finish_reason
     tokenizer = session.target.tokenizer
@@ -399,8 +429,9 @@ def generate(target, prompt, *, draft=None, drafter: str = "auto", draft_len: in
             finish_reason=reason,
             prompt_tokens=len(prompt_ids),
             stats=session.stats,
+            logprobs=token_logprobs,
         )
-        for ids, reason, prompt_ids in zip(generated, finish, session.prompt_ids)
+        for ids, reason, prompt_ids, token_logprobs in zip(generated, finish, session.prompt_ids, logprobs_out)
     ]
     return results if session.batched else results[0]
 
@@ -412,6 +443,7 @@ class StreamChunk:
     from_draft: list[bool]
     finish_reason: str | None
     stats: SpecStats
+    logprobs: list[TokenLogprob] | None = None  # per token of token_ids, when asked for
 
 
 def stream(target, prompt, **options) -> Iterator[StreamChunk]:
@@ -423,4 +455,4 @@ def stream(target, prompt, **options) -> Iterator[StreamChunk]:
     text = IncrementalText(tokenizer, session.stop) if tokenizer is not None else None
     for event in session.events():
         delta = text.push(event.tokens, event.finish_reason is not None) if text else ""
-        yield StreamChunk(delta, event.tokens, event.from_draft, event.finish_reason, session.stats)
+        yield StreamChunk(delta, event.tokens, event.from_draft, event.finish_reason, session.stats, event.logprobs)

@@ -37,6 +37,7 @@ from verispec.policy import make_policy
 from verispec.server.metrics import Metrics
 from verispec.server.protocol import ApiError, ServerConfig, Spec, parse_chat, parse_completion
 from verispec.server.scheduler import Job, JobFailed, QueueFull, Scheduler
+from verispec.sampling import TokenLogprob
 from verispec.stats import SpecStats
 from verispec.text import IncrementalText, StopSequences, final_text
 
@@ -78,8 +79,12 @@ class Choice:
     job: Job
     stats: SpecStats
     text: IncrementalText
+    prompt: int = 0  # which prompt of the request
     tokens: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # per token, when the request asked for them
+    logprobs_sent: int = 0  # how many of them a stream has sent
+    text_offset: int = 0  # characters before the next token's text in a completion's logprobs (text_offset)
 
 
 _job_ids = itertools.count()
@@ -103,10 +108,11 @@ class Generation:
                 sampling = replace(spec.sampling, seed=None if spec.sampling.seed is None else spec.sampling.seed + index)
                 stats = SpecStats()
                 request = EngineRequest(prompt=ids, sampling=sampling, max_new_tokens=spec.max_tokens[p],
-                                        stop_checker=checker, id=next(_job_ids), stats=stats)
+                                        stop_checker=checker, id=next(_job_ids), stats=stats, logprobs=spec.logprobs,
+                                        processed_logprobs=spec.processed_logprobs)
                 deliver = (lambda item, index=index: _post(loop, self.events, (index, item)))
                 job = Job(request, spec.draft, deliver)
-                self.choices.append(Choice(index, job, stats, IncrementalText(tokenizer, spec.stop)))
+                self.choices.append(Choice(index, job, stats, IncrementalText(tokenizer, spec.stop), prompt=p))
 
     @property
     def finished(self) -> bool:
@@ -138,6 +144,8 @@ class Generation:
             if item.tokens and self.first_token_at is None:
                 self.first_token_at = time.perf_counter()
             choice.tokens.extend(item.tokens)
+            if item.logprobs:
+                choice.logprobs.extend(item.logprobs)
             choice.finish_reason = item.finish_reason
             delta = choice.text.push(item.tokens, item.finish_reason is not None)
             yield choice, delta
@@ -207,17 +215,44 @@ class Endpoint:
         self.chunk_object = "chat.completion.chunk" if chat else "text_completion"
         self.id_prefix = "chatcmpl-" if chat else "cmpl-"
 
-    def choice(self, choice: Choice, text: str) -> dict:
+    def choice(self, choice: Choice, text: str, tokenizer, spec: Spec) -> dict:
+        logprobs = self.logprobs(choice, tokenizer, spec)
         if self.chat:
-            return {"index": choice.index, "message": {"role": "assistant", "content": text}, "logprobs": None,
+            return {"index": choice.index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                     "finish_reason": choice.finish_reason}
-        return {"index": choice.index, "text": text, "logprobs": None, "finish_reason": choice.finish_reason}
+        if spec.echo is not None:
+            text = spec.echo[choice.prompt] + text
+        return {"index": choice.index, "text": text, "logprobs": logprobs, "finish_reason": choice.finish_reason}
 
-    def chunk_choice(self, choice: Choice, delta: str | None, finish_reason: str | None) -> dict:
+    def chunk_choice(self, choice: Choice, delta: str | None, finish_reason: str | None, tokenizer=None, spec: Spec | None = None) -> dict:
+        logprobs = self.logprobs(choice, tokenizer, spec) if spec is not None and delta is not None else None
         if self.chat:
             content = {"role": "assistant", "content": ""} if delta is None else ({"content": delta} if delta else {})
-            return {"index": choice.index, "delta": content, "logprobs": None, "finish_reason": finish_reason}
-        return {"index": choice.index, "text": delta or "", "logprobs": None, "finish_reason": finish_reason}
+            return {"index": choice.index, "delta": content, "logprobs": logprobs, "finish_reason": finish_reason}
+        return {"index": choice.index, "text": delta or "", "logprobs": logprobs, "finish_reason": finish_reason}
+
+    def logprobs(self, choice: Choice, tokenizer, spec: Spec) -> dict | None:
+        """The log-probabilities of the choice's tokens not sent yet, in this endpoint's shape (None if not
+        asked for): completions {tokens, token_logprobs, top_logprobs, text_offset}, where top_logprobs also
+        holds the chosen token, as OpenAI's legacy API does; chat {content: [{token, logprob, bytes,
+        top_logprobs}]}. Token text is each token decoded alone."""
+        if spec.logprobs is None:
+            return None
+        new, choice.logprobs_sent = choice.logprobs[choice.logprobs_sent :], len(choice.logprobs)
+        piece = lambda token: tokenizer.decode([token])  # noqa: E731
+        if self.chat:
+            entry = lambda token, logprob: {"token": piece(token), "logprob": logprob, "bytes": list(piece(token).encode())}  # noqa: E731
+            return {"content": [{**entry(t.token, t.logprob), "top_logprobs": [entry(token, lp) for token, lp in t.top]}
+                                for t in new]}
+        if choice.text_offset == 0 and spec.echo is not None:
+            choice.text_offset = len(spec.echo[choice.prompt])
+        offsets = []
+        for t in new:
+            offsets.append(choice.text_offset)
+            choice.text_offset += len(piece(t.token))
+        return {"tokens": [piece(t.token) for t in new], "token_logprobs": [t.logprob for t in new],
+                "top_logprobs": [{piece(t.token): t.logprob, **{piece(token): lp for token, lp in t.top}} for t in new],
+                "text_offset": offsets}
 
 
 DRAFT_DTYPES = ("fp32", "bf16", "int8", "int4")
@@ -393,7 +428,8 @@ def build_app(target, draft=None, drafter: str = "auto", draft_len: int | str = 
         async for _ in generation.updates(is_disconnected=request.is_disconnected):
             pass
         metrics.observe(endpoint.path, *generation.timings())
-        choices = [endpoint.choice(c, final_text(tokenizer, c.tokens, generation.spec.stop)) for c in generation.choices]
+        choices = [endpoint.choice(c, final_text(tokenizer, c.tokens, generation.spec.stop), tokenizer, generation.spec)
+                   for c in generation.choices]
         return {"id": endpoint.id_prefix + uuid.uuid4().hex, "object": endpoint.object, "created": int(time.time()),
                 "model": name, "choices": choices, "usage": generation.usage()}
 
@@ -402,12 +438,16 @@ def build_app(target, draft=None, drafter: str = "auto", draft_len: int | str = 
         sse = lambda payload: f"data: {json.dumps(payload)}\n\n"
         status = 499  # unless it ends otherwise: the client went away and Starlette cancelled this generator
         try:
+            spec = generation.spec
             if endpoint.chat:
                 yield sse({**head, "choices": [endpoint.chunk_choice(c, None, None) for c in generation.choices]})
+            elif spec.echo is not None:
+                yield sse({**head, "choices": [endpoint.chunk_choice(c, spec.echo[c.prompt], None) for c in generation.choices]})
             async for choice, delta in generation.updates(is_disconnected=None):
                 # Starlette cancels this generator when the client disconnects; `finally` frees the slots.
-                if delta or choice.finish_reason is not None:
-                    yield sse({**head, "choices": [endpoint.chunk_choice(choice, delta, choice.finish_reason)]})
+                # A chunk goes out with new text, at the end, and with log-probabilities of tokens whose text is held back.
+                if delta or choice.finish_reason is not None or len(choice.logprobs) > choice.logprobs_sent:
+                    yield sse({**head, "choices": [endpoint.chunk_choice(choice, delta, choice.finish_reason, tokenizer, spec)]})
             if generation.spec.include_usage:
                 yield sse({**head, "choices": [], "usage": generation.usage()})
             status = 200

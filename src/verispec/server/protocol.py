@@ -3,8 +3,9 @@
 Errors take OpenAI's shape, {"error": {"message", "type", "param", "code"}}, and quote a caller's value
 only in short (`show`): a 1 MB value does not come back inside its 400. Fields this server does not
 know (`metadata`, `store`, ...) are ignored, as vLLM does, and listed in `Spec.ignored` so the caller
-can be told; fields it knows but cannot honour yet (penalties, log probabilities, tools) are refused,
-since ignoring them would silently change the answer. Turns a body into a checked `Spec` (token ids,
+can be told; fields it knows but cannot honour yet (tools, structured output, echo with logprobs) are
+refused, since ignoring them would silently change the answer. Penalties, min_p, logit_bias, min_tokens
+and logprobs are honoured exactly under speculation (`sampling.process_logits`). Turns a body into a checked `Spec` (token ids,
 sampling, stop sequences, draft setting); knows nothing about decoding.
 """
 
@@ -16,13 +17,15 @@ from typing import Any
 from verispec.errors import VerispecError
 from verispec.models.base import CausalLM
 from verispec.policy import ADAPTIVE_SETTINGS
-from verispec.sampling import SamplingParams
+from verispec.sampling import SamplingParams, default_coupled
 from verispec.server.scheduler import DraftSetting
 from verispec.text import encode_chat
 
 MAX_DRAFT_LEN = 16  # largest per-request draft_len: each distinct value is a lane of its own
 MAX_CHOICES = 16  # most sequences (prompts x n) one HTTP request may ask for
 MAX_STOP = 4  # stop sequences per request, as in OpenAI's API
+MAX_TOP_LOGPROBS = 20  # most alternatives listed beside each token (OpenAI: 20 for chat, 5 for completions; vLLM: 20)
+MAX_LOGIT_BIAS = 300  # most entries of logit_bias (OpenAI's limit)
 SHOWN_CHARS = 60  # most characters of a caller's value quoted back in an error message
 # Text past this many characters per token of context is too long unless its tokens average more
 # characters than that; only such text is checked by tokenizing a prefix first (`check_text_fits`).
@@ -102,7 +105,7 @@ class Fields:
 
 COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "n", "stream", "stream_options", "stop", "seed",
                  "user", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens", "logit_bias",
-                 "logprobs", "draft_len", "speculate", "coupled", "blockwise", "typical_acceptance"}
+                 "logprobs", "draft_len", "speculate", "coupled", "blockwise", "typical_acceptance", "logprobs_mode"}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "suffix", "best_of"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "functions",
                                "function_call", "response_format", "parallel_tool_calls"}
@@ -121,6 +124,9 @@ class Spec:
     stream: bool
     include_usage: bool
     ignored: list[str]  # fields of the body this server does not know, and did not read
+    logprobs: int | None = None  # None: no log-probabilities; n: each token's, with the n most likely beside it
+    processed_logprobs: bool = False  # logprobs_mode "processed": after logit_bias, min_tokens and penalties
+    echo: list[str] | None = None  # completions with echo: each prompt's text, put before its choices' text
 
 
 @dataclass
@@ -137,13 +143,6 @@ def parse_common(fields: Fields, config: ServerConfig, prompts: list[list[int]],
     if model is not None and model != config.model_name:
         raise ApiError(404, f"the model {show(model)} does not exist: this server serves {config.model_name!r}",
                        param="model", code="model_not_found")
-    fields.only_default("presence_penalty", 0, 0.0)
-    fields.only_default("frequency_penalty", 0, 0.0)
-    fields.only_default("logit_bias", {})
-    fields.only_default("repetition_penalty", 1, 1.0)
-    fields.only_default("min_p", 0, 0.0)
-    fields.only_default("min_tokens", 0)
-
     stream = fields.boolean("stream", False)
     options = fields.body.get("stream_options")
     include_usage = False
@@ -158,20 +157,29 @@ def parse_common(fields: Fields, config: ServerConfig, prompts: list[list[int]],
     if n * len(prompts) > MAX_CHOICES:
         raise ApiError(400, f"{len(prompts)} prompts x n={n} is more than {MAX_CHOICES} sequences in one request", param="n", code="invalid_value")
     seed = fields.integer("seed", None, 0, 2**63 - 1 - MAX_CHOICES)
-    coupled = fields.boolean("coupled", False)  # verispec extensions: see SamplingParams.coupled ...
-    typical = fields.number("typical_acceptance", 0.0, 0.0, 1.0, high_open=True)  # ... and the lossy opt-in, typical_acceptance
+    temperature = fields.number("temperature", 1.0, 0.0, 2.0)  # OpenAI's default is 1
+    typical = fields.number("typical_acceptance", 0.0, 0.0, 1.0, high_open=True)  # verispec extensions: the lossy opt-in ...
+    # ... and coupled sampling (SamplingParams.coupled), on by default for a seeded request so that its
+    # text is the same every time, whatever the timing, draft lengths and batch mates
+    coupled = fields.boolean("coupled", default_coupled(seed, temperature, typical))
     if typical and coupled:
         raise ApiError(400, "typical_acceptance is lossy and coupled sampling promises plain sampling's tokens: ask for one",
                        param="typical_acceptance", code="invalid_value")
     try:
         sampling = SamplingParams(
-            temperature=fields.number("temperature", 1.0, 0.0, 2.0),  # OpenAI's default is 1
+            temperature=temperature,
             top_p=fields.number("top_p", 1.0, 0.0, 1.0, low_open=True),
             top_k=fields.integer("top_k", 0, 0),
             seed=seed,
             coupled=coupled,
             blockwise=fields.boolean("blockwise", True),  # see SamplingParams.blockwise
             typical_acceptance=typical,
+            presence_penalty=fields.number("presence_penalty", 0.0, -2.0, 2.0),
+            frequency_penalty=fields.number("frequency_penalty", 0.0, -2.0, 2.0),
+            repetition_penalty=fields.number("repetition_penalty", 1.0, 0.0, 10.0, low_open=True),
+            min_p=fields.number("min_p", 0.0, 0.0, 1.0),
+            min_tokens=fields.integer("min_tokens", 0, 0),
+            logit_bias=logit_bias(fields, config.target.vocab_size),
         )
     except VerispecError as exc:
         raise ApiError(400, str(exc), code="invalid_value") from exc
@@ -203,8 +211,37 @@ def parse_common(fields: Fields, config: ServerConfig, prompts: list[list[int]],
                                 f"{budget} exceed it: lower max_tokens or shorten the prompt",
                            param="max_tokens", code="context_length_exceeded")
         budgets.append(budget)
+        if sampling.min_tokens > budget:
+            raise ApiError(400, f"min_tokens ({sampling.min_tokens}) is more than max_tokens ({budget}): lower min_tokens",
+                           param="min_tokens", code="invalid_value")
+    mode = fields.get("logprobs_mode", "raw")  # verispec extension, vLLM's --logprobs-mode per request
+    if mode not in ("raw", "processed"):
+        raise ApiError(400, f'logprobs_mode must be "raw" (the model\'s logits, the default) or "processed" (after logit_bias, '
+                            f'min_tokens and penalties), got {show(mode)}', param="logprobs_mode", code="invalid_value")
+    return Spec(prompts, budgets, n, sampling, stop or [], parse_draft(fields, config), stream, include_usage, fields.ignored,
+                processed_logprobs=mode == "processed")
 
-    return Spec(prompts, budgets, n, sampling, stop or [], parse_draft(fields, config), stream, include_usage, fields.ignored)
+
+def logit_bias(fields: Fields, vocab_size: int) -> tuple[tuple[int, float], ...]:
+    """OpenAI's logit_bias, {"token id": bias in [-100, 100]} (JSON keys are strings) -> (id, bias) pairs."""
+    bias = fields.body.get("logit_bias")
+    if bias is None:
+        return ()
+    if not isinstance(bias, dict):
+        raise ApiError(400, f'logit_bias must be an object of token ids to biases, e.g. {{"50256": -100}}, got {show(bias)}',
+                       param="logit_bias", code="invalid_type")
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise ApiError(400, f"logit_bias takes at most {MAX_LOGIT_BIAS} tokens, got {len(bias)}", param="logit_bias", code="invalid_value")
+    pairs = []
+    for key, value in bias.items():
+        if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) < 12) or int(key) >= vocab_size:
+            raise ApiError(400, f"logit_bias keys must be token ids in [0, {vocab_size}), got {show(key)}", param="logit_bias",
+                           code="invalid_value")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
+            raise ApiError(400, f"logit_bias values must be numbers in [-100, 100], got {show(value)} for token {key}",
+                           param="logit_bias", code="invalid_value")
+        pairs.append((int(key), float(value)))
+    return tuple(pairs)
 
 
 def parse_draft(fields: Fields, config: ServerConfig) -> DraftSetting:
@@ -231,13 +268,22 @@ def parse_draft(fields: Fields, config: ServerConfig) -> DraftSetting:
 
 def parse_completion(body: Any, config: ServerConfig, tokenizer) -> Spec:
     fields = Fields(body, COMPLETION_FIELDS)
-    fields.only_default("logprobs", why="(log probabilities) is not supported by this server")
-    fields.only_default("echo", False)
     fields.only_default("suffix", "")
     fields.only_default("best_of", 1)
+    logprobs = fields.integer("logprobs", None, 0, MAX_TOP_LOGPROBS)  # completions: how many alternatives per token
+    echo = fields.boolean("echo", False)
+    if echo and logprobs is not None:
+        raise ApiError(400, "echo with logprobs would need the prompt's log-probabilities, which this server does not compute: "
+                            "drop echo (prepend the prompt yourself) or drop logprobs", param="echo", code="unsupported_parameter")
     prompts = completion_prompts(fields.body.get("prompt"), tokenizer, config.target.max_context)
     max_tokens = fields.integer("max_tokens", None, 1)
-    return parse_common(fields, config, prompts, "prompt", max_tokens, default_max_tokens=16)
+    spec = parse_common(fields, config, prompts, "prompt", max_tokens, default_max_tokens=16)
+    spec.logprobs = logprobs
+    if echo:  # text prompts as given; token prompts decoded
+        raw = fields.body.get("prompt")  # already checked by completion_prompts
+        given = [raw] if isinstance(raw, str) or all(isinstance(t, int) for t in raw) else raw
+        spec.echo = [text if isinstance(text, str) else tokenizer.decode(ids) for text, ids in zip(given, prompts)]
+    return spec
 
 
 def completion_prompts(prompt: Any, tokenizer, context: int) -> list[list[int]]:
@@ -276,8 +322,10 @@ def check_text_fits(tokenizer, text: str, context: int, param: str) -> None:
 
 def parse_chat(body: Any, config: ServerConfig, tokenizer) -> Spec:
     fields = Fields(body, CHAT_FIELDS)
-    fields.only_default("logprobs", False, why="(log probabilities) is not supported by this server")
-    fields.only_default("top_logprobs", 0, why="(log probabilities) is not supported by this server")
+    wants_logprobs = fields.boolean("logprobs", False)  # chat: true, with top_logprobs alternatives per token
+    top_logprobs = fields.integer("top_logprobs", None, 0, MAX_TOP_LOGPROBS)
+    if top_logprobs is not None and not wants_logprobs:
+        raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value")
     fields.only_default("tools", [], why="(tool calling) is not supported by this server")
     fields.only_default("tool_choice", "none", why="(tool calling) is not supported by this server")
     fields.only_default("functions", [], why="(function calling) is not supported by this server")
@@ -294,7 +342,9 @@ def parse_chat(body: Any, config: ServerConfig, tokenizer) -> Spec:
     messages = chat_messages(fields.body.get("messages"))
     check_text_fits(tokenizer, "".join(m["content"] for m in messages), config.target.max_context, "messages")
     ids = encode_chat(tokenizer, messages)
-    return parse_common(fields, config, [ids], "messages", max_tokens, default_max_tokens=None)
+    spec = parse_common(fields, config, [ids], "messages", max_tokens, default_max_tokens=None)
+    spec.logprobs = (top_logprobs or 0) if wants_logprobs else None
+    return spec
 
 
 def chat_messages(messages: Any) -> list[dict]:
