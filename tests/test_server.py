@@ -201,6 +201,137 @@ def test_sampled_requests_may_ask_for_token_by_token_verification(server):
         assert response.json()["usage"]["speculative"]["drafted_tokens"] > 0
 
 
+# ---------------------------------------------------------------------------------------------------
+# Every sampling option, exact under speculation: the server (drafting for itself) against plain decoding
+
+SERVER_OPTIONS = {
+    "presence": dict(presence_penalty=1.2),
+    "frequency": dict(frequency_penalty=0.9),
+    "repetition": dict(repetition_penalty=1.5),
+    "min_p": dict(min_p=0.3),
+    "all": dict(presence_penalty=0.6, frequency_penalty=0.3, repetition_penalty=1.2, min_p=0.05, min_tokens=8),
+}
+
+
+@pytest.fixture(scope="module")
+def model():
+    return verispec.load("smollm2-135m")
+
+
+def with_bias(model, options: dict) -> dict:
+    """The options as the API takes them, and as the body does (logit_bias keys are strings in JSON)."""
+    body = dict(options)
+    if "logit_bias" in options:
+        body["logit_bias"] = {str(k): v for k, v in options["logit_bias"].items()}
+    return body
+
+
+@pytest.mark.parametrize("name", sorted(SERVER_OPTIONS) + ["logit_bias", "min_tokens"])
+def test_greedy_output_with_each_option_is_plain_decodings(server, model, name):
+    if name == "logit_bias":  # ban the plain answer's third token, favour a word
+        third = verispec.generate(model, PROMPT, drafter="none", max_new_tokens=3).token_ids[2]
+        options = dict(logit_bias={third: -100, model.tokenizer(" blue")["input_ids"][0]: 4.0})
+    elif name == "min_tokens":  # EOS made likely everywhere, and held off for 10 tokens
+        options = dict(min_tokens=10, logit_bias={min(model.eos_token_ids): 12.0})
+    else:
+        options = SERVER_OPTIONS[name]
+    plain = verispec.generate(model, PROMPT, drafter="none", max_new_tokens=24, **options)
+    assert plain.text != server.plain[(PROMPT, 24, False)] or name == "min_p"  # the option changes the answer
+    response = server.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 24, "temperature": 0, **with_bias(model, options)})
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["text"] == plain.text
+    assert response.json()["usage"]["speculative"]["accepted_tokens"] > 0  # it did speculate
+
+
+def test_greedy_chat_with_penalties_is_plain_decodings(server, model):
+    options = SERVER_OPTIONS["all"]
+    plain = verispec.generate(model, CHAT, drafter="none", max_new_tokens=24, chat=True, **options)
+    result = server.client().chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": CHAT}], max_tokens=24, temperature=0,
+        presence_penalty=options["presence_penalty"], frequency_penalty=options["frequency_penalty"],
+        extra_body={k: options[k] for k in ("repetition_penalty", "min_p", "min_tokens")})
+    assert result.choices[0].message.content == plain.text
+
+
+def test_completion_logprobs_equal_plain_decodings(server, model):
+    options = SERVER_OPTIONS["all"]
+    plain = verispec.generate(model, PROMPT, drafter="none", max_new_tokens=16, logprobs=3, **options)
+    for mode, processed in (("raw", False), ("processed", True)):
+        expected = plain if not processed else verispec.generate(model, PROMPT, drafter="none", max_new_tokens=16, logprobs=3,
+                                                                 processed_logprobs=True, **options)
+        result = server.client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, logprobs=3,
+                                                    presence_penalty=options["presence_penalty"],
+                                                    frequency_penalty=options["frequency_penalty"],
+                                                    extra_body={"logprobs_mode": mode, **{k: options[k] for k in ("repetition_penalty", "min_p", "min_tokens")}})
+        logprobs = result.choices[0].logprobs
+        assert logprobs.tokens == [model.tokenizer.decode([t]) for t in expected.token_ids]
+        assert len(logprobs.token_logprobs) == len(expected.token_ids)
+        # the verify pass is row-exact on the native kernels: the same logits, so within float noise of plain's
+        assert max(abs(a - b.logprob) for a, b in zip(logprobs.token_logprobs, expected.logprobs)) < 1e-5
+        for got, want in zip(logprobs.top_logprobs, expected.logprobs):
+            listed = {model.tokenizer.decode([t]): v for t, v in want.top}
+            assert set(got) == set(listed) | {model.tokenizer.decode([want.token])}
+            assert all(abs(got[k] - v) < 1e-5 for k, v in listed.items())
+        assert logprobs.text_offset[0] == 0 and logprobs.text_offset == sorted(logprobs.text_offset)
+    streamed = list(server.client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, logprobs=3,
+                                                       presence_penalty=options["presence_penalty"], stream=True,
+                                                       frequency_penalty=options["frequency_penalty"],
+                                                       extra_body={k: options[k] for k in ("repetition_penalty", "min_p", "min_tokens")}))
+    token_logprobs = [v for c in streamed if c.choices and c.choices[0].logprobs for v in c.choices[0].logprobs.token_logprobs]
+    assert len(token_logprobs) == len(plain.token_ids)
+    assert max(abs(a - b.logprob) for a, b in zip(token_logprobs, plain.logprobs)) < 1e-5
+
+
+def test_chat_logprobs_equal_plain_decodings(server, model):
+    plain = verispec.generate(model, CHAT, drafter="none", max_new_tokens=16, chat=True, logprobs=2)
+    result = server.client().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": CHAT}], max_tokens=16,
+                                                     temperature=0, logprobs=True, top_logprobs=2)
+    content = result.choices[0].logprobs.content
+    assert [c.token for c in content] == [model.tokenizer.decode([t]) for t in plain.token_ids]
+    assert max(abs(c.logprob - p.logprob) for c, p in zip(content, plain.logprobs)) < 1e-5
+    assert all(c.bytes == list(c.token.encode()) and len(c.top_logprobs) == 2 for c in content)
+    assert [[t.token for t in c.top_logprobs] for c in content] == [[model.tokenizer.decode([i]) for i, _ in p.top] for p in plain.logprobs]
+    plain_chat = server.client().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": CHAT}], max_tokens=16,
+                                                         temperature=0)
+    assert plain_chat.choices[0].logprobs is None
+
+
+def test_echo_puts_the_prompt_before_the_completion(server):
+    body = {"prompt": PROMPT, "max_tokens": 24, "temperature": 0, "echo": True}
+    assert server.post("/v1/completions", body).json()["choices"][0]["text"] == PROMPT + server.plain[(PROMPT, 24, False)]
+    streamed = "".join(c.choices[0].text for c in server.client().completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0, echo=True, stream=True))
+    assert streamed == PROMPT + server.plain[(PROMPT, 24, False)]
+
+
+def test_a_seeded_request_gives_the_same_text_every_time(server):
+    """By default (no "coupled" field): twice with speculation, once without, once beside batch mates."""
+    body = {"prompt": "Once upon a time", "max_tokens": 20, "temperature": 1.0, "seed": 123, "presence_penalty": 0.4}
+    first = server.post("/v1/completions", body).json()
+    assert first["usage"]["speculative"]["drafted_tokens"] > 0
+    again = server.post("/v1/completions", body).json()
+    plain = server.post("/v1/completions", {**body, "speculate": False}).json()
+    with httpx.Client(timeout=120) as client:  # with other requests decoding beside it
+        headers = {"Authorization": f"Bearer {API_KEY}"}
+        mates = [client.build_request("POST", server.url + "/v1/completions", json={"prompt": p, "max_tokens": 20,
+                                                                                     "temperature": 0.7}, headers=headers)
+                 for p in LOAD_PROMPTS[:3]]
+        results = {}
+
+        def send(key, request):
+            results[key] = client.send(request).json()
+
+        threads = [threading.Thread(target=send, args=(i, r)) for i, r in enumerate(mates)]
+        threads.append(threading.Thread(target=send, args=("seeded", client.build_request(
+            "POST", server.url + "/v1/completions", json={**body, "draft_len": 2}, headers=headers))))
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    texts = {r["choices"][0]["text"] for r in (first, again, plain, results["seeded"])}
+    assert len(texts) == 1, texts
+
+
 def test_stop_sequence(server):
     full = server.plain[(PROMPT, 24, False)]
     stop = full.strip().split()[2]  # a word the model will produce
@@ -366,14 +497,23 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": PROMPT, "n": 17}, API_KEY, 400, "n"),
     ("/v1/completions", {"prompt": PROMPT, "stop": ["a", "b", "c", "d", "e"]}, API_KEY, 400, "stop"),
     ("/v1/completions", {"prompt": PROMPT, "stop": [""]}, API_KEY, 400, "stop"),
-    ("/v1/completions", {"prompt": PROMPT, "logprobs": 1}, API_KEY, 400, "logprobs"),
-    ("/v1/completions", {"prompt": PROMPT, "presence_penalty": 0.5}, API_KEY, 400, "presence_penalty"),
-    ("/v1/completions", {"prompt": PROMPT, "frequency_penalty": 1}, API_KEY, 400, "frequency_penalty"),
-    ("/v1/completions", {"prompt": PROMPT, "logit_bias": {"1": 5}}, API_KEY, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": PROMPT, "logprobs": 21}, API_KEY, 400, "logprobs"),
+    ("/v1/completions", {"prompt": PROMPT, "logprobs": True}, API_KEY, 400, "logprobs"),
+    ("/v1/completions", {"prompt": PROMPT, "logprobs_mode": "cooked"}, API_KEY, 400, "logprobs_mode"),
+    ("/v1/completions", {"prompt": PROMPT, "presence_penalty": 2.5}, API_KEY, 400, "presence_penalty"),
+    ("/v1/completions", {"prompt": PROMPT, "frequency_penalty": "1"}, API_KEY, 400, "frequency_penalty"),
+    ("/v1/completions", {"prompt": PROMPT, "logit_bias": {"1": 500}}, API_KEY, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": PROMPT, "logit_bias": {"one": 5}}, API_KEY, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": PROMPT, "logit_bias": {"\u00b2": 5}}, API_KEY, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": PROMPT, "logit_bias": {"99999999": 5}}, API_KEY, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": PROMPT, "logit_bias": [[1, 5]]}, API_KEY, 400, "logit_bias"),
     ("/v1/completions", {"prompt": PROMPT, "best_of": 2}, API_KEY, 400, "best_of"),
-    ("/v1/completions", {"prompt": PROMPT, "echo": True}, API_KEY, 400, "echo"),
+    ("/v1/completions", {"prompt": PROMPT, "echo": True, "logprobs": 1}, API_KEY, 400, "echo"),
+    ("/v1/completions", {"prompt": PROMPT, "echo": "yes"}, API_KEY, 400, "echo"),
     ("/v1/completions", {"prompt": PROMPT, "suffix": "end"}, API_KEY, 400, "suffix"),
-    ("/v1/completions", {"prompt": PROMPT, "repetition_penalty": 1.1}, API_KEY, 400, "repetition_penalty"),
+    ("/v1/completions", {"prompt": PROMPT, "repetition_penalty": 0}, API_KEY, 400, "repetition_penalty"),
+    ("/v1/completions", {"prompt": PROMPT, "min_tokens": 30, "max_tokens": 4}, API_KEY, 400, "min_tokens"),
+    ("/v1/completions", {"prompt": PROMPT, "min_tokens": -1}, API_KEY, 400, "min_tokens"),
     ("/v1/completions", {"prompt": PROMPT, "draft_len": 0}, API_KEY, 400, "draft_len"),
     ("/v1/completions", {"prompt": PROMPT, "draft_len": "deep"}, API_KEY, 400, "draft_len"),
     ("/v1/completions", {"prompt": PROMPT, "coupled": "yes"}, API_KEY, 400, "coupled"),
@@ -390,7 +530,10 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      API_KEY, 400, "messages[0].content"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, API_KEY, 400, "tools"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True}, API_KEY, 400, "logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": 2}, API_KEY, 400, "logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, API_KEY, 400, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 50},
+     API_KEY, 400, "top_logprobs"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10000}, API_KEY, 400, "max_tokens"),
     ("/v1/completions", '{"prompt": "\\ud800 lone surrogate"}'.encode(), API_KEY, 400, None),
     ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "x\\udfff"}]}'.encode(), API_KEY, 400, None),
@@ -400,7 +543,7 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "x" * 5_000_000}, API_KEY, 413, None),
     ("/v1/completions", {"prompt": "many words " * 300_000}, API_KEY, 400, "prompt"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "many words " * 300_000}]}, API_KEY, 400, "messages"),
-    ("/v1/completions", {"prompt": PROMPT, "min_p": 0.1}, API_KEY, 400, "min_p"),
+    ("/v1/completions", {"prompt": PROMPT, "min_p": 1.1}, API_KEY, 400, "min_p"),
     ("/v1/completions", {"prompt": PROMPT}, None, 401, None),
     ("/v1/completions", {"prompt": PROMPT}, "wrong-key", 401, None),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, "wrong-key", 401, None),
@@ -443,7 +586,8 @@ def malformed_bodies() -> list[bytes]:
                   float("nan"), float("inf"), "x" * 5000, [[[[[]]]]], [-1, 2**40]]
     bodies = []
     for name in ("prompt", "max_tokens", "temperature", "top_p", "top_k", "n", "stop", "seed", "stream", "stream_options",
-                 "draft_len", "speculate", "coupled", "typical_acceptance", "logit_bias", "model", "echo"):
+                 "draft_len", "speculate", "coupled", "typical_acceptance", "logit_bias", "model", "echo", "logprobs",
+                 "top_logprobs", "presence_penalty", "repetition_penalty", "min_p", "min_tokens", "logprobs_mode"):
         for value in odd_values[:: 1 if name in ("prompt", "stop", "max_tokens") else 3]:
             bodies.append(json.dumps({**good, name: value}).encode())
     text = json.dumps(good).encode()
