@@ -96,7 +96,8 @@ def test_self_drafts_sample_the_target_distribution(params):
     outputs, accepted = [], 0
     for first in range(0, 2000, 8):
         results = verispec.generate(native, [prompt] * 8, drafter="self", draft=draft, draft_len=3, temperature=params.temperature,
-                                    top_k=params.top_k, top_p=params.top_p, seed=params.seed + first, max_new_tokens=3)
+                                    top_k=params.top_k, top_p=params.top_p, seed=params.seed + first, coupled=False,
+                                    max_new_tokens=3)
         outputs += [r.token_ids for r in results]
         accepted += results[0].stats.accepted_tokens
     assert accepted > 100  # both the accept and the resample paths ran
