@@ -30,15 +30,17 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+import verispec
 from verispec.api import load, make_drafter, resolve_drafter
 from verispec.engine import Request as EngineRequest
 from verispec.errors import VerispecError
 from verispec.policy import make_policy
 from verispec.server.metrics import Metrics
-from verispec.server.protocol import ApiError, ServerConfig, Spec, parse_chat, parse_completion
+from verispec.server.protocol import (ApiError, ServerConfig, Spec, chat_messages, check_text_fits, parse_chat, parse_completion,
+                                      show)
 from verispec.server.scheduler import Job, JobFailed, QueueFull, Scheduler
 from verispec.stats import SpecStats
-from verispec.text import IncrementalText, StopSequences, final_text
+from verispec.text import IncrementalText, StopSequences, encode_chat, final_text
 
 DISCONNECT_POLL_SECONDS = 0.5  # how often a waiting non-streamed request checks that its client is still there
 RETRY_AFTER_SECONDS = 1  # the Retry-After a client gets with a 503 when the queue is full
@@ -316,7 +318,67 @@ def build_app(target, draft=None, drafter: str = "auto", draft_len: int | str = 
             check_key(request)
         except ApiError as error:
             return error_response(error)
-        return {"object": "list", "data": [{"id": name, "object": "model", "created": created, "owned_by": "verispec"}]}
+        return {"object": "list", "data": [model_card()]}
+
+    def model_card() -> dict:
+        return {"id": name, "object": "model", "created": created, "owned_by": "verispec", "max_model_len": target_model.max_context}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str, request: Request):
+        try:
+            check_key(request)
+            if model_id != name:
+                raise ApiError(404, f"the model {show(model_id)} does not exist: this server serves {name!r}",
+                               param="model", code="model_not_found")
+        except ApiError as error:
+            return error_response(error)
+        return model_card()
+
+    @app.get("/version")
+    async def version():
+        return {"version": verispec.__version__}
+
+    async def tokenizer_call(request: Request, work: Callable[[dict], dict]):
+        """/tokenize and /detokenize (vLLM's and llama-server's): the body parsed and the work done on a thread."""
+        try:
+            check_key(request)
+            raw = await read_body(request)
+
+            def run() -> dict:
+                body = parse_json(raw)
+                if not isinstance(body, dict):
+                    raise ApiError(400, "the request body must be a JSON object", code="invalid_body")
+                return work(body)
+
+            return await asyncio.to_thread(run)
+        except ApiError as error:
+            return error_response(error)
+
+    def tokenize_body(body: dict) -> dict:
+        if "messages" in body:
+            ids = encode_chat(tokenizer, chat_messages(body["messages"]))
+        elif isinstance(body.get("prompt"), str):
+            check_text_fits(tokenizer, body["prompt"], 2 * target_model.max_context, "prompt")
+            ids = list(tokenizer(body["prompt"], add_special_tokens=body.get("add_special_tokens", True) is not False)["input_ids"])
+        else:
+            raise ApiError(400, "give prompt (text) or messages", param="prompt", code="missing_parameter")
+        return {"tokens": ids, "count": len(ids), "max_model_len": target_model.max_context}
+
+    def detokenize_body(body: dict) -> dict:
+        ids = body.get("tokens")
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < target_model.vocab_size
+                                                for t in ids):
+            raise ApiError(400, f"tokens must be a list of token ids in [0, {target_model.vocab_size})", param="tokens",
+                           code="invalid_value")
+        return {"prompt": tokenizer.decode(ids)}
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        return await tokenizer_call(request, tokenize_body)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        return await tokenizer_call(request, detokenize_body)
 
     async def read_body(request: Request) -> bytes:
         """The body, refused with a 413 once it passes max_body_bytes (before reading it, if it says its length)."""
@@ -335,6 +397,10 @@ def build_app(target, draft=None, drafter: str = "auto", draft_len: int | str = 
 
     def parse(raw: bytes, endpoint: Endpoint) -> Spec:
         """Body bytes -> a checked Spec; runs on a thread, since tokenizing a long prompt takes a while."""
+        return endpoint.parse(parse_json(raw), config, tokenizer)
+
+    def parse_json(raw: bytes) -> Any:
+        """Body bytes -> JSON that is also valid text throughout, or a 400."""
         try:
             body = json.loads(raw)
         except RecursionError as exc:
@@ -348,7 +414,7 @@ def build_app(target, draft=None, drafter: str = "auto", draft_len: int | str = 
                                 "Unicode text", code="invalid_json") from exc
         except RecursionError as exc:
             raise ApiError(400, "the request body nests JSON too deeply", code="invalid_json") from exc
-        return endpoint.parse(body, config, tokenizer)
+        return body
 
     async def generate(request: Request, endpoint: Endpoint):
         status = 200
