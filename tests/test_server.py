@@ -581,6 +581,17 @@ def test_metrics_count_requests_and_speculation(server):
     assert after[latency] == before.get(latency, 0) + 1
     assert after['verispec_request_latency_seconds_bucket{endpoint="/v1/completions",le="+Inf"}'] == after[latency]
     assert {"verispec_batch_size", "verispec_queue_depth", "verispec_step_failures_total"} <= set(after)
+    # vLLM's names and meanings, with the model's name as a label.
+    label = f'model_name="{MODEL}"'
+    drafts, accepted = f"verispec:spec_decode_num_drafts_total{{{label}}}", f"verispec:spec_decode_num_accepted_tokens_total{{{label}}}"
+    assert after[drafts] > before.get(drafts, 0) and after[accepted] == after["verispec_accepted_tokens_total"]
+    assert after[f"verispec:spec_decode_num_draft_tokens_total{{{label}}}"] == after["verispec_drafted_tokens_total"]
+    assert after[f'verispec:spec_decode_num_accepted_tokens_per_pos_total{{{label},position="0"}}'] == \
+        after['verispec_draft_position_accepted_total{position="1"}']
+    assert after[f"verispec:e2e_request_latency_seconds_count{{{label}}}"] >= 1
+    assert after[f"verispec:inter_token_latency_seconds_count{{{label}}}"] >= 1
+    assert after[f'verispec:request_success_total{{finished_reason="length",{label}}}'] >= 1
+    assert after[f"verispec:num_requests_running{{{label}}}"] == 0
 
 
 def test_no_step_failed_and_the_log_is_clean(server):

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import verispec
@@ -35,7 +35,7 @@ from verispec.api import load, make_drafter, resolve_drafter
 from verispec.engine import Request as EngineRequest
 from verispec.errors import VerispecError
 from verispec.policy import make_policy
-from verispec.server.metrics import Metrics
+from verispec.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, Metrics
 from verispec.server.protocol import (ApiError, ServerConfig, Spec, chat_messages, check_text_fits, parse_chat, parse_completion,
                                       show)
 from verispec.server.scheduler import Job, JobFailed, QueueFull, Scheduler
@@ -90,8 +90,12 @@ _job_ids = itertools.count()
 class Generation:
     """The choices of one HTTP request; events reach it through an asyncio queue fed by the worker."""
 
-    def __init__(self, spec: Spec, tokenizer: LockedTokenizer, loop: asyncio.AbstractEventLoop):
+    def __init__(self, spec: Spec, tokenizer: LockedTokenizer, loop: asyncio.AbstractEventLoop,
+                 on_gap: Callable[[float], None] | None = None):
+        """on_gap: called with the seconds between two deliveries of tokens (inter-token latency)."""
         self.spec = spec
+        self.on_gap = on_gap
+        self.last_tokens_at = 0.0
         self.events: asyncio.Queue = asyncio.Queue()
         self.started = time.perf_counter()
         self.first_token_at: float | None = None
@@ -137,12 +141,21 @@ class Generation:
             choice = self.choices[index]
             if isinstance(item, JobFailed):
                 raise ApiError(item.status, item.message, code="engine_error" if item.status >= 500 else "invalid_request")
-            if item.tokens and self.first_token_at is None:
-                self.first_token_at = time.perf_counter()
+            if item.tokens:
+                now = time.perf_counter()
+                if self.first_token_at is None:
+                    self.first_token_at = now
+                elif self.on_gap is not None:
+                    self.on_gap(now - self.last_tokens_at)
+                self.last_tokens_at = now
             choice.tokens.extend(item.tokens)
             choice.finish_reason = item.finish_reason
             delta = choice.text.push(item.tokens, item.finish_reason is not None)
             yield choice, delta
+
+    def outcome(self) -> tuple[int, list[str]]:
+        """(tokens generated in all, each choice's finish reason)."""
+        return sum(len(c.tokens) for c in self.choices), [c.finish_reason or "abort" for c in self.choices]
 
     def timings(self) -> tuple[float, float | None]:
         """(seconds from request to now, seconds from request to the first token or None)."""
@@ -256,7 +269,6 @@ def build_app(target, draft=None, drafter: str = "auto", draft_len: int | str = 
     name = model_name or (target if isinstance(target, str) else target_model.name)
     config = ServerConfig(target_model, name, draft_len if speculative else None)
     tokenizer = LockedTokenizer(target_model.tokenizer)
-    metrics = Metrics()
     stats = SpecStats()
     scheduler = Scheduler(
         target_model,
@@ -266,6 +278,7 @@ def build_app(target, draft=None, drafter: str = "auto", draft_len: int | str = 
         stats=stats,
         on_admit=lambda job: metrics.count_admitted(len(job.request.prompt), job.request.sampling.lossy),
     )
+    metrics = Metrics(name, stats, scheduler)  # on_admit above reaches it once the worker starts
     created = int(time.time())
 
     @asynccontextmanager
@@ -310,7 +323,7 @@ def build_app(target, draft=None, drafter: str = "auto", draft_len: int | str = 
 
     @app.get("/metrics")
     async def prometheus():
-        return PlainTextResponse(metrics.render(stats, scheduler), media_type="text/plain; version=0.0.4; charset=utf-8")
+        return Response(metrics.render(), media_type=METRICS_CONTENT_TYPE)
 
     @app.get("/v1/models")
     async def models(request: Request):
@@ -424,7 +437,7 @@ def build_app(target, draft=None, drafter: str = "auto", draft_len: int | str = 
             if spec.ignored:
                 log.warning("%s: ignored fields this server does not know: %s", endpoint.path, ", ".join(spec.ignored[:10]))
             headers = {"X-Verispec-Ignored-Fields": ",".join(spec.ignored[:10])[:200]} if spec.ignored else None
-            generation = Generation(spec, tokenizer, asyncio.get_running_loop())
+            generation = Generation(spec, tokenizer, asyncio.get_running_loop(), metrics.observe_delivery_gap)
             jobs = [c.job for c in generation.choices]
             capacity = scheduler.max_batch + scheduler.max_queue
             if len(jobs) > capacity:  # would get a 503 for ever: retrying cannot help
@@ -458,7 +471,7 @@ def build_app(target, draft=None, drafter: str = "auto", draft_len: int | str = 
     async def complete(generation: Generation, endpoint: Endpoint, request: Request) -> dict:
         async for _ in generation.updates(is_disconnected=request.is_disconnected):
             pass
-        metrics.observe(endpoint.path, *generation.timings())
+        metrics.observe(endpoint.path, *generation.timings(), *generation.outcome())
         choices = [endpoint.choice(c, final_text(tokenizer, c.tokens, generation.spec.stop)) for c in generation.choices]
         return {"id": endpoint.id_prefix + uuid.uuid4().hex, "object": endpoint.object, "created": int(time.time()),
                 "model": name, "choices": choices, "usage": generation.usage()}
@@ -478,7 +491,7 @@ def build_app(target, draft=None, drafter: str = "auto", draft_len: int | str = 
                 yield sse({**head, "choices": [], "usage": generation.usage()})
             status = 200
             yield "data: [DONE]\n\n"
-            metrics.observe(endpoint.path, *generation.timings())
+            metrics.observe(endpoint.path, *generation.timings(), *generation.outcome())
         except ApiError as error:
             status = error.status
             yield sse(error.body())
