@@ -24,6 +24,7 @@ from verispec import zoo
 from verispec.api import make_drafter
 from verispec.engine import DecodeBatch, Request, TokenEvent
 from verispec.sampling import SamplingParams
+from verispec.text import encode_chat
 from verispec.errors import VerispecError
 from verispec.server import Job, JobFailed, Scheduler, ServerProcess, build_app
 from verispec.server.process import ServerStartError
@@ -120,6 +121,25 @@ def test_models_and_health(server):
     assert [m.id for m in server.client().models.list().data] == ["smollm2-135m"]
     health = httpx.get(server.url + "/health", timeout=10).json()
     assert health["status"] == "ok" and health["model"] == "smollm2-135m"
+
+
+def test_model_card_version_tokenize_and_detokenize(server):
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    card = server.client().models.retrieve(MODEL)
+    assert card.id == MODEL and card.max_model_len == 8192
+    with pytest.raises(openai.NotFoundError):
+        server.client().models.retrieve("gpt-4")
+    assert httpx.get(server.url + "/version", timeout=10).json()["version"] == verispec.__version__
+    tokenizer = verispec.load(MODEL).tokenizer
+    tokens = server.post("/tokenize", {"prompt": PROMPT}).json()
+    assert tokens["tokens"] == tokenizer(PROMPT)["input_ids"] and tokens["count"] == len(tokens["tokens"])
+    chat = server.post("/tokenize", {"messages": [{"role": "user", "content": CHAT}]}).json()
+    assert chat["tokens"] == encode_chat(tokenizer, [{"role": "user", "content": CHAT}])
+    assert server.post("/detokenize", {"tokens": tokens["tokens"]}).json()["prompt"] == PROMPT
+    assert server.post("/detokenize", {"tokens": [-1]}).status_code == 400
+    assert server.post("/tokenize", {"prompt": 5}).status_code == 400
+    assert server.post("/tokenize", {"prompt": PROMPT}, key="wrong").status_code == 401
+    assert httpx.post(server.url + "/tokenize", content=b"{oops", headers=headers, timeout=10).status_code == 400
 
 
 def test_greedy_completion_matches_plain_decoding(server):
@@ -705,6 +725,17 @@ def test_metrics_count_requests_and_speculation(server):
     assert after[latency] == before.get(latency, 0) + 1
     assert after['verispec_request_latency_seconds_bucket{endpoint="/v1/completions",le="+Inf"}'] == after[latency]
     assert {"verispec_batch_size", "verispec_queue_depth", "verispec_step_failures_total"} <= set(after)
+    # vLLM's names and meanings, with the model's name as a label.
+    label = f'model_name="{MODEL}"'
+    drafts, accepted = f"verispec:spec_decode_num_drafts_total{{{label}}}", f"verispec:spec_decode_num_accepted_tokens_total{{{label}}}"
+    assert after[drafts] > before.get(drafts, 0) and after[accepted] == after["verispec_accepted_tokens_total"]
+    assert after[f"verispec:spec_decode_num_draft_tokens_total{{{label}}}"] == after["verispec_drafted_tokens_total"]
+    assert after[f'verispec:spec_decode_num_accepted_tokens_per_pos_total{{{label},position="0"}}'] == \
+        after['verispec_draft_position_accepted_total{position="1"}']
+    assert after[f"verispec:e2e_request_latency_seconds_count{{{label}}}"] >= 1
+    assert after[f"verispec:inter_token_latency_seconds_count{{{label}}}"] >= 1
+    assert after[f'verispec:request_success_total{{finished_reason="length",{label}}}'] >= 1
+    assert after[f"verispec:num_requests_running{{{label}}}"] == 0
 
 
 def test_no_step_failed_and_the_log_is_clean(server):

@@ -27,19 +27,21 @@ from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+import verispec
 from verispec.api import load, make_drafter, resolve_drafter
 from verispec.engine import Request as EngineRequest
 from verispec.errors import VerispecError
 from verispec.policy import make_policy
-from verispec.server.metrics import Metrics
-from verispec.server.protocol import ApiError, ServerConfig, Spec, parse_chat, parse_completion
-from verispec.server.scheduler import Job, JobFailed, QueueFull, Scheduler
+from verispec.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, Metrics
+from verispec.server.protocol import (ApiError, ServerConfig, Spec, chat_messages, check_text_fits, parse_chat, parse_completion,
+                                      show)
 from verispec.sampling import TokenLogprob
+from verispec.server.scheduler import Job, JobFailed, QueueFull, Scheduler
 from verispec.stats import SpecStats
-from verispec.text import IncrementalText, StopSequences, final_text
+from verispec.text import IncrementalText, StopSequences, encode_chat, final_text
 
 DISCONNECT_POLL_SECONDS = 0.5  # how often a waiting non-streamed request checks that its client is still there
 RETRY_AFTER_SECONDS = 1  # the Retry-After a client gets with a 503 when the queue is full
@@ -93,8 +95,12 @@ _job_ids = itertools.count()
 class Generation:
     """The choices of one HTTP request; events reach it through an asyncio queue fed by the worker."""
 
-    def __init__(self, spec: Spec, tokenizer: LockedTokenizer, loop: asyncio.AbstractEventLoop):
+    def __init__(self, spec: Spec, tokenizer: LockedTokenizer, loop: asyncio.AbstractEventLoop,
+                 on_gap: Callable[[float], None] | None = None):
+        """on_gap: called with the seconds between two deliveries of tokens (inter-token latency)."""
         self.spec = spec
+        self.on_gap = on_gap
+        self.last_tokens_at = 0.0
         self.events: asyncio.Queue = asyncio.Queue()
         self.started = time.perf_counter()
         self.first_token_at: float | None = None
@@ -141,14 +147,23 @@ class Generation:
             choice = self.choices[index]
             if isinstance(item, JobFailed):
                 raise ApiError(item.status, item.message, code="engine_error" if item.status >= 500 else "invalid_request")
-            if item.tokens and self.first_token_at is None:
-                self.first_token_at = time.perf_counter()
+            if item.tokens:
+                now = time.perf_counter()
+                if self.first_token_at is None:
+                    self.first_token_at = now
+                elif self.on_gap is not None:
+                    self.on_gap(now - self.last_tokens_at)
+                self.last_tokens_at = now
             choice.tokens.extend(item.tokens)
             if item.logprobs:
                 choice.logprobs.extend(item.logprobs)
             choice.finish_reason = item.finish_reason
             delta = choice.text.push(item.tokens, item.finish_reason is not None)
             yield choice, delta
+
+    def outcome(self) -> tuple[int, list[str]]:
+        """(tokens generated in all, each choice's finish reason)."""
+        return sum(len(c.tokens) for c in self.choices), [c.finish_reason or "abort" for c in self.choices]
 
     def timings(self) -> tuple[float, float | None]:
         """(seconds from request to now, seconds from request to the first token or None)."""
@@ -289,7 +304,6 @@ def build_app(target, draft=None, drafter: str = "auto", draft_len: int | str = 
     name = model_name or (target if isinstance(target, str) else target_model.name)
     config = ServerConfig(target_model, name, draft_len if speculative else None)
     tokenizer = LockedTokenizer(target_model.tokenizer)
-    metrics = Metrics()
     stats = SpecStats()
     scheduler = Scheduler(
         target_model,
@@ -299,6 +313,7 @@ def build_app(target, draft=None, drafter: str = "auto", draft_len: int | str = 
         stats=stats,
         on_admit=lambda job: metrics.count_admitted(len(job.request.prompt), job.request.sampling.lossy),
     )
+    metrics = Metrics(name, stats, scheduler)  # on_admit above reaches it once the worker starts
     created = int(time.time())
 
     @asynccontextmanager
@@ -343,7 +358,7 @@ def build_app(target, draft=None, drafter: str = "auto", draft_len: int | str = 
 
     @app.get("/metrics")
     async def prometheus():
-        return PlainTextResponse(metrics.render(stats, scheduler), media_type="text/plain; version=0.0.4; charset=utf-8")
+        return Response(metrics.render(), media_type=METRICS_CONTENT_TYPE)
 
     @app.get("/v1/models")
     async def models(request: Request):
@@ -351,7 +366,67 @@ def build_app(target, draft=None, drafter: str = "auto", draft_len: int | str = 
             check_key(request)
         except ApiError as error:
             return error_response(error)
-        return {"object": "list", "data": [{"id": name, "object": "model", "created": created, "owned_by": "verispec"}]}
+        return {"object": "list", "data": [model_card()]}
+
+    def model_card() -> dict:
+        return {"id": name, "object": "model", "created": created, "owned_by": "verispec", "max_model_len": target_model.max_context}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str, request: Request):
+        try:
+            check_key(request)
+            if model_id != name:
+                raise ApiError(404, f"the model {show(model_id)} does not exist: this server serves {name!r}",
+                               param="model", code="model_not_found")
+        except ApiError as error:
+            return error_response(error)
+        return model_card()
+
+    @app.get("/version")
+    async def version():
+        return {"version": verispec.__version__}
+
+    async def tokenizer_call(request: Request, work: Callable[[dict], dict]):
+        """/tokenize and /detokenize (vLLM's and llama-server's): the body parsed and the work done on a thread."""
+        try:
+            check_key(request)
+            raw = await read_body(request)
+
+            def run() -> dict:
+                body = parse_json(raw)
+                if not isinstance(body, dict):
+                    raise ApiError(400, "the request body must be a JSON object", code="invalid_body")
+                return work(body)
+
+            return await asyncio.to_thread(run)
+        except ApiError as error:
+            return error_response(error)
+
+    def tokenize_body(body: dict) -> dict:
+        if "messages" in body:
+            ids = encode_chat(tokenizer, chat_messages(body["messages"]))
+        elif isinstance(body.get("prompt"), str):
+            check_text_fits(tokenizer, body["prompt"], 2 * target_model.max_context, "prompt")
+            ids = list(tokenizer(body["prompt"], add_special_tokens=body.get("add_special_tokens", True) is not False)["input_ids"])
+        else:
+            raise ApiError(400, "give prompt (text) or messages", param="prompt", code="missing_parameter")
+        return {"tokens": ids, "count": len(ids), "max_model_len": target_model.max_context}
+
+    def detokenize_body(body: dict) -> dict:
+        ids = body.get("tokens")
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < target_model.vocab_size
+                                                for t in ids):
+            raise ApiError(400, f"tokens must be a list of token ids in [0, {target_model.vocab_size})", param="tokens",
+                           code="invalid_value")
+        return {"prompt": tokenizer.decode(ids)}
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        return await tokenizer_call(request, tokenize_body)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        return await tokenizer_call(request, detokenize_body)
 
     async def read_body(request: Request) -> bytes:
         """The body, refused with a 413 once it passes max_body_bytes (before reading it, if it says its length)."""
@@ -370,6 +445,10 @@ def build_app(target, draft=None, drafter: str = "auto", draft_len: int | str = 
 
     def parse(raw: bytes, endpoint: Endpoint) -> Spec:
         """Body bytes -> a checked Spec; runs on a thread, since tokenizing a long prompt takes a while."""
+        return endpoint.parse(parse_json(raw), config, tokenizer)
+
+    def parse_json(raw: bytes) -> Any:
+        """Body bytes -> JSON that is also valid text throughout, or a 400."""
         try:
             body = json.loads(raw)
         except RecursionError as exc:
@@ -383,7 +462,7 @@ def build_app(target, draft=None, drafter: str = "auto", draft_len: int | str = 
                                 "Unicode text", code="invalid_json") from exc
         except RecursionError as exc:
             raise ApiError(400, "the request body nests JSON too deeply", code="invalid_json") from exc
-        return endpoint.parse(body, config, tokenizer)
+        return body
 
     async def generate(request: Request, endpoint: Endpoint):
         status = 200
@@ -393,7 +472,7 @@ def build_app(target, draft=None, drafter: str = "auto", draft_len: int | str = 
             if spec.ignored:
                 log.warning("%s: ignored fields this server does not know: %s", endpoint.path, ", ".join(spec.ignored[:10]))
             headers = {"X-Verispec-Ignored-Fields": ",".join(spec.ignored[:10])[:200]} if spec.ignored else None
-            generation = Generation(spec, tokenizer, asyncio.get_running_loop())
+            generation = Generation(spec, tokenizer, asyncio.get_running_loop(), metrics.observe_delivery_gap)
             jobs = [c.job for c in generation.choices]
             capacity = scheduler.max_batch + scheduler.max_queue
             if len(jobs) > capacity:  # would get a 503 for ever: retrying cannot help
@@ -427,7 +506,7 @@ def build_app(target, draft=None, drafter: str = "auto", draft_len: int | str = 
     async def complete(generation: Generation, endpoint: Endpoint, request: Request) -> dict:
         async for _ in generation.updates(is_disconnected=request.is_disconnected):
             pass
-        metrics.observe(endpoint.path, *generation.timings())
+        metrics.observe(endpoint.path, *generation.timings(), *generation.outcome())
         choices = [endpoint.choice(c, final_text(tokenizer, c.tokens, generation.spec.stop), tokenizer, generation.spec)
                    for c in generation.choices]
         return {"id": endpoint.id_prefix + uuid.uuid4().hex, "object": endpoint.object, "created": int(time.time()),
@@ -452,7 +531,7 @@ def build_app(target, draft=None, drafter: str = "auto", draft_len: int | str = 
                 yield sse({**head, "choices": [], "usage": generation.usage()})
             status = 200
             yield "data: [DONE]\n\n"
-            metrics.observe(endpoint.path, *generation.timings())
+            metrics.observe(endpoint.path, *generation.timings(), *generation.outcome())
         except ApiError as error:
             status = error.status
             yield sse(error.body())
