@@ -157,20 +157,27 @@ def process_logits(logits: torch.Tensor, params: SamplingParams, sequence: Seque
             out[torch.tensor(early, device=out.device)[:, None], torch.tensor(stops, device=out.device)[None, :]] = float("-inf")
     if params.repetition_penalty == 1 and params.frequency_penalty == 0 and params.presence_penalty == 0:
         return out
-    # Each position's history: the row's own counts, plus its path of draft tokens (a scatter of a few ids).
-    on_path = torch.zeros(width, vocab, device=out.device)
-    rows = [c for c, path in enumerate(paths) for _ in path]
-    if rows:
-        tokens = torch.tensor([t for path in paths for t in path], device=out.device)
-        on_path.index_put_((torch.tensor(rows, device=out.device), tokens), torch.ones(len(rows), device=out.device), accumulate=True)
-    history = torch.tensor(list(sequence), dtype=torch.long, device=out.device)
+    # Only tokens of the history or a path can be penalized: work on those T columns, not the vocabulary.
+    device = out.device
+    history = torch.tensor(list(sequence), dtype=torch.long, device=device)
+    path_tokens = torch.tensor([t for path in paths for t in path], dtype=torch.long, device=device)
+    touched = torch.unique(torch.cat([history, path_tokens]))  # [T] sorted
+    where = lambda tokens: torch.searchsorted(touched, tokens)  # noqa: E731  token ids -> their columns among T
+    # Each position's history: the row's own counts, plus its path of draft tokens.
+    on_path = torch.zeros(width, len(touched), device=device)
+    rows = torch.tensor([c for c, path in enumerate(paths) for _ in path], dtype=torch.long, device=device)
+    on_path.index_put_((rows, where(path_tokens)), torch.ones(len(rows), device=device), accumulate=True)
+    logits_t = out[:, touched]  # [w, T]
     if params.repetition_penalty != 1:
-        seen = (torch.bincount(history, minlength=vocab)[:vocab] > 0)[None, :] | (on_path > 0)
-        penalized = torch.where(out > 0, out / params.repetition_penalty, out * params.repetition_penalty)
-        out = torch.where(seen, penalized, out)
+        in_sequence = torch.zeros(len(touched), dtype=torch.bool, device=device)
+        in_sequence[where(history)] = True
+        seen = in_sequence[None, :] | (on_path > 0)
+        penalized = torch.where(logits_t > 0, logits_t / params.repetition_penalty, logits_t * params.repetition_penalty)
+        logits_t = torch.where(seen, penalized, logits_t)
     if params.frequency_penalty != 0 or params.presence_penalty != 0:
-        counts = torch.bincount(history[prompt_len:], minlength=vocab)[:vocab].float()[None, :] + on_path
-        out = out - (params.frequency_penalty * counts + params.presence_penalty * (counts > 0).float())
+        counts = torch.bincount(where(history[prompt_len:]), minlength=len(touched)).float()[None, :] + on_path
+        logits_t = logits_t - (params.frequency_penalty * counts + params.presence_penalty * (counts > 0).float())
+    out[:, touched] = logits_t
     return out
 
 

@@ -8,8 +8,10 @@ for each token it proposes, and a row stops early where the step's stop rule say
 acceptance no longer pays for another token (or, with `min_confidence`, at any token below that
 probability). Where `branch` says so, it adds an alternate leaf beside a position: a greedy row's second
 choice, a sampled row's second draw from q with the chain's token taken out (the verifier needs that
-distribution, q', to judge it exactly); the draft never feeds an alternate to itself. On commit it
-forgets the draft tokens that were rejected.
+distribution, q', to judge it exactly); the draft never feeds an alternate to itself. A row's
+penalties, logit_bias and min_tokens are applied to the draft's logits too, with the draft's own tokens
+in the history, so the draft guesses the processed target (acceptance only: any q is exact). On commit
+it forgets the draft tokens that were rejected.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import torch
 from verispec.drafters.base import BranchRule, Draft, StopRule, Verdict, empty_draft
 from verispec.models.base import CausalLM
 from verispec.prefill import left_pad, prefill
-from verispec.sampling import SamplingParams, coupled_choice, sample, warp_rows
+from verispec.sampling import SamplingParams, coupled_choice, process_logits, sample, warp_rows
 
 
 class ModelDrafter:
@@ -29,6 +31,7 @@ class ModelDrafter:
         self.vocab_size = target_vocab_size  # q lives on the target's vocabulary
         self.cache = None
         self._round = None  # (slot length before the round, tail width, draft_len)
+        self.prompt_lens: list[int] = []  # per row: where its generated tokens begin (penalties count those)
 
     @torch.inference_mode()
     def add(self, prompts: list[list[int]]) -> None:
@@ -39,6 +42,7 @@ class ModelDrafter:
             self.cache = new_rows
         else:
             self.cache.concat(new_rows)
+        self.prompt_lens += [len(p) for p in prompts]
 
     @property
     def prefill_model(self) -> CausalLM:
@@ -75,7 +79,7 @@ class ModelDrafter:
         fed = 0  # draft tokens fed back into the draft cache
         logits = self.model.forward(tail_tokens, self.cache, tail_visible, last_only=True)[:, -1]
         for i in range(draft_len):
-            logits = self._logits_to_target_vocab(logits.float().cpu())
+            logits = self._process(self._logits_to_target_vocab(logits.float().cpu()), sequences, tokens, i, sampling)
             if all_greedy:
                 if branch is None:
                     # the argmax and its probability exp(max - logsumexp): two passes over the vocabulary
@@ -151,3 +155,19 @@ class ModelDrafter:
 
     def select(self, rows: list[int]) -> None:
         self.cache.select(rows)
+        self.prompt_lens = [self.prompt_lens[b] for b in rows]
+
+    def _process(self, logits: torch.Tensor, sequences: list[list[int]], tokens: torch.Tensor, i: int,
+                 sampling: list[SamplingParams]) -> torch.Tensor:
+        """The rows' penalties, logit_bias and min_tokens applied to the draft's logits [batch, vocab] at draft
+        position i, with the history the target will judge that position with (the sequence and the draft's
+        tokens before i). Not needed for exactness (every rule is exact for any q); without it a draft that
+        ignores them is rejected wherever they move the target's choice."""
+        rows = [b for b, s in enumerate(sampling) if s.processes_logits]
+        if not rows:
+            return logits
+        logits = logits.clone()
+        for b in rows:
+            logits[b] = process_logits(logits[b : b + 1], sampling[b], sequences[b] + tokens[b, :i].tolist(), self.prompt_lens[b],
+                                       None, self.model.eos_token_ids)[0]
+        return logits

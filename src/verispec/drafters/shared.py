@@ -42,7 +42,8 @@ class SharedCacheDrafter(ModelDrafter):
         self.cache = cache
 
     def add(self, prompts: list[list[int]]) -> None:
-        """Nothing to do: the target's prefill of the prompts is in the shared cache."""
+        """Nothing to prefill: the target's prefill of the prompts is in the shared cache."""
+        self.prompt_lens += [len(p) for p in prompts]
 
     @torch.inference_mode()
     def propose(self, sequences: list[list[int]], draft_len: int, sampling: list[SamplingParams], generators: list[torch.Generator],
@@ -62,4 +63,5 @@ class SharedCacheDrafter(ModelDrafter):
         """Nothing to roll back: `propose` left the cache as it found it, and the engine rolls back the rest."""
 
     def select(self, rows: list[int]) -> None:
-        """Nothing to do: the engine selects the rows of the shared cache."""
+        """The engine selects the rows of the shared cache; the rows' prompt lengths follow."""
+        self.prompt_lens = [self.prompt_lens[b] for b in rows]
