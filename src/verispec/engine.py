@@ -21,7 +21,9 @@ import torch
 from verispec.costs import BOOK
 from verispec.drafters.base import Draft, Drafter, Verdict
 from verispec.errors import VerispecError
+from verispec import options
 from verispec.models.base import CausalLM
+from verispec.options import DraftLen
 from verispec.policy import DraftPolicy, make_policy, start_pays
 from verispec.prefill import prefill
 from verispec.sampling import SamplingParams, make_generator
@@ -77,31 +79,29 @@ class DecodeBatch:
     The target cache holds every token of a row but the last one, which opens the next step.
     """
 
-    def __init__(self, target: CausalLM, drafter: Drafter, draft_len: int | str | DraftPolicy = 4, stats: SpecStats | None = None,
+    def __init__(self, target: CausalLM, drafter: Drafter, policy: DraftPolicy, stats: SpecStats | None = None,
                  fallback: Drafter | None = None):
         self.target = target
         self.drafter = drafter
         # Decided at the first `add`: `drafter` if its prompt prefill can pay for itself, else this one.
         self.fallback = fallback
-        self.policy = draft_len if hasattr(draft_len, "choose") else make_policy(draft_len)
+        self.policy = policy  # how many tokens to draft each step (`policy.make_policy`)
         self.stats = stats if stats is not None else SpecStats()
         self.rows: list[_Row] = []
         self._new_cache()
 
     def _new_cache(self) -> None:
-        """An empty target cache, handed to a drafter that drafts on it (`SharedCacheDrafter.share_cache`)."""
+        """An empty target cache, handed to a drafter that drafts on it (`Drafter.shares_cache`)."""
         self.cache = self.target.new_cache(0)
-        share = getattr(self.drafter, "share_cache", None)
-        if share is not None:
-            share(self.cache)
+        if self.drafter.shares_cache:
+            self.drafter.share_cache(self.cache)
 
     def __len__(self) -> int:
         return len(self.rows)
 
     def check(self, request: Request) -> None:
         """Raise VerispecError if the request cannot run on this target."""
-        if not isinstance(request.max_new_tokens, int) or isinstance(request.max_new_tokens, bool) or request.max_new_tokens < 1:
-            raise VerispecError(f"max_new_tokens must be an integer >= 1, got {request.max_new_tokens!r}")
+        options.max_new_tokens(request.max_new_tokens)
         if len(request.prompt) == 0:
             raise VerispecError("the prompt is empty: give at least one token")
         if len(request.prompt) >= self.target.max_context:
@@ -128,7 +128,7 @@ class DecodeBatch:
         self.stats.drafter = type(self.drafter).__name__
         drafting = time.perf_counter()
         self.drafter.add([list(r.prompt) for r in requests])
-        draft_model = getattr(self.drafter, "prefill_model", None)
+        draft_model = self.drafter.prefill_model
         if draft_model is not None and target_seconds > 0:
             BOOK.record_relative_prefill(self.target, draft_model, tokens, (time.perf_counter() - drafting) / target_seconds)
         for r in requests:
@@ -138,13 +138,14 @@ class DecodeBatch:
                 sampling = replace(sampling, seed=int(torch.randint(2**62, (1,), generator=generator)))
             self.rows.append(_Row(request=r, sequence=list(r.prompt), limit=limit, generator=generator, sampling=sampling))
         self.stats.prefill_seconds += time.perf_counter() - started
+        self.stats.prompt_tokens += sum(len(r.prompt) for r in requests)
 
     def _start_or_fall_back(self, requests: list[Request], tokens: int, target_seconds: float) -> Drafter:
         """The drafter if its prompt prefill is expected to pay for itself over the requests' tokens
         (`policy.start_pays`), priced as the target's prefill of these prompts (`tokens` in all), just
         measured, times what the draft's prefill has cost relative to the target's on earlier calls; else
         the fallback."""
-        draft_model = getattr(self.drafter, "prefill_model", None)
+        draft_model = self.drafter.prefill_model
         if draft_model is None:
             return self.drafter
         ratio = BOOK.relative_prefill(self.target, draft_model, tokens)
@@ -174,7 +175,7 @@ class DecodeBatch:
         # A target whose passes are row-exact only up to some number of token rows (the native CPU
         # kernels) must verify within that many, or a verify pass could round differently from the
         # plain steps it stands for. Plain decoding of a batch already past the limit is not capped.
-        exact_rows = getattr(self.target, "max_exact_rows", None)
+        exact_rows = self.target.max_exact_rows
         if exact_rows and len(self.rows) <= exact_rows:
             limits.append(exact_rows // len(self.rows) - 1)
         return max(0, min(limits))
@@ -191,7 +192,7 @@ class DecodeBatch:
         stop = self.policy.stop_rule(len(self.rows)) if k else None
         verifier = verifier_for(sampling)
         # Alternates need a target that verifies token trees, and a rule that judges them (not coupled or lossy rows).
-        trees = stop is not None and getattr(self.target, "supports_trees", False) and verifier.takes_alternates
+        trees = stop is not None and self.target.supports_trees and verifier.takes_alternates
         branch = self.policy.branch_rule(stop) if trees else None
         draft = self.drafter.propose([row.sequence for row in self.rows], k, sampling, generators, stop, branch)
         width = int(draft.num_drafted.max()) if k else 0
@@ -250,7 +251,7 @@ class DecodeBatch:
     def _fit_alternates(self, draft: Draft) -> Draft:
         """Keep a tree pass within the rows the target computes exactly (see next_draft_len): drop the
         alternates of the deepest positions first, they are the least likely to be reached."""
-        exact_rows = getattr(self.target, "max_exact_rows", None)
+        exact_rows = self.target.max_exact_rows
         if not exact_rows:
             return draft
         room = exact_rows // len(self.rows) - 1 - draft.draft_len  # alternate columns a pass may still carry
@@ -304,17 +305,17 @@ class SpeculativeEngine:
     otherwise the call drafts with the fallback (prompt lookup). The output is the same either way.
     """
 
-    def __init__(self, target: CausalLM, make_drafter: Callable[[], Drafter], draft_len: int | str = 4,
+    def __init__(self, target: CausalLM, make_drafter: Callable[[], Drafter], draft_len: DraftLen | int | str = 4,
                  fallback: Callable[[], Drafter] | None = None):
-        make_policy(draft_len)  # validates the setting now, not at the first call
-        self.target, self.make_drafter, self.draft_len, self.fallback = target, make_drafter, draft_len, fallback
+        self.draft_len = DraftLen.parse(draft_len)  # checked now, not at the first call
+        self.target, self.make_drafter, self.fallback = target, make_drafter, fallback
 
     def stream(self, requests: list[Request], stats: SpecStats | None = None) -> Iterator[TokenEvent]:
         """Yield TokenEvents until every request has finished."""
         if not requests:
             raise VerispecError("no prompts given: pass at least one prompt")
         started = time.perf_counter()
-        batch = DecodeBatch(self.target, self.make_drafter(), self.draft_len, stats,
+        batch = DecodeBatch(self.target, self.make_drafter(), make_policy(self.draft_len), stats,
                             fallback=self.fallback() if self.fallback is not None else None)
         try:
             batch.add(requests)

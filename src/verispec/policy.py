@@ -46,6 +46,7 @@ from typing import Protocol
 import torch
 
 from verispec.drafters.base import BranchRule, StopRule
+from verispec.options import DraftLen
 
 
 class DraftPolicy(Protocol):
@@ -392,16 +393,11 @@ def start_pays(startup_seconds: float | None, step_seconds: float | None, new_to
     return startup_seconds <= new_tokens * step_seconds * max(0.0, 1.0 - 1.0 / speedup)
 
 
-ADAPTIVE_SETTINGS = ("auto", "tree")  # the draft_len values that name an adaptive policy rather than a k
-
-
-def make_policy(draft_len: int | str | None) -> DraftPolicy:
-    """An int gives a fixed draft length; "auto" or None the adaptive policy; "tree" the adaptive policy that
-    also places alternates (token-tree leaves) where they pay, on targets that verify trees."""
-    from verispec.errors import VerispecError
-
-    if draft_len is None or draft_len in ADAPTIVE_SETTINGS:
-        return AdaptiveDraftLen(alternates=draft_len == "tree")
-    if isinstance(draft_len, bool) or not isinstance(draft_len, int) or draft_len < 1:
-        raise VerispecError(f"draft_len must be an integer >= 1, 'auto' or 'tree', got {draft_len!r}")
-    return FixedDraftLen(draft_len)
+def make_policy(draft_len: DraftLen | int | str | None) -> DraftPolicy:
+    """A fresh policy for a draft length (anything `DraftLen.parse` takes): a fixed k, or the adaptive
+    policy ("auto"), which with "tree" also places alternates (token-tree leaves) where they pay, on
+    targets that verify trees."""
+    draft_len = DraftLen.parse(draft_len)
+    if draft_len.adaptive:
+        return AdaptiveDraftLen(alternates=draft_len.alternates)
+    return FixedDraftLen(draft_len.fixed)

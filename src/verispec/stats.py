@@ -40,6 +40,7 @@ class SpecStats:
     drafted_tokens: int = 0
     accepted_tokens: int = 0
     emitted_tokens: int = 0  # tokens returned to the caller (after max_new_tokens / stop cuts)
+    prompt_tokens: int = 0  # prompt tokens admitted (prompt evaluation: the prefill)
     draft_seconds: float = 0.0
     target_seconds: float = 0.0
     overhead_seconds: float = 0.0  # verification and rollback
@@ -114,7 +115,19 @@ class SpecStats:
 
     @property
     def tokens_per_second(self) -> float:
+        """Emitted tokens over the whole call, prompt evaluation included."""
         return self.emitted_tokens / self.total_seconds if self.total_seconds else 0.0
+
+    @property
+    def prompt_tokens_per_second(self) -> float:
+        """Prompt evaluation: prompt tokens per second of prefill."""
+        return self.prompt_tokens / self.prefill_seconds if self.prefill_seconds else 0.0
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        """Evaluation: emitted tokens per second of decoding, after the prefill."""
+        decoding = self.total_seconds - self.prefill_seconds
+        return self.emitted_tokens / decoding if decoding > 0 else 0.0
 
     def to_dict(self) -> dict:
         return {
@@ -131,6 +144,9 @@ class SpecStats:
             "mean_accepted_tokens": round(self.mean_accepted_tokens, 4),
             "mean_draft_len": round(self.mean_draft_len, 4),
             "tokens_per_second": round(self.tokens_per_second, 3),
+            "prompt_tokens": self.prompt_tokens,
+            "prompt_tokens_per_second": round(self.prompt_tokens_per_second, 3),
+            "decode_tokens_per_second": round(self.decode_tokens_per_second, 3),
             "draft_seconds": round(self.draft_seconds, 4),
             "target_seconds": round(self.target_seconds, 4),
             "overhead_seconds": round(self.overhead_seconds, 4),
@@ -144,7 +160,9 @@ class SpecStats:
         d = self.to_dict()
         return (
             (f"{d['drafter']}: " if d["drafter"] else "")
-            + f"{d['emitted_tokens']} tokens in {d['total_seconds']:.2f}s ({d['tokens_per_second']:.2f} tok/s), "
+            + f"prompt eval {d['prompt_tokens']} tokens in {d['prefill_seconds']:.2f}s ({d['prompt_tokens_per_second']:.2f} tok/s), "
+            f"eval {d['emitted_tokens']} tokens in {d['total_seconds'] - d['prefill_seconds']:.2f}s "
+            f"({d['decode_tokens_per_second']:.2f} tok/s), "
             f"{d['target_passes']} target passes, {d['mean_accepted_tokens']:.2f} tokens/pass, "
             f"acceptance {d['acceptance_rate']:.2%} ({d['accepted_tokens']}/{d['drafted_tokens']}), "
             f"cost ratio c={d['cost_ratio']:.3f}, predicted speedup {d['predicted_speedup']:.2f}x"

@@ -43,7 +43,7 @@ import torch.nn.functional as F
 
 from verispec.cache import SlotCache
 from verispec.models import kernels
-from verispec.models.base import ModelCache
+from verispec.models.base import CausalLM, ModelCache
 from verispec.models.hf import _eos_ids
 
 log = logging.getLogger(__name__)
@@ -227,8 +227,10 @@ def _widened_dtype() -> torch.dtype:
     return torch.bfloat16 if _fast_bfloat16_matmul() else torch.float32
 
 
-class NativeCausalLM:
+class NativeCausalLM(CausalLM):
     """A Llama/Qwen2-family causal LM behind the verispec `CausalLM` contract; see the module docstring."""
+
+    makes_lower_precision_copies = True  # `lower_precision_copy`, for drafter="self"
 
     def __init__(self, hf_model, tokenizer=None, name: str | None = None, weight_dtype: torch.dtype | None = None,
                  panels: bool | None = None):

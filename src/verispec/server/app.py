@@ -26,10 +26,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from verispec import zoo
 from verispec.api import load, make_drafter, resolve_drafter
 from verispec.engine import Request as EngineRequest
 from verispec.errors import VerispecError
-from verispec.policy import make_policy
+from verispec.options import DRAFTER_NAMES, WEIGHT_DTYPES, DraftLen, flag
 from verispec.server.metrics import Metrics
 from verispec.server.protocol import ApiError, ServerConfig, Spec, parse_chat, parse_completion
 from verispec.server.scheduler import Job, JobFailed, QueueFull, Scheduler
@@ -211,10 +212,10 @@ class Endpoint:
         return {"index": choice.index, "text": delta or "", "logprobs": None, "finish_reason": finish_reason}
 
 
-DRAFT_DTYPES = ("fp32", "bf16", "int8", "int4")
+DRAFT_DTYPES = WEIGHT_DTYPES
 
 
-def build_app(target, draft=None, drafter: str = "auto", draft_len: int | str = "auto", api_key: str | None = None,
+def build_app(target, draft=None, drafter: str = "auto", draft_len: DraftLen | int | str = "auto", api_key: str | None = None,
               max_batch: int = 8, max_queue: int = 256, draft_dtype: str = "fp32", model_name: str | None = None):
     """A FastAPI app serving `target` (a zoo name, path or loaded model) with OpenAI's API.
 
@@ -231,7 +232,7 @@ def build_app(target, draft=None, drafter: str = "auto", draft_len: int | str = 
         raise VerispecError(f"draft_dtype must be one of {', '.join(DRAFT_DTYPES)}, got {draft_dtype!r}")
     if draft is None and draft_dtype != "fp32":
         raise VerispecError("draft_dtype applies to a draft model: give one with --draft, or drop --draft-dtype")
-    make_policy(draft_len)  # validates it now
+    draft_len = DraftLen.parse(draft_len)
     target_model = load(target)
     draft_model = load(draft, weight_dtype=draft_dtype) if draft is not None else None
     if target_model.tokenizer is None:
@@ -386,15 +387,13 @@ def serve(target, host: str = "127.0.0.1", port: int = 8000, log_level: str = "i
 
 
 def main(argv: list[str] | None = None) -> None:
-    from verispec.cli import DEFAULT_TARGET, draft_len_arg
-
     parser = argparse.ArgumentParser(prog="verispec serve", description="OpenAI-compatible server with speculative decoding.")
-    parser.add_argument("--target", default=DEFAULT_TARGET, help="zoo name, local directory, .gguf file or hub id (default: %(default)s)")
+    parser.add_argument("--target", default=zoo.DEFAULT_TARGET, help="zoo name, local directory, .gguf file or hub id (default: %(default)s)")
     parser.add_argument("--draft", default=None, help="draft model (same tokenizer as the target); omit to draft with the target's own int4 copy (or n-gram where it cannot have one)")
     parser.add_argument("--draft-dtype", default="fp32", choices=DRAFT_DTYPES,
                         help="the draft model's matrices on the native backend: bf16 halves their bytes, int8 quarters them, int4 leaves ~1/7 (default: %(default)s)")
-    parser.add_argument("--drafter", default="auto", choices=["auto", "model", "self", "hybrid", "ngram", "none"], help="auto = model with --draft, else self where the target allows (a native float32 target on verispec's CPU kernels), else ngram; self = the target's int4 copy drafting on its cache; none = plain decoding")
-    parser.add_argument("--draft-len", type=draft_len_arg, default="auto", help="draft tokens per step, 'auto', or 'tree' (auto plus token-tree alternates) (default: %(default)s)")
+    parser.add_argument("--drafter", default="auto", choices=DRAFTER_NAMES, help="auto = model with --draft, else self where the target allows (a native float32 target on verispec's CPU kernels), else ngram; self = the target's int4 copy drafting on its cache; none = plain decoding")
+    parser.add_argument("--draft-len", type=flag(DraftLen.parse), default=DraftLen("auto"), help="draft tokens per step, 'auto', or 'tree' (auto plus token-tree alternates) (default: %(default)s)")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s, this machine only)")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--api-key", default=os.environ.get("VERISPEC_API_KEY"),

@@ -11,7 +11,7 @@ from typing import Any
 
 from verispec.errors import VerispecError
 from verispec.models.base import CausalLM
-from verispec.policy import ADAPTIVE_SETTINGS
+from verispec.options import DraftLen
 from verispec.sampling import SamplingParams
 from verispec.server.scheduler import DraftSetting
 from verispec.text import encode_chat
@@ -197,11 +197,11 @@ def parse_draft(fields: Fields, config: ServerConfig) -> DraftSetting:
     adapts, "tree" adapts with token-tree alternates."""
     speculate = fields.boolean("speculate", True)
     draft_len = fields.body.get("draft_len")
-    if draft_len is not None and draft_len not in ADAPTIVE_SETTINGS:
-        if isinstance(draft_len, str):
-            raise ApiError(400, f"draft_len must be an integer 1-{MAX_DRAFT_LEN}, 'auto' or 'tree', got {draft_len!r}",
-                           param="draft_len", code="invalid_value")
-        draft_len = fields.integer("draft_len", None, 1, MAX_DRAFT_LEN)
+    if draft_len is not None:
+        try:
+            draft_len = DraftLen.parse(draft_len, most=MAX_DRAFT_LEN)
+        except VerispecError as exc:
+            raise ApiError(400, str(exc), param="draft_len", code="invalid_value") from None
     if config.draft_len is None:
         if fields.body.get("speculate") is True or draft_len is not None:
             param = "draft_len" if draft_len is not None else "speculate"
