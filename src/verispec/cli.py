@@ -260,8 +260,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever sys.stderr is when a record comes (tests and tools replace it)."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _):
+        pass
+
+
 # Progress lines of the library's own loggers (e.g. an int4 self copy being made) go to stderr.
-_LOG_HANDLER = logging.StreamHandler()
+_LOG_HANDLER = _StderrHandler()
 _LOG_HANDLER.setFormatter(logging.Formatter("verispec: %(message)s"))
 
 
@@ -272,7 +284,6 @@ def _set_up(args) -> None:
 
         torch.set_num_threads(args.threads)  # the C kernels run on torch.get_num_threads() threads too
     logger = logging.getLogger("verispec")
-    _LOG_HANDLER.setStream(sys.stderr)  # the stderr of now (tests replace it)
     if _LOG_HANDLER not in logger.handlers:
         logger.addHandler(_LOG_HANDLER)
     logger.setLevel(logging.WARNING if args.quiet else logging.INFO)
