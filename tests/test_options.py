@@ -12,13 +12,12 @@ from verispec import VerispecError, options
 from verispec.options import DraftLen
 
 
-@pytest.mark.parametrize("given, setting", [(3, 3), ("3", 3), (" 12 ", 12), ("auto", "auto"), ("tree", "tree"), (None, "auto"),
-                                            (DraftLen(5), 5)])
+@pytest.mark.parametrize("given, setting", [(3, 3), ("auto", "auto"), ("tree", "tree"), (None, "auto"), (DraftLen(5), 5)])
 def test_draft_len_parses_what_users_give(given, setting):
     assert DraftLen.parse(given) == DraftLen(setting)
 
 
-@pytest.mark.parametrize("bad", [0, -1, 2.5, "four", "", True, [4], "-2"])
+@pytest.mark.parametrize("bad", [0, -1, 2.5, "four", "", "4", True, [4]])
 def test_draft_len_refuses_the_rest(bad):
     with pytest.raises(VerispecError, match="draft_len must be an integer >= 1, 'auto' or 'tree'"):
         DraftLen.parse(bad)
@@ -30,20 +29,20 @@ def test_draft_len_bound_and_meaning():
         DraftLen.parse(17, most=16)
     assert DraftLen.parse("tree").adaptive and DraftLen.parse("tree").alternates and DraftLen.parse("tree").fixed is None
     assert not DraftLen.parse(4).adaptive and str(DraftLen.parse(4)) == "4"
-    assert len({DraftLen.parse(4), DraftLen.parse("4"), DraftLen(4)}) == 1  # a server lane's key
+    assert len({DraftLen.parse(4), DraftLen.parse(DraftLen(4)), DraftLen(4)}) == 1  # a server lane's key
 
 
 def test_make_policy_follows_the_parse():
     from verispec.policy import AdaptiveDraftLen, FixedDraftLen, make_policy
 
-    assert make_policy(DraftLen.parse("7")).choose(1) == 7 and isinstance(make_policy(7), FixedDraftLen)
+    assert make_policy(DraftLen.parse(7)).choose(1) == 7 and isinstance(make_policy(7), FixedDraftLen)
     tree = make_policy("tree")
     assert isinstance(tree, AdaptiveDraftLen) and tree.alternates and not make_policy("auto").alternates
 
 
-@pytest.mark.parametrize("bad", [None, 0, 1.5, "many", True])
+@pytest.mark.parametrize("bad", [None, 0, 1.5, "many", "5", True])
 def test_max_new_tokens(bad):
-    assert options.max_new_tokens(5) == 5 and options.max_new_tokens("5") == 5
+    assert options.max_new_tokens(5) == 5
     with pytest.raises(VerispecError, match="max_new_tokens must be an integer >= 1"):
         options.max_new_tokens(bad)
 
@@ -52,8 +51,11 @@ def test_a_flag_reports_the_parse_error_as_a_usage_error():
     parser = argparse.ArgumentParser()
     parser.add_argument("--draft-len", type=options.flag(DraftLen.parse))
     assert parser.parse_args(["--draft-len", "3"]).draft_len == DraftLen(3)
+    assert parser.parse_args(["--draft-len", "tree"]).draft_len == DraftLen("tree")
     with pytest.raises(argparse.ArgumentTypeError, match="got 'x'"):
         options.flag(DraftLen.parse)("x")
+    with pytest.raises(argparse.ArgumentTypeError, match="got -2"):
+        options.flag(DraftLen.parse)("-2")
 
 
 def test_drafter_names_are_the_drafters_the_api_builds():

@@ -18,17 +18,18 @@ from typing import Callable, Hashable, Iterator
 
 import torch
 
+from verispec import options
 from verispec.costs import BOOK
 from verispec.drafters.base import Draft, Drafter, Verdict
 from verispec.errors import VerispecError
-from verispec import options
 from verispec.models.base import CausalLM
 from verispec.options import DraftLen
 from verispec.policy import DraftPolicy, make_policy, start_pays
 from verispec.prefill import prefill
 from verispec.sampling import SamplingParams, make_generator
-from verispec.stats import SpecStats
+from verispec.stats import AlternateOutcome, SpecStats, StepRecord
 from verispec.verifiers import verifier_for
+from verispec.verifiers.base import Verifier
 
 # generated token ids so far -> how many to keep if a stop sequence has ended, else None
 StopChecker = Callable[[list[int]], "int | None"]
@@ -86,6 +87,7 @@ class DecodeBatch:
         # Decided at the first `add`: `drafter` if its prompt prefill can pay for itself, else this one.
         self.fallback = fallback
         self.policy = policy  # how many tokens to draft each step (`policy.make_policy`)
+        self.last_step: StepRecord | None = None  # what the latest step did
         self.stats = stats if stats is not None else SpecStats()
         self.rows: list[_Row] = []
         self._new_cache()
@@ -188,65 +190,71 @@ class DecodeBatch:
         k = self.next_draft_len()
         sampling = [row.sampling for row in self.rows]
         generators = [row.generator for row in self.rows]
-        t0 = time.perf_counter()
-        stop = self.policy.stop_rule(len(self.rows)) if k else None
         verifier = verifier_for(sampling)
-        # Alternates need a target that verifies token trees, and a rule that judges them (not coupled or lossy rows).
+        t0 = time.perf_counter()
+        # 0. The drafter proposes up to k tokens per row (perhaps with alternates beside them).
+        draft = self._propose(k, sampling, generators, verifier)
+        t1 = time.perf_counter()
+        # 1. One target pass scores the last token and every drafted one (a token tree with alternates).
+        start = self.cache.slots.length
+        logits = self._score(draft)
+        t2 = time.perf_counter()
+        # 2. Accept a prefix (and perhaps the alternate where it broke off), add the target's own token.
+        verdict = verifier.verify(draft, logits, sampling, generators, [len(row.sequence) for row in self.rows])
+        # 3. Roll back: the target keeps the last token and the accepted path; the drafter its own state.
+        self._roll_back(start, draft, verdict)
+        self.drafter.commit(verdict)
+        t3 = time.perf_counter()
+        # 4. Hand out the new tokens; cut at max_new_tokens, EOS and stop sequences.
+        taken = verdict.tokens_from_draft()
+        events = [self._emit(row, verdict.emitted(draft, b), int(taken[b])) for b, row in enumerate(self.rows)]
+        # 5. Whoever learns from the step (the policy, the stats, the server) sees one record of it.
+        trees = draft.has_alternates
+        self._observe(StepRecord(
+            len(self.rows), k, 1 + draft.draft_len, draft.num_drafted, verdict.num_accepted,
+            draft_seconds=t1 - t0, target_seconds=t3 - t1, verify_seconds=t3 - t2, confidence=draft.confidence,
+            extra_rows=draft.tree[0].shape[1] if trees else 0,
+            alternates=AlternateOutcome(draft.alternates >= 0, draft.alternate_confidence, verdict.alternate) if trees else None,
+            emitted=torch.tensor([len(event.tokens) for event in events]), lossy=torch.tensor([s.lossy for s in sampling])))
+        self._keep([b for b, event in enumerate(events) if event.finish_reason is None])
+        return events
+
+    def _propose(self, k: int, sampling: list[SamplingParams], generators: list[torch.Generator],
+                 verifier: Verifier) -> Draft:
+        """The drafter's proposal for every row, narrowed to the longest chain any row drafted, with
+        alternates only where the target verifies trees and the rule judges them (not coupled or lossy rows),
+        and only as many as the target's exact rows allow."""
+        stop = self.policy.stop_rule(len(self.rows)) if k else None
         trees = stop is not None and self.target.supports_trees and verifier.takes_alternates
         branch = self.policy.branch_rule(stop) if trees else None
         draft = self.drafter.propose([row.sequence for row in self.rows], k, sampling, generators, stop, branch)
-        width = int(draft.num_drafted.max()) if k else 0
-        draft = draft.narrow(width)  # rows that stopped early need no verify slots
-        if draft.has_alternates:
-            draft = self._fit_alternates(draft)
-        t1 = time.perf_counter()
-        # 1. One target pass scores the last token and every drafted one.
+        draft = draft.narrow(int(draft.num_drafted.max()) if k else 0)  # rows that stopped early need no verify slots
+        return self._fit_alternates(draft) if draft.has_alternates else draft
+
+    def _score(self, draft: Draft) -> torch.Tensor:
+        """The target's logits [batch, 1 + k (+ alternates), vocab] over [last token, chain, alternates],
+        appended to its cache."""
         last = torch.tensor([[row.sequence[-1]] for row in self.rows], dtype=torch.long)
-        start = self.cache.slots.length
         if draft.has_alternates:
             extra, tree, _ = draft.tree
-            logits = self.target.forward(torch.cat([last, draft.tokens, extra], 1), self.cache, tree=tree)
-        else:
-            extra = None
-            logits = self.target.forward(torch.cat([last, draft.tokens], 1), self.cache)
-        t2 = time.perf_counter()
-        # 2. Accept a prefix (and perhaps the alternate where it broke off), add the target's own token.
-        positions = [len(row.sequence) for row in self.rows]
-        verdict = verifier.verify(draft, logits, sampling, generators, positions)
-        # 3. Roll back: the target keeps the last token and the accepted draft tokens; the drafter its own.
+            return self.target.forward(torch.cat([last, draft.tokens, extra], 1), self.cache, tree=tree)
+        return self.target.forward(torch.cat([last, draft.tokens], 1), self.cache)
+
+    def _roll_back(self, start: int, draft: Draft, verdict: Verdict) -> None:
+        """The target's cache forgets what the pass that began at slot `start` wrote and was not accepted."""
         if verdict.alternate is not None and bool(verdict.alternate.any()):
             self.cache.retain(start, self._accepted_path(draft, verdict))
         else:
             self.cache.truncate(start + 1 + verdict.num_accepted)
-        self.drafter.commit(verdict)
-        t3 = time.perf_counter()
-        # The target's share of a step is its pass plus verification and rollback: what a wider pass adds to.
-        if width == 0 and len(self.rows) == 1:
-            BOOK.record_step(self.target, t3 - t1)  # a plain step, the price of what a drafter saves
-        alternates = None
-        if extra is not None:
-            alternates = (draft.alternates >= 0, draft.alternate_confidence, verdict.alternate)
-        self.policy.observe(len(self.rows), k, width + 1, draft.num_drafted, verdict.num_accepted, t1 - t0, t3 - t1,
-                            draft.confidence, extra_rows=0 if extra is None else extra.shape[1], alternates=alternates)
 
-        # 4. Hand out the new tokens; cut at max_new_tokens, EOS and stop sequences.
-        events, running = [], []
-        for b, row in enumerate(self.rows):
-            event = self._emit(row, verdict.emitted(draft, b), int(verdict.tokens_from_draft()[b]))
-            events.append(event)
-            if event.finish_reason is None:
-                running.append(b)
+    def _observe(self, step: StepRecord) -> None:
+        """The policy learns from the step, the stats count it, and the server can read it (`last_step`)."""
+        if step.width == 1 and step.batch_size == 1:
+            BOOK.record_step(self.target, step.target_seconds)  # a plain step, the price of what a drafter saves
+        self.policy.observe(step)
         for stats, rows in self._stat_sinks():
-            stats.lossy = stats.lossy or any(sampling[b].lossy for b in rows.tolist())
-            stats.draft_seconds += t1 - t0
-            stats.target_seconds += t2 - t1
-            stats.overhead_seconds += t3 - t2
-            stats.observe(draft.num_drafted[rows], verdict.num_accepted[rows], width,
-                          alternates_drafted=int(alternates[0][rows].sum()) if alternates else 0,
-                          alternates_accepted=int(alternates[2][rows].sum()) if alternates else 0)
-            stats.emitted_tokens += sum(len(events[b].tokens) for b in rows.tolist())
-        self._keep(running)
-        return events
+            stats.observe(step.rows(rows))
+        self.last_step = step
 
     def _fit_alternates(self, draft: Draft) -> Draft:
         """Keep a tree pass within the rows the target computes exactly (see next_draft_len): drop the

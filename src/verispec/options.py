@@ -10,6 +10,7 @@ names and numbers.
 from __future__ import annotations
 
 import argparse
+import re
 from dataclasses import dataclass
 from typing import Callable, TypeVar
 
@@ -37,17 +38,14 @@ class DraftLen:
 
     @classmethod
     def parse(cls, value: "DraftLen | int | str | None", most: int | None = None) -> "DraftLen":
-        """A DraftLen from what a user gave: an int >= 1 (at most `most`, when given), "auto", "tree", the
-        text of an int (a command-line flag), None (= "auto") or a DraftLen. Raises VerispecError otherwise."""
+        """A DraftLen from what a user gave: an int >= 1 (at most `most`, when given), "auto", "tree", None
+        (= "auto") or a DraftLen. Raises VerispecError otherwise."""
         if isinstance(value, DraftLen):
             value = value.setting
         if value is None:
             return cls("auto")
-        if isinstance(value, str):
-            if value in cls.ADAPTIVE:
-                return cls(value)
-            if value.strip().isdigit():
-                value = int(value)
+        if value in cls.ADAPTIVE:
+            return cls(value)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1 or (most is not None and value > most):
             bound = ">= 1" if most is None else f"1-{most}"
             raise VerispecError(f"draft_len must be an integer {bound}, 'auto' or 'tree', got {value!r}")
@@ -72,10 +70,7 @@ class DraftLen:
 
 
 def positive_int(name: str, value) -> int:
-    """`value` as an int if it is one >= 1 (not a bool) or the text of one (a command-line flag), else a
-    VerispecError naming the option `name`."""
-    if isinstance(value, str) and value.strip().isdigit():
-        value = int(value)
+    """`value` if it is an int >= 1 (not a bool), else a VerispecError naming the option `name`."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise VerispecError(f"{name} must be an integer >= 1, got {value!r}")
     return value
@@ -93,12 +88,13 @@ def drafter_name(value) -> str:
     return value
 
 
-def flag(parse: Callable[[str], T]) -> Callable[[str], T]:
-    """An argparse `type=` that parses a flag's text with `parse`: its VerispecError becomes argparse's
-    usage error (exit status 2, the message as written), so a bad flag fails before anything loads."""
+def flag(parse: Callable[[object], T]) -> Callable[[str], T]:
+    """An argparse `type=` that parses a flag's text with `parse`, the text of an integer as that integer:
+    parse's VerispecError becomes argparse's usage error (exit status 2, the message as written), so a bad
+    flag fails before anything loads."""
     def parse_flag(text: str) -> T:
         try:
-            return parse(text)
+            return parse(int(text) if re.fullmatch(r"\s*[-+]?\d+\s*", text) else text)
         except VerispecError as exc:
             raise argparse.ArgumentTypeError(str(exc)) from None
 
