@@ -36,7 +36,7 @@ import httpx
 from verispec.server import ServerProcess
 from verispec.server.process import ServerStartError
 
-DEFAULT_PROMPTS = "/work/shared/data/spec_bench_dev.jsonl"
+DEFAULT_PROMPTS = "spec_bench"  # the Spec-Bench prompts bundled with verispec
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -45,7 +45,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--draft", default=None, help="draft model; omit for n-gram drafting")
     p.add_argument("--drafter", default="auto", help="auto | model | ngram")
     p.add_argument("--draft-len", default="4", help="int, or 'auto'")
-    p.add_argument("--prompts", default=DEFAULT_PROMPTS, help="Spec-Bench JSONL ({category, turns})")
+    p.add_argument("--prompts", default=DEFAULT_PROMPTS, help="the bundled 'spec_bench' set or a Spec-Bench JSONL file ({category, turns})")
     p.add_argument("--num-prompts", type=int, default=8, help="fixed sample: the first prompt of each category, in file order")
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
@@ -63,7 +63,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def read_prompts(path: str, count: int) -> list[dict]:
     """The first turn of the first row of each category, in file order, until `count` prompts."""
-    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    from verispec.bench import prompt_text
+
+    rows = [json.loads(line) for line in prompt_text(path).splitlines() if line.strip()]
     prompts, seen = [], set()
     for row in rows:
         if row["category"] not in seen:

@@ -1,5 +1,5 @@
-"""`verispec bench` end to end on the real smollm2-135m (target) with an int8 copy of itself as the draft:
-the reports it writes carry what the README's tables are made from."""
+"""`verispec bench`: its bundled prompt sets, and end to end on the real smollm2-135m (target) with an
+int8 copy of itself as the draft: the reports it writes carry what bench/README.md's tables are made from."""
 
 from __future__ import annotations
 
@@ -8,21 +8,52 @@ import json
 
 import pytest
 
-from verispec.bench import _paired_runs, add_bench_arguments, run_bench
+from verispec.bench import BUNDLED_PROMPTS, _paired_runs, add_bench_arguments, read_prompts, run_bench
+from verispec.cli import main
+from verispec.errors import VerispecError
 
-HUMANEVAL = "../shared/data/humaneval_dev.jsonl"
+
+def test_bundled_prompt_sets_load_in_the_forms_bench_reads():
+    """The prompts shipped in the package parse: 10 HumanEval completions, 2 chat questions per Spec-Bench category."""
+    humaneval = read_prompts("humaneval", per_category=100)
+    assert len(humaneval) == 10 and {p.category for p in humaneval} == {"humaneval"}
+    assert all(not p.chat and p.text.lstrip().startswith(("def ", "from ", "import ")) for p in humaneval)
+    assert humaneval[0].id == "HumanEval/0"
+    spec_bench = read_prompts("spec_bench", per_category=100)
+    categories = {p.category for p in spec_bench}
+    assert len(categories) == 13 and {"coding", "rag", "summarization", "math_reasoning"} <= categories
+    assert len(spec_bench) == 26 and all(p.chat and p.text for p in spec_bench)
+    assert len(read_prompts("spec_bench", per_category=1)) == 13
+    assert set(BUNDLED_PROMPTS) == {"humaneval", "spec_bench"}
+
+
+def test_bench_reads_the_bundled_humaneval_set_by_default():
+    parser = argparse.ArgumentParser()
+    add_bench_arguments(parser)
+    assert parser.parse_args([]).prompts == "humaneval"
+
+
+def test_bench_prompt_file_mistakes_are_verispec_errors(tmp_path, capsys):
+    missing = tmp_path / "nowhere.jsonl"
+    with pytest.raises(VerispecError, match="no prompt file.*humaneval, spec_bench"):
+        read_prompts(str(missing), per_category=1)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "def f():"}\nnot json\n')
+    with pytest.raises(VerispecError, match="line 2: not JSON"):
+        read_prompts(str(bad), per_category=1)
+    bad.write_text('{"question": "no turns, no prompt"}\n')
+    with pytest.raises(VerispecError, match="neither 'turns'"):
+        read_prompts(str(bad), per_category=1)
+    # The CLI reports it in one line, before loading any model, instead of a traceback.
+    assert main(["bench", str(missing), "--target", "no-such-model"]) == 2
+    assert "verispec: error: no prompt file" in capsys.readouterr().err
 
 
 def run_small_bench(out, name: str, *options: str) -> None:
-    """`verispec bench` on the HumanEval prompts with smollm2-135m drafting for itself (int8), no HF peers."""
-    from pathlib import Path
-
-    prompts = Path(__file__).resolve().parents[1] / HUMANEVAL
-    if not prompts.exists():
-        pytest.skip(f"{HUMANEVAL} is not beside the repository")
+    """`verispec bench` on the bundled HumanEval prompts with smollm2-135m drafting for itself (int8), no HF peers."""
     parser = argparse.ArgumentParser()
     add_bench_arguments(parser)
-    run_bench(parser.parse_args([str(prompts), "--target", "smollm2-135m", "--draft", "smollm2-135m", "--draft-dtype", "int8",
+    run_bench(parser.parse_args(["humaneval", "--target", "smollm2-135m", "--draft", "smollm2-135m", "--draft-dtype", "int8",
                                  "--no-hf", *options, "--out", str(out), "--name", name]))
 
 

@@ -9,6 +9,8 @@ Tiny random-weight models (see conftest). Two claims are checked:
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -16,6 +18,7 @@ import verispec
 from conftest import on_path, perturbed_copy, prefilled, tiny_gpt2, tiny_llama, tiny_qwen2
 from verispec.prefill import left_pad
 from verispec.models import kernels
+from verispec.models.kernels import config as kernel_config
 from verispec.models import native as native_module
 from verispec.models.native import NativeCausalLM, NativeStore, supports
 
@@ -23,6 +26,11 @@ PROMPTS = [[1, 5, 6, 7, 8, 9, 5, 6, 7], [1, 20, 21], [4], [1, 30, 31, 32, 30, 31
 SEQUENCE = [1, 5, 6, 7, 8, 9, 5, 6, 7, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20]
 
 needs_kernels = pytest.mark.skipif(not kernels.available(), reason="no C compiler or no AVX2/AVX-512 CPU")
+
+
+def use_kernels(monkeypatch, **changes):
+    """The rest of the test runs with these `KernelConfig` fields changed (restored afterwards)."""
+    monkeypatch.setattr(kernel_config, "_current", dataclasses.replace(kernel_config.current(), **changes))
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
@@ -249,7 +257,7 @@ def test_int4_quantize_in_c_matches_the_pytorch_reference():
     for isa in [256] + ([512] if kernels.isa() == 512 else []):
         values, scale = torch.empty_like(fast.values), torch.empty_like(fast.scale)
         shrinks = kernels.Int4Matrix.SHRINKS.contiguous()
-        kernels._library.int4_quantize(dense.data_ptr(), values.data_ptr(), scale.data_ptr(), shrinks.data_ptr(), 96, 640,
+        kernels.runtime().lib.int4_quantize(dense.data_ptr(), values.data_ptr(), scale.data_ptr(), shrinks.data_ptr(), 96, 640,
                                        len(shrinks), isa, 2)
         assert torch.equal(scale, reference.scale) and torch.equal(values, reference.values), isa
 
@@ -263,7 +271,7 @@ def test_quantized_draft_prefill_uses_a_kept_widened_copy(pair, weight_dtype, mo
     draft = NativeCausalLM.from_hf(hf, weight_dtype=weight_dtype)
     if not draft._kernels:
         pytest.skip("exact kernels unavailable here")
-    monkeypatch.setenv("VERISPEC_WIDE_PREFILL", "1")  # not the int4 chunks of an AVX2 CPU
+    use_kernels(monkeypatch, wide_prefill=True)  # not the int4 chunks of an AVX2 CPU
     monkeypatch.setattr(kernels, "blocked_preferred", lambda: False)  # PyTorch's GEMM, which takes the copy
     tokens = torch.arange(40).remainder(90).add(4)[None]
     big, _ = run(draft, [tokens])  # 40 > MAX_ROWS: the PyTorch path
@@ -289,7 +297,7 @@ def test_widened_prefill_copies_are_made_at_load(pair, weight_dtype, monkeypatch
     assert all(bool(getattr(layer, field)._widened) != chunks for layer in draft.layers for field in ("q", "gate", "down"))
     assert not draft.lm_head._widened
     if weight_dtype == torch.quint4x2 and kernels._int4_code() in (4, 5):
-        monkeypatch.setenv("VERISPEC_CHUNKED_PREFILL", "1")
+        use_kernels(monkeypatch, chunked_prefill=True)
         chunked = NativeCausalLM.from_hf(hf, weight_dtype=weight_dtype)
         assert not chunked.layers[0].gate._widened
 
@@ -299,9 +307,8 @@ def test_int4_draft_prefills_in_small_passes(pair, batch, monkeypatch):
     """With int8-rounded activations a 4-bit draft prefills through its decode kernels, MAX_ROWS rows at a
     time: bitwise what one-token passes give (padding included), and no widened float copy is made."""
     hf, _ = pair
-    monkeypatch.setattr(kernels, "_int8_activations", True)
-    monkeypatch.setattr(kernels, "_vnni", kernels._isa == 512 and kernels._vnni)
-    monkeypatch.setenv("VERISPEC_CHUNKED_PREFILL", "1")  # where PyTorch's GEMM prefills, chunks are opt-in
+    # int8 activations; chunked prefills, opt-in where PyTorch's GEMM prefills
+    use_kernels(monkeypatch, int8_activations=True, chunked_prefill=True)
     draft = NativeCausalLM.from_hf(hf, weight_dtype=torch.quint4x2)
     if not draft._kernels:
         pytest.skip("exact kernels unavailable here")
@@ -444,12 +451,11 @@ def test_fused_layers_equal_the_layer_loop(pair, fmt, monkeypatch):
     """A small pass runs every layer in one C call (`kernels.LayerStack`): bitwise the logits of the Python
     loop over the same kernels, for decode and verify widths, padded batches, rollback holes and token
     trees, on every matrix format."""
-    if fmt == "int4-vnni" and not kernels._vnni:
+    if fmt == "int4-vnni" and not kernels.vnni():
         pytest.skip("CPU lacks AVX-512 VNNI")
     if fmt == "int4-avx2":
-        monkeypatch.setattr(kernels, "_isa", 256)  # the AVX2 int8-activation path, on any AVX2 CPU
-        monkeypatch.setattr(kernels, "_vnni", False)
-    monkeypatch.setattr(kernels, "_int8_activations", fmt in ("int4-vnni", "int4-avx2"))
+        use_kernels(monkeypatch, isa=256, vnni=False)  # the AVX2 int8-activation path, on any AVX2 CPU
+    use_kernels(monkeypatch, int8_activations=fmt in ("int4-vnni", "int4-avx2"))
     assert kernels._int4_code() == {"int4-vnni": 4, "int4-avx2": 5}.get(fmt, 3)
     hf, _ = pair
     weight_dtype = {"bf16": torch.bfloat16, "int8": torch.int8, "int4": torch.quint4x2, "int4-vnni": torch.quint4x2,
@@ -499,13 +505,11 @@ def test_rowwise_linear_rows_are_independent(isa, fmt, monkeypatch):
     matrices on an int8-activation path see the activations rounded per group of 64)."""
     if isa > kernels.isa():
         pytest.skip(f"CPU lacks the {isa}-bit kernel")
-    if fmt == "int4-vnni" and not (isa == 512 and kernels._vnni):
+    if fmt == "int4-vnni" and not (isa == 512 and kernels.vnni()):
         pytest.skip("the VNNI int8-activation int4 path needs AVX-512 VNNI")
     if fmt == "panels" and isa == 512:
         pytest.skip("panel matrices have one kernel, AVX2+FMA")
-    monkeypatch.setattr(kernels, "_isa", isa)
-    monkeypatch.setattr(kernels, "_vnni", fmt == "int4-vnni")
-    monkeypatch.setattr(kernels, "_int8_activations", fmt in ("int4-vnni", "int4-avx2"))
+    use_kernels(monkeypatch, isa=isa, vnni=fmt == "int4-vnni", int8_activations=fmt in ("int4-vnni", "int4-avx2"))
     assert kernels._int4_code() == {"int4-vnni": 4, "int4-avx2": 5}.get(fmt, 3)
     torch.manual_seed(0)
     int4 = fmt.startswith("int4")
@@ -538,11 +542,9 @@ def test_linear_group_equals_its_linears_called_alone(isa, fmt, monkeypatch):
     (widths not a multiple of the tile) and every row count of a verify pass included."""
     if isa > kernels.isa():
         pytest.skip(f"CPU lacks the {isa}-bit kernel")
-    if fmt == "int4-vnni" and not (isa == 512 and kernels._vnni):
+    if fmt == "int4-vnni" and not (isa == 512 and kernels.vnni()):
         pytest.skip("CPU lacks AVX-512 VNNI")
-    monkeypatch.setattr(kernels, "_isa", isa)
-    monkeypatch.setattr(kernels, "_vnni", fmt == "int4-vnni")
-    monkeypatch.setattr(kernels, "_int8_activations", fmt in ("int4-vnni", "int4-avx2"))
+    use_kernels(monkeypatch, isa=isa, vnni=fmt == "int4-vnni", int8_activations=fmt in ("int4-vnni", "int4-avx2"))
     assert kernels._int4_code() == {"int4-vnni": 4, "int4-avx2": 5}.get(fmt, 3)
     torch.manual_seed(0)
     in_features = 192
@@ -623,7 +625,7 @@ def test_panel_matrix_small_passes_are_the_prefill_gemm_bit_for_bit():
 def test_slot_attention_matches_masked_softmax(isa, monkeypatch):
     if isa > kernels.isa():
         pytest.skip(f"CPU lacks the {isa}-bit kernel")
-    monkeypatch.setattr(kernels, "_isa", isa)
+    use_kernels(monkeypatch, isa=isa)
     torch.manual_seed(0)
     batch, width, heads, kv_heads, dim, start, capacity = 2, 3, 4, 2, 16, 20, 48
     q = torch.randn(batch, width, heads, dim)
@@ -659,7 +661,7 @@ def test_slot_attention_matches_masked_softmax(isa, monkeypatch):
 def test_glue_kernels_match_torch(isa, monkeypatch):
     if isa > kernels.isa():
         pytest.skip(f"CPU lacks the {isa}-bit kernel")
-    monkeypatch.setattr(kernels, "_isa", isa)
+    use_kernels(monkeypatch, isa=isa)
     torch.manual_seed(0)
     x, delta, weight = torch.randn(5, 72), torch.randn(5, 72), torch.randn(72)
     expected_x = x + delta

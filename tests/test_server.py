@@ -24,6 +24,7 @@ from verispec import zoo
 from verispec.api import make_drafter
 from verispec.engine import DecodeBatch, Request, TokenEvent
 from verispec.sampling import SamplingParams
+from verispec.text import encode_chat
 from verispec.errors import VerispecError
 from verispec.server import Job, JobFailed, Scheduler, ServerProcess, build_app
 from verispec.server.process import ServerStartError
@@ -33,7 +34,7 @@ from conftest import perturbed_copy, tiny_llama
 API_KEY = "test-key"
 MODEL = "smollm2-135m"
 MAX_BATCH = 8
-MAX_QUEUE = 8  # the load test's 16 clients fill the batch and the queue exactly
+MAX_QUEUE = 24  # the disconnect load test's 32 clients fill the batch and the queue exactly
 LOAD_TOKENS = 10  # max_tokens for the load test's requests
 # Distinct prompts for the load test, one per concurrent client.
 LOAD_PROMPTS = [f"Question {i}: what is {i} plus {i + 3}? Answer:" for i in range(8)] + [
@@ -120,6 +121,25 @@ def test_models_and_health(server):
     assert [m.id for m in server.client().models.list().data] == ["smollm2-135m"]
     health = httpx.get(server.url + "/health", timeout=10).json()
     assert health["status"] == "ok" and health["model"] == "smollm2-135m"
+
+
+def test_model_card_version_tokenize_and_detokenize(server):
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    card = server.client().models.retrieve(MODEL)
+    assert card.id == MODEL and card.max_model_len == 8192
+    with pytest.raises(openai.NotFoundError):
+        server.client().models.retrieve("gpt-4")
+    assert httpx.get(server.url + "/version", timeout=10).json()["version"] == verispec.__version__
+    tokenizer = verispec.load(MODEL).tokenizer
+    tokens = server.post("/tokenize", {"prompt": PROMPT}).json()
+    assert tokens["tokens"] == tokenizer(PROMPT)["input_ids"] and tokens["count"] == len(tokens["tokens"])
+    chat = server.post("/tokenize", {"messages": [{"role": "user", "content": CHAT}]}).json()
+    assert chat["tokens"] == encode_chat(tokenizer, [{"role": "user", "content": CHAT}])
+    assert server.post("/detokenize", {"tokens": tokens["tokens"]}).json()["prompt"] == PROMPT
+    assert server.post("/detokenize", {"tokens": [-1]}).status_code == 400
+    assert server.post("/tokenize", {"prompt": 5}).status_code == 400
+    assert server.post("/tokenize", {"prompt": PROMPT}, key="wrong").status_code == 401
+    assert httpx.post(server.url + "/tokenize", content=b"{oops", headers=headers, timeout=10).status_code == 400
 
 
 def test_greedy_completion_matches_plain_decoding(server):
@@ -314,6 +334,17 @@ def test_sampled_requests_may_opt_into_typical_acceptance(server):
     assert server.metrics()["verispec_lossy_sequences_total"] == before + 1  # operators can see it was asked for
 
 
+def test_a_request_that_can_never_fit_gets_a_400_not_a_503():
+    from fastapi.testclient import TestClient
+
+    app = build_app("smollm2-135m", drafter="ngram", max_batch=1, max_queue=1)
+    with TestClient(app) as client:
+        response = client.post("/v1/completions", json={"prompt": PROMPT, "n": 3, "max_tokens": 2})
+        assert response.status_code == 400 and response.json()["error"]["param"] == "n", response.text
+        assert "at most 2" in response.json()["error"]["message"]
+        assert client.post("/v1/completions", json={"prompt": PROMPT, "n": 2, "max_tokens": 2}).status_code == 200
+
+
 def test_server_options_are_checked_before_loading():
     with pytest.raises(VerispecError, match="max_queue"):
         build_app("smollm2-135m", max_queue=-1)
@@ -381,6 +412,15 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, API_KEY, 400, "tools"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True}, API_KEY, 400, "logprobs"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10000}, API_KEY, 400, "max_tokens"),
+    ("/v1/completions", '{"prompt": "\\ud800 lone surrogate"}'.encode(), API_KEY, 400, None),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "x\\udfff"}]}'.encode(), API_KEY, 400, None),
+    ("/v1/completions", b"[" * 1000 + b"]" * 1000, API_KEY, 400, None),
+    ("/v1/completions", b'{"prompt": "hi", "max_tokens": ' + b"7" * 5000 + b"}", API_KEY, 400, None),
+    ("/v1/completions", {"prompt": PROMPT, "max_tokens": 10**40}, API_KEY, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "x" * 5_000_000}, API_KEY, 413, None),
+    ("/v1/completions", {"prompt": "many words " * 300_000}, API_KEY, 400, "prompt"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "many words " * 300_000}]}, API_KEY, 400, "messages"),
+    ("/v1/completions", {"prompt": PROMPT, "min_p": 0.1}, API_KEY, 400, "min_p"),
     ("/v1/completions", {"prompt": PROMPT}, None, 401, None),
     ("/v1/completions", {"prompt": PROMPT}, "wrong-key", 401, None),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, "wrong-key", 401, None),
@@ -396,6 +436,7 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server):
             response = httpx.post(server.url + path, json=body, headers=headers, timeout=30)
         case = f"{path} {str(body)[:80]} -> {response.status_code} {response.text[:200]}"
         assert response.status_code == status, case
+        assert len(response.content) < 1000, case  # the input is not echoed back whole
         error = response.json()["error"]
         assert set(error) == {"message", "type", "param", "code"} and error["message"], case
         assert error["type"] == "invalid_request_error", case
@@ -415,6 +456,115 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server):
         server.plain[(PROMPT, 24, False)]
 
 
+def malformed_bodies() -> list[bytes]:
+    """100+ bodies a careless or hostile client might send: wrong types and values in every field, broken JSON."""
+    good = {"prompt": PROMPT, "max_tokens": 4, "temperature": 0}
+    odd_values = [None, -1, 0, 1.5, 10**30, -(10**30), "x", "", "\ud800", [], [None], {}, {"a": {"b": [1]}}, True,
+                  float("nan"), float("inf"), "x" * 5000, [[[[[]]]]], [-1, 2**40]]
+    bodies = []
+    for name in ("prompt", "max_tokens", "temperature", "top_p", "top_k", "n", "stop", "seed", "stream", "stream_options",
+                 "draft_len", "speculate", "coupled", "typical_acceptance", "logit_bias", "model", "echo"):
+        for value in odd_values[:: 1 if name in ("prompt", "stop", "max_tokens") else 3]:
+            bodies.append(json.dumps({**good, name: value}).encode())
+    text = json.dumps(good).encode()
+    bodies += [text[:cut] for cut in range(0, len(text), 4)]  # truncated JSON
+    bodies += [b"", b"null", b"0", b'"a string"', b"\xff\xfe{}", b'{"prompt": "a"' + b', "x": 1' * 2000, b"{" * 5000,
+               b'{"prompt": [' + b"1," * 100000 + b"1]}", b"[" * 100000]
+    return bodies
+
+
+def server_errors(metrics: dict[str, float]) -> float:
+    return sum(v for k, v in metrics.items() if k.startswith("verispec_requests_total") and 'status="500"' in k)
+
+
+def test_fuzzed_bodies_never_get_a_5xx_and_the_server_keeps_serving(server):
+    before = server_errors(server.metrics())
+    bodies = malformed_bodies()
+    assert len(bodies) >= 100
+    headers = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
+    with httpx.Client(timeout=120) as client:
+        for path in ("/v1/completions", "/v1/chat/completions"):
+            for body in bodies:
+                response = client.post(server.url + path, content=body, headers=headers)
+                assert response.status_code < 500, f"{path} {body[:100]!r} -> {response.status_code} {response.text[:300]}"
+                if response.status_code >= 400:
+                    assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+                    assert len(response.content) < 1000, body[:100]
+    server.wait_idle(timeout=60)
+    good = server.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 24, "temperature": 0})
+    assert good.status_code == 200 and good.json()["choices"][0]["text"] == server.plain[(PROMPT, 24, False)]
+    assert server_errors(server.metrics()) == before
+
+
+def test_unknown_fields_are_ignored_and_named_in_a_header(server):
+    body = {"prompt": PROMPT, "max_tokens": 24, "temperature": 0, "metadata": {"run": "7"}, "store": False,
+            "chat_template_kwargs": {"enable_thinking": False}}
+    response = server.post("/v1/completions", body)
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["text"] == server.plain[(PROMPT, 24, False)]
+    assert set(response.headers["x-verispec-ignored-fields"].split(",")) == {"metadata", "store", "chat_template_kwargs"}
+    chat = server.client().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": CHAT}], max_tokens=24,
+                                                   temperature=0, metadata={"a": "b"}, store=False)
+    assert chat.choices[0].message.content == server.plain[(CHAT, 24, True)]
+
+
+def test_a_third_of_32_streams_disconnect_and_every_other_finishes_correctly(server):
+    """32 streaming clients at once (the batch and the queue full); 11 of them leave at random moments,
+    some before their first token. Every other stream is complete and equals plain decoding."""
+    import random
+
+    server.wait_idle()
+    rng = random.Random(7)
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    stayers = [LOAD_PROMPTS[i % len(LOAD_PROMPTS)] for i in range(21)]
+    results: dict[int, str] = {}
+    errors: list[str] = []
+
+    def stay(i: int, prompt: str) -> None:
+        try:
+            body = {"prompt": prompt, "max_tokens": LOAD_TOKENS, "temperature": 0, "stream": True}
+            with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=headers, timeout=300) as response:
+                assert response.status_code == 200, response.read()
+                text, done = "", False
+                for line in response.iter_lines():
+                    if line == "data: [DONE]":
+                        done = True
+                    elif line.startswith("data: "):
+                        chunk = json.loads(line[6:])
+                        assert "error" not in chunk, chunk
+                        text += "".join(c["text"] for c in chunk["choices"])
+                assert done
+                results[i] = text
+        except BaseException as exc:  # reported below
+            errors.append(f"{prompt!r}: {exc!r}")
+
+    def leave(after_lines: int) -> None:
+        body = {"prompt": "Once upon a time, in a land far away,", "max_tokens": 300, "temperature": 0, "stream": True}
+        try:
+            with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=headers, timeout=300) as response:
+                lines = response.iter_lines()
+                for _ in range(after_lines):
+                    next(lines)
+        except BaseException as exc:
+            errors.append(f"leaver: {exc!r}")
+
+    threads = [threading.Thread(target=stay, args=(i, p)) for i, p in enumerate(stayers)]
+    threads += [threading.Thread(target=leave, args=(rng.choice([0, 1, 2, 5, 9, 20]),)) for _ in range(11)]
+    rng.shuffle(threads)
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(600)
+    assert not errors, errors
+    for i, prompt in enumerate(stayers):
+        assert results[i] == server.plain[(prompt, LOAD_TOKENS, False)], prompt
+    server.wait_idle(timeout=60)
+    metrics = server.metrics()
+    assert metrics["verispec_step_failures_total"] == 0
+    assert not any(k.startswith("verispec_sequence_failures_total") and 'status="500"' in k for k in metrics), metrics
+    assert metrics['verispec_requests_total{endpoint="/v1/completions",status="499"}'] >= 1
+
+
 def test_metrics_count_requests_and_speculation(server):
     before = server.metrics()
     assert server.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 8, "temperature": 0}).status_code == 200
@@ -431,6 +581,17 @@ def test_metrics_count_requests_and_speculation(server):
     assert after[latency] == before.get(latency, 0) + 1
     assert after['verispec_request_latency_seconds_bucket{endpoint="/v1/completions",le="+Inf"}'] == after[latency]
     assert {"verispec_batch_size", "verispec_queue_depth", "verispec_step_failures_total"} <= set(after)
+    # vLLM's names and meanings, with the model's name as a label.
+    label = f'model_name="{MODEL}"'
+    drafts, accepted = f"verispec:spec_decode_num_drafts_total{{{label}}}", f"verispec:spec_decode_num_accepted_tokens_total{{{label}}}"
+    assert after[drafts] > before.get(drafts, 0) and after[accepted] == after["verispec_accepted_tokens_total"]
+    assert after[f"verispec:spec_decode_num_draft_tokens_total{{{label}}}"] == after["verispec_drafted_tokens_total"]
+    assert after[f'verispec:spec_decode_num_accepted_tokens_per_pos_total{{{label},position="0"}}'] == \
+        after['verispec_draft_position_accepted_total{position="1"}']
+    assert after[f"verispec:e2e_request_latency_seconds_count{{{label}}}"] >= 1
+    assert after[f"verispec:inter_token_latency_seconds_count{{{label}}}"] >= 1
+    assert after[f'verispec:request_success_total{{finished_reason="length",{label}}}'] >= 1
+    assert after[f"verispec:num_requests_running{{{label}}}"] == 0
 
 
 def test_no_step_failed_and_the_log_is_clean(server):
@@ -537,6 +698,30 @@ def test_lanes_and_cancellation(tiny_scheduler):
     while not long_result.items.empty():  # the cancelled job never finished
         item = long_result.items.get()
         assert isinstance(item, TokenEvent) and item.finish_reason is None
+
+
+@pytest.mark.parametrize("draft", [4, None])
+def test_cancelling_one_row_leaves_its_batch_mates_decoding(draft):
+    """A row cancelled mid-flight (its client left) leaves a batch of several on a native target, whose
+    caches are inference tensors: its batch mates finish exactly as plain decoding, nothing fails."""
+    from verispec.models.native import NativeCausalLM
+
+    target = NativeCausalLM.from_hf(tiny_llama(seed=0))
+    scheduler = Scheduler(target, lambda speculate: make_drafter(target, None, "ngram" if speculate else "none"), max_batch=4)
+    scheduler.start()
+    try:
+        prompts = [[5, 6, 7, 5, 6], [30, 31], [40, 41, 42, 43], [50, 51]]
+        jobs = [job(p, max_new_tokens=60, draft=draft) for p in prompts]
+        scheduler.submit([j for j, _ in jobs])
+        leaving = jobs[1][1].items.get(timeout=30)
+        assert isinstance(leaving, TokenEvent) and leaving.finish_reason is None  # it is in the batch, decoding
+        scheduler.cancel([jobs[1][0].id])
+        for i, (prompt, (_, collector)) in enumerate(zip(prompts, jobs)):
+            if i != 1:
+                assert collector.result() == plain_tokens(target, prompt, max_new_tokens=60), prompt
+        assert scheduler.step_failures == 0 and scheduler.thread.is_alive()
+    finally:
+        scheduler.stop()
 
 
 def test_admission_prefills_similar_lengths_together_and_bounds_the_stall(monkeypatch):

@@ -3,6 +3,7 @@ would have made, changed weights get a copy of their own, and a damaged or forei
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
@@ -100,7 +101,7 @@ def test_small_models_and_the_off_switch_store_nothing(home, monkeypatch):
     stored.int4_copy(NativeCausalLM.from_hf(tiny_llama(seed=8)))
     assert stored_files(home) == []
     monkeypatch.setattr(stored, "STORE_MIN_WEIGHTS", 0)
-    monkeypatch.setenv("VERISPEC_STORE_COPIES", "0")
+    monkeypatch.setattr(kernels.config, "_current", dataclasses.replace(kernels.config.current(), store_copies=False))
     stored.int4_copy(NativeCausalLM.from_hf(tiny_llama(seed=8)))
     assert stored_files(home) == []
 

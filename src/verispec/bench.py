@@ -17,18 +17,25 @@ import sys
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
+from importlib import resources
 from pathlib import Path
 
 import torch
 
 from verispec import zoo
+from verispec.errors import VerispecError
 from verispec.options import DRAFTER_NAMES, DraftLen, flag
 
-DEFAULT_PROMPTS = "../shared/data/humaneval_dev.jsonl"
+# Prompt sets shipped in the package (src/verispec/data/, licences in LICENSES.md there): the first 10
+# HumanEval dev problems, and the first 2 Spec-Bench dev questions of each of its 13 categories.
+BUNDLED_PROMPTS = {"humaneval": "humaneval.jsonl", "spec_bench": "spec_bench.jsonl"}
+DEFAULT_PROMPTS = "humaneval"
 
 
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("prompts", nargs="?", default=DEFAULT_PROMPTS, help="JSONL in Spec-Bench ({category, turns}) or HumanEval ({task_id, prompt}) form")
+    p.add_argument("prompts", nargs="?", default=DEFAULT_PROMPTS,
+                   help=f"a bundled prompt set ({', '.join(BUNDLED_PROMPTS)}; default: %(default)s) or a JSONL file in "
+                        "Spec-Bench ({category, turns}) or HumanEval ({task_id, prompt}) form")
     p.add_argument("--target", default=zoo.DEFAULT_TARGET)
     p.add_argument("--draft", default=zoo.DEFAULT_DRAFT, help="draft model; 'none' for n-gram only")
     p.add_argument("--drafter", default="auto", choices=DRAFTER_NAMES, help="auto (model with a draft; with --draft none, self where the target allows, else ngram) | model | self (the target's int4 copy on its cache; use with --draft none) | hybrid | ngram")
@@ -70,16 +77,36 @@ class Prompt:
     chat: bool  # Spec-Bench turns are instructions (chat template); HumanEval prompts are code to continue
 
 
-def read_prompts(path: str, per_category: int) -> list[Prompt]:
-    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+def prompt_text(source: str) -> str:
+    """The JSONL text of a bundled prompt set (by name) or of a file (by path)."""
+    if source in BUNDLED_PROMPTS:
+        return resources.files("verispec").joinpath("data", BUNDLED_PROMPTS[source]).read_text(encoding="utf-8")
+    path = Path(source)
+    if not path.is_file():
+        raise VerispecError(f"no prompt file {source!r}: give a JSONL file, or a bundled set ({', '.join(BUNDLED_PROMPTS)})")
+    return path.read_text(encoding="utf-8")
+
+
+def read_prompts(source: str, per_category: int) -> list[Prompt]:
+    """The first `per_category` prompts of each category of `source` (a bundled set's name or a JSONL path)."""
+    rows = []
+    for number, line in enumerate(prompt_text(source).splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as exc:
+            raise VerispecError(f"{source}, line {number}: not JSON ({exc.msg}): each line must be one JSON object") from None
     prompts, taken = [], defaultdict(int)
     for row in rows:
+        if not isinstance(row, dict):
+            raise VerispecError(f"{source}: a row is {type(row).__name__}, not an object with 'turns' or 'prompt'")
         if "turns" in row:
             p = Prompt(row.get("category", "spec_bench"), str(row.get("question_id")), row["turns"][0], chat=True)
         elif "prompt" in row:
             p = Prompt("humaneval", str(row.get("task_id")), row["prompt"], chat=False)
         else:
-            raise ValueError(f"{path}: a row has neither 'turns' nor 'prompt': {sorted(row)}")
+            raise VerispecError(f"{source}: a row has neither 'turns' (Spec-Bench) nor 'prompt' (HumanEval): {sorted(row)}")
         if taken[p.category] < per_category:
             taken[p.category] += 1
             prompts.append(p)

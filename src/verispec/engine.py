@@ -155,8 +155,10 @@ class DecodeBatch:
         new_tokens = max(r.max_new_tokens for r in requests)
         return self.drafter if start_pays(startup, BOOK.step_seconds(self.target), new_tokens) else self.fallback
 
+    @torch.inference_mode()
     def remove(self, request_id: Hashable) -> None:
-        """Drop a request mid-flight (e.g. its client went away)."""
+        """Drop a request mid-flight (e.g. its client went away). Under inference mode like `add` and
+        `step`: the kept rows are moved within caches made there, which only inference mode may write."""
         self._keep([b for b, row in enumerate(self.rows) if row.request.id != request_id])
 
     def _keep(self, keep: list[int]) -> None:

@@ -34,7 +34,6 @@ from __future__ import annotations
 import copy
 import functools
 import logging
-import os
 import weakref
 from dataclasses import dataclass
 
@@ -44,6 +43,7 @@ import torch.nn.functional as F
 from verispec.cache import SlotCache
 from verispec.models import kernels
 from verispec.models.base import CausalLM, ModelCache
+from verispec.models.kernels import config as kernel_config
 from verispec.models.hf import _eos_ids
 
 log = logging.getLogger(__name__)
@@ -296,8 +296,8 @@ class NativeCausalLM(CausalLM):
         self._buffers: dict[str, torch.Tensor] | None = None
         self._prepared: tuple[list[dict[str, kernels.Linear]], kernels.Linear] | None = None  # see _linears
         self._stack: kernels.LayerStack | None | bool = False  # see _layer_stack; False: not built yet
-        # VERISPEC_LAYER_LOOP=1 runs small passes layer by layer from Python (the same kernel calls)
-        self.fused_layers = not os.environ.get("VERISPEC_LAYER_LOOP")
+        # KernelConfig.fused_layers off runs small passes layer by layer from Python (the same kernel calls)
+        self.fused_layers = kernel_config.current().fused_layers
         # Token rows a pass may carry and still be bitwise row-exact (the engine keeps verify passes within).
         self.max_exact_rows = kernels.MAX_ROWS if self._kernels else None
         self._widen_for_prefill()
@@ -540,14 +540,16 @@ class NativeCausalLM(CausalLM):
         (~2 GB of float32 for that draft). Where PyTorch's GEMM does big passes (AVX-512 CPUs), a widened
         float32 copy (made at load and kept, `_widen_for_prefill`) measured faster than chunks at every prompt
         length (2 Xeon cores, same draft: 60 tokens 0.26 s against 0.34, 200 0.65 against 0.96, 700 2.05
-        against 2.92), so chunks run there only if VERISPEC_CHUNKED_PREFILL=1 asks for them.
-        VERISPEC_WIDE_PREFILL=1 turns chunks off everywhere."""
+        against 2.92), so chunks run there only if `KernelConfig.chunked_prefill` asks for them.
+        `KernelConfig.wide_prefill` turns chunks off everywhere."""
+        settings = kernel_config.current()
         if not (self._kernels and batch <= kernels.MAX_ROWS and self.weight_dtype == torch.quint4x2
-                and kernels._int4_code() in (4, 5) and not os.environ.get("VERISPEC_WIDE_PREFILL")):
+                and kernels._int4_code() in (kernels.Format.INT4_VNNI, kernels.Format.INT4_AVX2)
+                and not settings.wide_prefill):
             return False
         if self._blocked:
             return batch * width <= CHUNKED_PREFILL_ROWS
-        return bool(os.environ.get("VERISPEC_CHUNKED_PREFILL"))
+        return settings.chunked_prefill
 
     def _widen_for_prefill(self) -> None:
         """Make now, at load, the widened copies of int8 / int4 layer matrices that prompt prefills will

@@ -10,7 +10,7 @@ suffer: the target still verifies every token.
 Layout under the zoo's `home()`: `copies/<model>-int4-<fingerprint>.safetensors`, written to a temporary
 file and renamed, so a reader never sees half a copy; storing one removes the copies of other weights
 stored under the same model name. Copies of small models (under `STORE_MIN_WEIGHTS`)
-are quick to make and are not stored; `VERISPEC_STORE_COPIES=0` turns storing and reading off.
+are quick to make and are not stored; `KernelConfig.store_copies` (`VERISPEC_STORE_COPIES=0`) turns storing and reading off.
 
 This module knows nothing about drafting; it hands a model its copy.
 """
@@ -38,7 +38,7 @@ _SAMPLES = 4096  # values per matrix in the fingerprint's strided sample
 
 
 def enabled() -> bool:
-    return os.environ.get("VERISPEC_STORE_COPIES", "1") not in ("0", "false", "no", "")
+    return kernels.config.current().store_copies
 
 
 def _float32_values(matrix) -> torch.Tensor:

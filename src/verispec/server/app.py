@@ -1,9 +1,13 @@
 """The HTTP layer: OpenAI's API over the scheduler, with FastAPI under uvicorn, and `verispec serve`.
 
-Two threads share the work. The event loop checks each request (`protocol`), turns text into token
-ids and token ids back into text, and answers in OpenAI's JSON or server-sent events. The worker
+The event loop only moves bytes: it reads a body (at most `max_body_bytes`, else 413), hands the
+parsing, checking (`protocol`) and tokenizing of it to a thread, and answers in OpenAI's JSON or
+server-sent events, so a huge or slow request cannot stall /health or other streams. The worker
 thread (`scheduler`) owns the models and decodes; each request's `TokenEvent`s come back to the loop
-through a thread-safe callback. A request that does not fit in the queue gets a 503 at once.
+through a thread-safe callback. A request that does not fit in the queue now gets a 503 at once; one
+that could never fit, a 400. Every request is counted on /metrics with the status it ended with (a
+stream that fails after its 200 header counts as its error), and a fault inside one request's
+handling is that request's 500, never the server's.
 """
 
 from __future__ import annotations
@@ -23,22 +27,27 @@ from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+import verispec
 from verispec import zoo
 from verispec.api import load, make_drafter, resolve_drafter
 from verispec.engine import Request as EngineRequest
 from verispec.errors import VerispecError
 from verispec.options import DRAFTER_NAMES, WEIGHT_DTYPES, DraftLen, flag
-from verispec.server.metrics import Metrics
-from verispec.server.protocol import ApiError, ServerConfig, Spec, parse_chat, parse_completion
+from verispec.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, Metrics
+from verispec.server.protocol import (ApiError, ServerConfig, Spec, chat_messages, check_text_fits, parse_chat, parse_completion,
+                                      show)
 from verispec.server.scheduler import Job, JobFailed, QueueFull, Scheduler
 from verispec.stats import SpecStats
-from verispec.text import IncrementalText, StopSequences, final_text
+from verispec.text import IncrementalText, StopSequences, encode_chat, final_text
 
 DISCONNECT_POLL_SECONDS = 0.5  # how often a waiting non-streamed request checks that its client is still there
 RETRY_AFTER_SECONDS = 1  # the Retry-After a client gets with a 503 when the queue is full
+MAX_BODY_BYTES = 4 * 2**20  # default limit of a request body: ~1M tokens of text, far past any context here
+
+log = logging.getLogger(__name__)
 
 
 
@@ -82,11 +91,16 @@ _job_ids = itertools.count()
 class Generation:
     """The choices of one HTTP request; events reach it through an asyncio queue fed by the worker."""
 
-    def __init__(self, spec: Spec, tokenizer: LockedTokenizer, loop: asyncio.AbstractEventLoop):
+    def __init__(self, spec: Spec, tokenizer: LockedTokenizer, loop: asyncio.AbstractEventLoop,
+                 on_gap: Callable[[float], None] | None = None):
+        """on_gap: called with the seconds between two deliveries of tokens (inter-token latency)."""
         self.spec = spec
+        self.on_gap = on_gap
+        self.last_tokens_at = 0.0
         self.events: asyncio.Queue = asyncio.Queue()
         self.started = time.perf_counter()
         self.first_token_at: float | None = None
+        self.counted = False  # a streamed response: counted on /metrics yet
         checker = StopSequences(tokenizer, spec.stop) if spec.stop else None
         self.choices = []
         for p, ids in enumerate(spec.prompts):
@@ -128,12 +142,21 @@ class Generation:
             choice = self.choices[index]
             if isinstance(item, JobFailed):
                 raise ApiError(item.status, item.message, code="engine_error" if item.status >= 500 else "invalid_request")
-            if item.tokens and self.first_token_at is None:
-                self.first_token_at = time.perf_counter()
+            if item.tokens:
+                now = time.perf_counter()
+                if self.first_token_at is None:
+                    self.first_token_at = now
+                elif self.on_gap is not None:
+                    self.on_gap(now - self.last_tokens_at)
+                self.last_tokens_at = now
             choice.tokens.extend(item.tokens)
             choice.finish_reason = item.finish_reason
             delta = choice.text.push(item.tokens, item.finish_reason is not None)
             yield choice, delta
+
+    def outcome(self) -> tuple[int, list[str]]:
+        """(tokens generated in all, each choice's finish reason)."""
+        return sum(len(c.tokens) for c in self.choices), [c.finish_reason or "abort" for c in self.choices]
 
     def timings(self) -> tuple[float, float | None]:
         """(seconds from request to now, seconds from request to the first token or None)."""
@@ -167,8 +190,9 @@ class EventStream(StreamingResponse):
     """Server-sent events; `on_close` runs however the response ends, even if its body never started
     (the client left before the first byte), so the jobs behind it never run on unread."""
 
-    def __init__(self, events: AsyncIterator[str], on_close: Callable[[], None]):
-        super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    def __init__(self, events: AsyncIterator[str], on_close: Callable[[], None], headers: dict[str, str] | None = None):
+        super().__init__(events, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})})
         self.on_close = on_close
 
     async def __call__(self, scope, receive, send) -> None:
@@ -216,16 +240,18 @@ DRAFT_DTYPES = WEIGHT_DTYPES
 
 
 def build_app(target, draft=None, drafter: str = "auto", draft_len: DraftLen | int | str = "auto", api_key: str | None = None,
-              max_batch: int = 8, max_queue: int = 256, draft_dtype: str = "fp32", model_name: str | None = None):
+              max_batch: int = 8, max_queue: int = 256, draft_dtype: str = "fp32", model_name: str | None = None,
+              max_body_bytes: int = MAX_BODY_BYTES):
     """A FastAPI app serving `target` (a zoo name, path or loaded model) with OpenAI's API.
 
     draft / drafter / draft_len: as for `verispec.generate` (drafter "none" serves plain decoding);
     draft_len is an int >= 1, "auto" or "tree". api_key: when set, /v1/* needs `Authorization: Bearer KEY`.
     max_batch: most sequences decoded at once; max_queue: most sequences waiting for a row (a request
     beyond it gets a 503). draft_dtype: "fp32", "bf16", "int8" or "int4" (weight-only), the draft model's
-    matrices on the native backend. The models load now; the worker starts with the app.
+    matrices on the native backend. max_body_bytes: largest request body read (larger ones get a 413).
+    The models load now; the worker starts with the app.
     """
-    for option, value, low in (("max_batch", max_batch, 1), ("max_queue", max_queue, 0)):
+    for option, value, low in (("max_batch", max_batch, 1), ("max_queue", max_queue, 0), ("max_body_bytes", max_body_bytes, 1)):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise VerispecError(f"{option} must be an integer >= {low}, got {value!r}")
     if draft_dtype not in DRAFT_DTYPES:
@@ -239,12 +265,11 @@ def build_app(target, draft=None, drafter: str = "auto", draft_len: DraftLen | i
         raise VerispecError(f"{target_model.name} has no tokenizer: the server needs one to read and write text")
     drafter = resolve_drafter(target_model, draft_model, drafter)  # a server makes many calls: "auto" may make a self copy
     make_drafter(target_model, draft_model, drafter)  # fails now on a bad choice (unknown name, vocabularies differ)
-    logging.getLogger(__name__).info("drafter: %s", drafter)
+    log.info("drafter: %s", drafter)
     speculative = drafter != "none"
     name = model_name or (target if isinstance(target, str) else target_model.name)
     config = ServerConfig(target_model, name, draft_len if speculative else None)
     tokenizer = LockedTokenizer(target_model.tokenizer)
-    metrics = Metrics()
     stats = SpecStats()
     scheduler = Scheduler(
         target_model,
@@ -254,6 +279,7 @@ def build_app(target, draft=None, drafter: str = "auto", draft_len: DraftLen | i
         stats=stats,
         on_admit=lambda job: metrics.count_admitted(len(job.request.prompt), job.request.sampling.lossy),
     )
+    metrics = Metrics(name, stats, scheduler)  # on_admit above reaches it once the worker starts
     created = int(time.time())
 
     @asynccontextmanager
@@ -298,7 +324,7 @@ def build_app(target, draft=None, drafter: str = "auto", draft_len: DraftLen | i
 
     @app.get("/metrics")
     async def prometheus():
-        return PlainTextResponse(metrics.render(stats, scheduler), media_type="text/plain; version=0.0.4; charset=utf-8")
+        return Response(metrics.render(), media_type=METRICS_CONTENT_TYPE)
 
     @app.get("/v1/models")
     async def models(request: Request):
@@ -306,26 +332,127 @@ def build_app(target, draft=None, drafter: str = "auto", draft_len: DraftLen | i
             check_key(request)
         except ApiError as error:
             return error_response(error)
-        return {"object": "list", "data": [{"id": name, "object": "model", "created": created, "owned_by": "verispec"}]}
+        return {"object": "list", "data": [model_card()]}
+
+    def model_card() -> dict:
+        return {"id": name, "object": "model", "created": created, "owned_by": "verispec", "max_model_len": target_model.max_context}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str, request: Request):
+        try:
+            check_key(request)
+            if model_id != name:
+                raise ApiError(404, f"the model {show(model_id)} does not exist: this server serves {name!r}",
+                               param="model", code="model_not_found")
+        except ApiError as error:
+            return error_response(error)
+        return model_card()
+
+    @app.get("/version")
+    async def version():
+        return {"version": verispec.__version__}
+
+    async def tokenizer_call(request: Request, work: Callable[[dict], dict]):
+        """/tokenize and /detokenize (vLLM's and llama-server's): the body parsed and the work done on a thread."""
+        try:
+            check_key(request)
+            raw = await read_body(request)
+
+            def run() -> dict:
+                body = parse_json(raw)
+                if not isinstance(body, dict):
+                    raise ApiError(400, "the request body must be a JSON object", code="invalid_body")
+                return work(body)
+
+            return await asyncio.to_thread(run)
+        except ApiError as error:
+            return error_response(error)
+
+    def tokenize_body(body: dict) -> dict:
+        if "messages" in body:
+            ids = encode_chat(tokenizer, chat_messages(body["messages"]))
+        elif isinstance(body.get("prompt"), str):
+            check_text_fits(tokenizer, body["prompt"], 2 * target_model.max_context, "prompt")
+            ids = list(tokenizer(body["prompt"], add_special_tokens=body.get("add_special_tokens", True) is not False)["input_ids"])
+        else:
+            raise ApiError(400, "give prompt (text) or messages", param="prompt", code="missing_parameter")
+        return {"tokens": ids, "count": len(ids), "max_model_len": target_model.max_context}
+
+    def detokenize_body(body: dict) -> dict:
+        ids = body.get("tokens")
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < target_model.vocab_size
+                                                for t in ids):
+            raise ApiError(400, f"tokens must be a list of token ids in [0, {target_model.vocab_size})", param="tokens",
+                           code="invalid_value")
+        return {"prompt": tokenizer.decode(ids)}
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        return await tokenizer_call(request, tokenize_body)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        return await tokenizer_call(request, detokenize_body)
+
+    async def read_body(request: Request) -> bytes:
+        """The body, refused with a 413 once it passes max_body_bytes (before reading it, if it says its length)."""
+        too_large = ApiError(413, f"the request body is larger than this server's limit of {max_body_bytes} bytes: "
+                                  "shorten the prompt (or start the server with a larger --max-body-mb)", code="request_too_large")
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > max_body_bytes:
+            raise too_large
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_body_bytes:
+                raise too_large
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def parse(raw: bytes, endpoint: Endpoint) -> Spec:
+        """Body bytes -> a checked Spec; runs on a thread, since tokenizing a long prompt takes a while."""
+        return endpoint.parse(parse_json(raw), config, tokenizer)
+
+    def parse_json(raw: bytes) -> Any:
+        """Body bytes -> JSON that is also valid text throughout, or a 400."""
+        try:
+            body = json.loads(raw)
+        except RecursionError as exc:
+            raise ApiError(400, "the request body nests JSON too deeply", code="invalid_json") from exc
+        except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError, and integers of more than 4300 digits
+            raise ApiError(400, f"the request body is not valid JSON: {str(exc)[:200]}", code="invalid_json") from exc
+        try:  # a lone UTF-16 surrogate ("\ud800") is valid JSON but not text any tokenizer can read
+            json.dumps(body, ensure_ascii=False).encode()
+        except UnicodeEncodeError as exc:
+            raise ApiError(400, "the request body holds a lone UTF-16 surrogate (an invalid \\u escape): send valid "
+                                "Unicode text", code="invalid_json") from exc
+        except RecursionError as exc:
+            raise ApiError(400, "the request body nests JSON too deeply", code="invalid_json") from exc
+        return body
 
     async def generate(request: Request, endpoint: Endpoint):
         status = 200
         try:
             check_key(request)
+            spec = await asyncio.to_thread(parse, await read_body(request), endpoint)
+            if spec.ignored:
+                log.warning("%s: ignored fields this server does not know: %s", endpoint.path, ", ".join(spec.ignored[:10]))
+            headers = {"X-Verispec-Ignored-Fields": ",".join(spec.ignored[:10])[:200]} if spec.ignored else None
+            generation = Generation(spec, tokenizer, asyncio.get_running_loop(), metrics.observe_delivery_gap)
+            jobs = [c.job for c in generation.choices]
+            capacity = scheduler.max_batch + scheduler.max_queue
+            if len(jobs) > capacity:  # would get a 503 for ever: retrying cannot help
+                raise ApiError(400, f"the request asks for {len(jobs)} sequences but this server holds at most {capacity} "
+                                    "running and waiting: ask for fewer prompts or a smaller n", param="n", code="invalid_value")
             try:
-                body = json.loads(await request.body())
-            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                raise ApiError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from exc
-            spec = endpoint.parse(body, config, tokenizer)
-            generation = Generation(spec, tokenizer, asyncio.get_running_loop())
-            try:
-                scheduler.submit([c.job for c in generation.choices])
+                scheduler.submit(jobs)
             except QueueFull as exc:
                 raise ApiError(503, f"the server is busy: {exc}. Retry later.", code="server_busy") from exc
             if spec.stream:
-                return EventStream(stream(generation, endpoint), on_close=lambda: release(generation))
+                status = None  # counted by the stream, with the status it ends with
+                return EventStream(stream(generation, endpoint), on_close=lambda: close_stream(generation, endpoint), headers=headers)
             try:
-                return JSONResponse(await complete(generation, endpoint, request))
+                return JSONResponse(await complete(generation, endpoint, request), headers=headers)
             finally:
                 release(generation)
         except ApiError as error:
@@ -334,13 +461,18 @@ def build_app(target, draft=None, drafter: str = "auto", draft_len: DraftLen | i
         except asyncio.CancelledError:
             status = 499  # the client went away (nginx's code for it)
             raise
+        except Exception:  # a bug in handling this request: its 500, not the server's
+            log.exception("handling a request to %s failed", endpoint.path)
+            status = 500
+            return error_response(ApiError(500, "internal error while handling the request", code="internal_error"))
         finally:
-            metrics.count_request(endpoint.path, status)
+            if status is not None:
+                metrics.count_request(endpoint.path, status)
 
     async def complete(generation: Generation, endpoint: Endpoint, request: Request) -> dict:
         async for _ in generation.updates(is_disconnected=request.is_disconnected):
             pass
-        metrics.observe(endpoint.path, *generation.timings())
+        metrics.observe(endpoint.path, *generation.timings(), *generation.outcome())
         choices = [endpoint.choice(c, final_text(tokenizer, c.tokens, generation.spec.stop)) for c in generation.choices]
         return {"id": endpoint.id_prefix + uuid.uuid4().hex, "object": endpoint.object, "created": int(time.time()),
                 "model": name, "choices": choices, "usage": generation.usage()}
@@ -348,6 +480,7 @@ def build_app(target, draft=None, drafter: str = "auto", draft_len: DraftLen | i
     async def stream(generation: Generation, endpoint: Endpoint) -> AsyncIterator[str]:
         head = {"id": endpoint.id_prefix + uuid.uuid4().hex, "object": endpoint.chunk_object, "created": int(time.time()), "model": name}
         sse = lambda payload: f"data: {json.dumps(payload)}\n\n"
+        status = 499  # unless it ends otherwise: the client went away and Starlette cancelled this generator
         try:
             if endpoint.chat:
                 yield sse({**head, "choices": [endpoint.chunk_choice(c, None, None) for c in generation.choices]})
@@ -357,13 +490,29 @@ def build_app(target, draft=None, drafter: str = "auto", draft_len: DraftLen | i
                     yield sse({**head, "choices": [endpoint.chunk_choice(choice, delta, choice.finish_reason)]})
             if generation.spec.include_usage:
                 yield sse({**head, "choices": [], "usage": generation.usage()})
+            status = 200
             yield "data: [DONE]\n\n"
-            metrics.observe(endpoint.path, *generation.timings())
+            metrics.observe(endpoint.path, *generation.timings(), *generation.outcome())
         except ApiError as error:
+            status = error.status
             yield sse(error.body())
             yield "data: [DONE]\n\n"
+        except Exception:
+            log.exception("streaming a response of %s failed", endpoint.path)
+            status = 500
+            yield sse(ApiError(500, "internal error while streaming the response", code="internal_error").body())
+            yield "data: [DONE]\n\n"
         finally:
+            metrics.count_request(endpoint.path, status)
+            generation.counted = True
             release(generation)
+
+    def close_stream(generation: Generation, endpoint: Endpoint) -> None:
+        """The stream's response is over; one whose body never started (the client left first) is a 499."""
+        release(generation)
+        if not generation.counted:
+            generation.counted = True
+            metrics.count_request(endpoint.path, 499)
 
     completions_endpoint = Endpoint("/v1/completions", parse_completion, chat=False)
     chat_endpoint = Endpoint("/v1/chat/completions", parse_chat, chat=True)
@@ -401,11 +550,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-batch", type=int, default=8, help="most sequences decoded at once (default: %(default)s)")
     parser.add_argument("--max-queue", type=int, default=256,
                         help="most sequences waiting for a free row; beyond it requests get 503 (default: %(default)s)")
+    parser.add_argument("--max-body-mb", type=float, default=MAX_BODY_BYTES / 2**20,
+                        help="largest request body read, in MiB; larger ones get 413 (default: %(default)s)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(name)s: %(message)s")
     try:
         serve(args.target, host=args.host, port=args.port, draft=args.draft, draft_dtype=args.draft_dtype, drafter=args.drafter,
-              draft_len=args.draft_len, api_key=args.api_key, max_batch=args.max_batch, max_queue=args.max_queue)
+              draft_len=args.draft_len, api_key=args.api_key, max_batch=args.max_batch, max_queue=args.max_queue,
+              max_body_bytes=max(1, int(args.max_body_mb * 2**20)))
     except VerispecError as exc:
         parser.exit(2, f"verispec serve: error: {exc}\n")
 

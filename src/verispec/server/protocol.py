@@ -1,7 +1,11 @@
-"""Reading OpenAI request bodies: every field is honoured or refused with a 400 that names it.
+"""Reading OpenAI request bodies: every known field is honoured or refused with a 400 that names it.
 
-Errors take OpenAI's shape, {"error": {"message", "type", "param", "code"}}. Turns a body into a
-checked `Spec` (token ids, sampling, stop sequences, draft setting); knows nothing about decoding.
+Errors take OpenAI's shape, {"error": {"message", "type", "param", "code"}}, and quote a caller's value
+only in short (`show`): a 1 MB value does not come back inside its 400. Fields this server does not
+know (`metadata`, `store`, ...) are ignored, as vLLM does, and listed in `Spec.ignored` so the caller
+can be told; fields it knows but cannot honour yet (penalties, log probabilities, tools) are refused,
+since ignoring them would silently change the answer. Turns a body into a checked `Spec` (token ids,
+sampling, stop sequences, draft setting); knows nothing about decoding.
 """
 
 from __future__ import annotations
@@ -19,6 +23,16 @@ from verispec.text import encode_chat
 MAX_DRAFT_LEN = 16  # largest per-request draft_len: each distinct value is a lane of its own
 MAX_CHOICES = 16  # most sequences (prompts x n) one HTTP request may ask for
 MAX_STOP = 4  # stop sequences per request, as in OpenAI's API
+SHOWN_CHARS = 60  # most characters of a caller's value quoted back in an error message
+# Text past this many characters per token of context is too long unless its tokens average more
+# characters than that; only such text is checked by tokenizing a prefix first (`check_text_fits`).
+CHARS_PER_TOKEN_BOUND = 32
+
+
+def show(value: Any) -> str:
+    """A caller's value for an error message: its repr, cut to SHOWN_CHARS."""
+    text = repr(value) if not isinstance(value, (list, dict)) or len(value) < 100 else f"<{type(value).__name__} of {len(value)} items>"
+    return text if len(text) <= SHOWN_CHARS else text[: SHOWN_CHARS - 3] + "..."
 
 
 class ApiError(Exception):
@@ -42,10 +56,7 @@ class Fields:
     def __init__(self, body: Any, allowed: set[str]):
         if not isinstance(body, dict):
             raise ApiError(400, f"the request body must be a JSON object, got {type(body).__name__}", code="invalid_body")
-        unknown = sorted(set(body) - allowed)
-        if unknown:
-            raise ApiError(400, f"unknown parameter {unknown[0]!r}: this server accepts {', '.join(sorted(allowed))}",
-                           param=unknown[0], code="unknown_parameter")
+        self.ignored = sorted(set(body) - allowed)  # unknown fields: not read, reported back
         self.body = body
 
     def get(self, name: str, default=None):
@@ -57,7 +68,7 @@ class Fields:
         if value is None:
             return None
         if isinstance(value, bool) or not isinstance(value, int):
-            raise ApiError(400, f"{name} must be an integer, got {value!r}", param=name, code="invalid_type")
+            raise ApiError(400, f"{name} must be an integer, got {show(value)}", param=name, code="invalid_type")
         if value < low or (high is not None and value > high):
             bounds = f">= {low}" if high is None else f"between {low} and {high}"
             raise ApiError(400, f"{name} must be {bounds}, got {value}", param=name, code="invalid_value")
@@ -66,7 +77,7 @@ class Fields:
     def number(self, name: str, default: float, low: float, high: float, low_open: bool = False, high_open: bool = False) -> float:
         value = self.get(name, default)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ApiError(400, f"{name} must be a number, got {value!r}", param=name, code="invalid_type")
+            raise ApiError(400, f"{name} must be a number, got {show(value)}", param=name, code="invalid_type")
         if not (low < value if low_open else low <= value) or not (value < high if high_open else value <= high):
             if low_open or high_open:
                 bounds = f"in {'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
@@ -78,7 +89,7 @@ class Fields:
     def boolean(self, name: str, default: bool) -> bool:
         value = self.get(name, default)
         if not isinstance(value, bool):
-            raise ApiError(400, f"{name} must be true or false, got {value!r}", param=name, code="invalid_type")
+            raise ApiError(400, f"{name} must be true or false, got {show(value)}", param=name, code="invalid_type")
         return value
 
     def only_default(self, name: str, *defaults, why: str = "is not supported by this server") -> None:
@@ -86,12 +97,12 @@ class Fields:
         value = self.body.get(name)
         if value is None or any(type(value) is type(d) and value == d for d in defaults):
             return
-        raise ApiError(400, f"{name}={value!r} {why}", param=name, code="unsupported_parameter")
+        raise ApiError(400, f"{name}={show(value)} {why}", param=name, code="unsupported_parameter")
 
 
 COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "n", "stream", "stream_options", "stop", "seed",
-                 "user", "presence_penalty", "frequency_penalty", "logit_bias", "logprobs", "draft_len", "speculate",
-                 "coupled", "blockwise", "typical_acceptance"}
+                 "user", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens", "logit_bias",
+                 "logprobs", "draft_len", "speculate", "coupled", "blockwise", "typical_acceptance"}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "suffix", "best_of"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "functions",
                                "function_call", "response_format", "parallel_tool_calls"}
@@ -109,6 +120,7 @@ class Spec:
     draft: DraftSetting
     stream: bool
     include_usage: bool
+    ignored: list[str]  # fields of the body this server does not know, and did not read
 
 
 @dataclass
@@ -123,11 +135,14 @@ def parse_common(fields: Fields, config: ServerConfig, prompts: list[list[int]],
     """Everything the two endpoints share. default_max_tokens None = up to the context."""
     model = fields.body.get("model")
     if model is not None and model != config.model_name:
-        raise ApiError(404, f"the model {model!r} does not exist: this server serves {config.model_name!r}",
+        raise ApiError(404, f"the model {show(model)} does not exist: this server serves {config.model_name!r}",
                        param="model", code="model_not_found")
     fields.only_default("presence_penalty", 0, 0.0)
     fields.only_default("frequency_penalty", 0, 0.0)
     fields.only_default("logit_bias", {})
+    fields.only_default("repetition_penalty", 1, 1.0)
+    fields.only_default("min_p", 0, 0.0)
+    fields.only_default("min_tokens", 0)
 
     stream = fields.boolean("stream", False)
     options = fields.body.get("stream_options")
@@ -165,7 +180,7 @@ def parse_common(fields: Fields, config: ServerConfig, prompts: list[list[int]],
     if isinstance(stop, str):
         stop = [stop]
     if stop is not None and (not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop)):
-        raise ApiError(400, f"stop must be a non-empty string or a list of them, got {stop!r}", param="stop", code="invalid_value")
+        raise ApiError(400, f"stop must be a non-empty string or a list of them, got {show(stop)}", param="stop", code="invalid_value")
     if stop is not None and len(stop) > MAX_STOP:
         raise ApiError(400, f"stop takes at most {MAX_STOP} sequences, got {len(stop)}", param="stop", code="invalid_value")
 
@@ -189,7 +204,7 @@ def parse_common(fields: Fields, config: ServerConfig, prompts: list[list[int]],
                            param="max_tokens", code="context_length_exceeded")
         budgets.append(budget)
 
-    return Spec(prompts, budgets, n, sampling, stop or [], parse_draft(fields, config), stream, include_usage)
+    return Spec(prompts, budgets, n, sampling, stop or [], parse_draft(fields, config), stream, include_usage, fields.ignored)
 
 
 def parse_draft(fields: Fields, config: ServerConfig) -> DraftSetting:
@@ -200,8 +215,9 @@ def parse_draft(fields: Fields, config: ServerConfig) -> DraftSetting:
     if draft_len is not None:
         try:
             draft_len = DraftLen.parse(draft_len, most=MAX_DRAFT_LEN)
-        except VerispecError as exc:
-            raise ApiError(400, str(exc), param="draft_len", code="invalid_value") from None
+        except VerispecError:
+            raise ApiError(400, f"draft_len must be an integer 1-{MAX_DRAFT_LEN}, 'auto' or 'tree', got {show(draft_len)}",
+                           param="draft_len", code="invalid_value") from None
     if config.draft_len is None:
         if fields.body.get("speculate") is True or draft_len is not None:
             param = "draft_len" if draft_len is not None else "speculate"
@@ -220,12 +236,12 @@ def parse_completion(body: Any, config: ServerConfig, tokenizer) -> Spec:
     fields.only_default("echo", False)
     fields.only_default("suffix", "")
     fields.only_default("best_of", 1)
-    prompts = completion_prompts(fields.body.get("prompt"), tokenizer)
+    prompts = completion_prompts(fields.body.get("prompt"), tokenizer, config.target.max_context)
     max_tokens = fields.integer("max_tokens", None, 1)
     return parse_common(fields, config, prompts, "prompt", max_tokens, default_max_tokens=16)
 
 
-def completion_prompts(prompt: Any, tokenizer) -> list[list[int]]:
+def completion_prompts(prompt: Any, tokenizer, context: int) -> list[list[int]]:
     """prompt: text, token ids, or a list of either -> token ids per prompt."""
     def is_ids(x):
         return isinstance(x, list) and x and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
@@ -243,9 +259,20 @@ def completion_prompts(prompt: Any, tokenizer) -> list[list[int]]:
         if isinstance(p, str):
             if not p:
                 raise ApiError(400, "the prompt is empty text", param="prompt", code="invalid_value")
+            check_text_fits(tokenizer, p, context, "prompt")
             p = list(tokenizer(p)["input_ids"])
         out.append(p)
     return out
+
+
+def check_text_fits(tokenizer, text: str, context: int, param: str) -> None:
+    """Refuse text whose tokens cannot fit in the context, without tokenizing all of a huge text: past
+    CHARS_PER_TOKEN_BOUND characters per token of context, its first that many characters are tokenized,
+    and if they alone fill the context (with a margin for the tokens a cut can merge), so would the whole."""
+    head = context * CHARS_PER_TOKEN_BOUND
+    if len(text) > head and len(tokenizer(text[:head])["input_ids"]) > context + 8:
+        raise ApiError(400, f"the {param} has {len(text)} characters, more tokens than the model's context window of {context} "
+                            "holds: shorten it", param=param, code="context_length_exceeded")
 
 
 def parse_chat(body: Any, config: ServerConfig, tokenizer) -> Spec:
@@ -265,7 +292,9 @@ def parse_chat(body: Any, config: ServerConfig, tokenizer) -> Spec:
         max_tokens = fields.integer("max_completion_tokens", None, 1)
     if not getattr(tokenizer, "chat_template", None):
         raise ApiError(400, f"{config.model_name} has no chat template: use /v1/completions", param="messages", code="unsupported_model")
-    ids = encode_chat(tokenizer, chat_messages(fields.body.get("messages")))
+    messages = chat_messages(fields.body.get("messages"))
+    check_text_fits(tokenizer, "".join(m["content"] for m in messages), config.target.max_context, "messages")
+    ids = encode_chat(tokenizer, messages)
     return parse_common(fields, config, [ids], "messages", max_tokens, default_max_tokens=None)
 
 
@@ -282,7 +311,7 @@ def chat_messages(messages: Any) -> list[dict]:
         role, content = message.get("role"), message.get("content")
         role = "system" if role == "developer" else role
         if role not in ("system", "user", "assistant"):
-            raise ApiError(400, f"{param}.role must be system, developer, user or assistant, got {role!r}", param=f"{param}.role", code="invalid_value")
+            raise ApiError(400, f"{param}.role must be system, developer, user or assistant, got {show(role)}", param=f"{param}.role", code="invalid_value")
         if isinstance(content, list):
             if not all(isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str) for part in content):
                 raise ApiError(400, f"{param}.content: only text parts are supported", param=f"{param}.content", code="invalid_value")
@@ -291,7 +320,7 @@ def chat_messages(messages: Any) -> list[dict]:
             raise ApiError(400, f"{param}.content must be a string or a list of text parts", param=f"{param}.content", code="invalid_type")
         extra = set(message) - {"role", "content", "name"}
         if extra:
-            raise ApiError(400, f"{param} has fields this server does not support: {sorted(extra)}", param=param, code="unsupported_parameter")
+            raise ApiError(400, f"{param} has fields this server does not support: {show(sorted(extra))}", param=param, code="unsupported_parameter")
         out.append({"role": role, "content": content})
     return out
 

@@ -142,6 +142,7 @@ class Scheduler:
         self.waiting: list[Job] = []
         self.lanes: list[Lane] = []
         self.step_failures = 0
+        self.failed: dict[int, int] = defaultdict(int)  # JobFailed status -> sequences failed with it
         self.rejected = 0  # jobs refused by submit() because the queue was full
         self._in_flight: set[int] = set()  # ids of jobs submitted and not yet finished, failed or cancelled
         self._in_flight_lock = threading.Lock()
@@ -205,6 +206,8 @@ class Scheduler:
     def _finish(self, job: Job, item: TokenEvent | JobFailed) -> None:
         """Deliver a job's last item; it no longer counts against the queue limit."""
         self._release([job.id])
+        if isinstance(item, JobFailed):
+            self.failed[item.status] += 1
         job.deliver(item)
 
     def _release(self, job_ids) -> None:
@@ -231,8 +234,15 @@ class Scheduler:
         self.waiting = [job for job in self.waiting if job.id not in job_ids]
         for lane in self.lanes:
             for job_id in job_ids & lane.jobs.keys():
-                lane.batch.remove(job_id)  # frees the row's slot now, not when it would have finished
                 del lane.jobs[job_id]
+                try:
+                    lane.batch.remove(job_id)  # frees the row's slot now, not when it would have finished
+                except Exception:
+                    # The batch may be half-updated: its other rows fail, the other lanes go on.
+                    log.exception("removing a cancelled row failed for a batch of %d", len(lane.jobs) + 1)
+                    self.step_failures += 1
+                    self._fail_lane(lane, "internal error while removing another request from this batch")
+                    break
         # An emptied DecodeBatch keeps stale slot bookkeeping (its KV store forgets its slots, the SlotCache
         # does not), so a request must never join one: drop empty lanes before the next admission.
         self.lanes = [lane for lane in self.lanes if lane.jobs]

@@ -1,0 +1,92 @@
+/* What the kernel sources share: layout constants, the jobs handed to the thread pool, and the
+ * functions one source calls in another. Functions marked per ISA exist twice, NAME_512 and
+ * NAME_256: their source is compiled once per ISA (see simd.h). Everything here is internal to the
+ * library (built with -fvisibility=hidden); the entry points Python calls are in kernels.h. */
+#ifndef VS_COMMON_H
+#define VS_COMMON_H
+
+#include <immintrin.h>
+#include <math.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "formats.h"
+
+/* Built with -ffp-contract=off: the compiler never fuses a*b+c by itself, so scalar code rounds
+ * exactly as written and only the explicit fmadd intrinsics fuse. */
+
+#define NR 4           /* weight rows per linear tile */
+#define KBLOCK 512     /* k per pass of the row tiles: 4 weight rows + 6 activation rows = 20 KB, in L1 */
+#define I4GROUP 64     /* int4 weights per scale, along k */
+#define I4MAXSHRINKS 16  /* most candidate scales per int4 group (Int4Matrix.SHRINKS) */
+#define SLOT_BLOCK 16  /* slots per key block: keys are [capacity / 16, D, 16] per (row, kv head) */
+#define MAX_GROUP 4    /* matrices per grouped product (a layer's q, k, v; gate and up) */
+#define PNR 16         /* output rows per panel (PanelMatrix) */
+#define PKC 256        /* k per panel block: a panel's block is 16 KB; the blocked GEMM's GKC, for the same sums */
+
+/* ======== the thread pool (pool.c) ======== */
+typedef void (*range_fn)(const void *job, int64_t begin, int64_t end);
+/* fn(job, begin, end) over [0, total) in chunks of `grain`, on up to `threads` threads (caller included). */
+void parallel_for(range_fn fn, const void *job, int64_t total, int64_t grain, int threads);
+/* `count` jobs of one range function as one parallel_for over all their tiles (tiles[i] for job i);
+ * `work` (multiply-adds) decides whether waking other threads pays. */
+void run_group(range_fn fn, const void *const *jobs, const int64_t *tiles, int count, int64_t work, int threads);
+
+/* ======== jobs ======== */
+/* One linear product. s: one scale per weight row for int8 weights (w[n, k] = q[n, k] * s[n]), the
+ * group scales for int4 and k-quant weights, else unused. */
+typedef struct { const float *x; const void *w; const float *s; const float *b; float *y; int64_t M, N, K; } linear_job;
+
+/* Int4 quantization of rows of w (see int4_quantize_rows in int4.c). */
+typedef struct { const float *w; uint8_t *packed; float *scale; const float *shrinks; int64_t K; int count; } quantize_job;
+
+typedef struct {
+    const float *q, *kc, *vc; const uint8_t *vis, *tree; float *out;
+    int64_t B, T, H, KVH, D, cap, vis_stride, start; float scale; _Atomic int failed;
+} attention_job;
+
+/* ======== per ISA: compiled from the vector sources once per ISA ======== */
+#define VS_PER_ISA(ret, name, params) ret name##_512 params; ret name##_256 params;
+/* linear.c: weight-row tiles [begin, end) of a linear_job; the last N % NR rows one at a time (edge) */
+VS_PER_ISA(void, linear_range_f32, (const void *job, int64_t begin, int64_t end))
+VS_PER_ISA(void, linear_range_bf16, (const void *job, int64_t begin, int64_t end))
+VS_PER_ISA(void, linear_range_i8, (const void *job, int64_t begin, int64_t end))
+VS_PER_ISA(void, linear_edge_f32, (const float *x, const float *w, const float *s, const float *b, float *y,
+                                   int64_t M, int64_t N, int64_t K))
+VS_PER_ISA(void, linear_edge_bf16, (const float *x, const uint16_t *w, const float *s, const float *b, float *y,
+                                    int64_t M, int64_t N, int64_t K))
+VS_PER_ISA(void, linear_edge_i8, (const float *x, const int8_t *w, const float *s, const float *b, float *y,
+                                  int64_t M, int64_t N, int64_t K))
+/* int4.c */
+VS_PER_ISA(void, linear_range_i4, (const void *job, int64_t begin, int64_t end))
+VS_PER_ISA(void, linear_edge_i4, (const float *x, const uint8_t *w, const float *s, const float *b, float *y,
+                                  int64_t M, int64_t N, int64_t K))
+VS_PER_ISA(void, int4_quantize_rows, (const void *job, int64_t begin, int64_t end))
+/* exact.c */
+VS_PER_ISA(void, linear_range_q4k, (const void *job, int64_t begin, int64_t end))
+VS_PER_ISA(void, linear_range_q6k, (const void *job, int64_t begin, int64_t end))
+/* norms.c */
+VS_PER_ISA(void, silu_mul_isa, (float *gate, const float *up, int64_t n))
+VS_PER_ISA(void, rms_norm_isa, (float *x, const float *delta, const float *w, float *out, int64_t M, int64_t D, float eps))
+/* attention.c: (batch row, kv head) pairs [begin, end) of an attention_job */
+VS_PER_ISA(void, attention_range, (const void *job, int64_t begin, int64_t end))
+#undef VS_PER_ISA
+
+/* ======== one ISA whatever the caller's ======== */
+/* kquant.c (AVX2+FMA): exact k-quant rows widened to float32 */
+typedef void (*widen_fn)(const void *w, const float *s, int64_t K, int rows, int64_t k0, int64_t k1, float *out, int ahead);
+void widen_q4k(const void *w, const float *sm, int64_t K, int rows, int64_t k0, int64_t k1, float *out, int ahead);
+void widen_q6k(const void *w, const float *s, int64_t K, int rows, int64_t k0, int64_t k1, float *out, int ahead);
+/* int4_vnni.c (AVX-512 VNNI) and int4_avx2.c (AVX2): int4 weights x int8-rounded activations.
+ * 1 on success, 0 when scratch memory ran out. */
+int linear_vnni_group(const float *x, int count, const uint8_t *const *w, const float *const *s, const float *const *b,
+                      float *const *y, const int64_t *N, int64_t M, int64_t K, int threads);
+int linear_q8avx2(const float *x, int count, const uint8_t *const *w, const float *const *s, const float *const *b,
+                  float *const *y, const int64_t *N, int64_t M, int64_t K, int threads);
+/* panels.c (AVX2+FMA). 0, or -1 when scratch memory is short. */
+int panel_linear_group(const float *x, int count, const void *const *w, const float *const *b, float *const *y,
+                       const int64_t *N, int64_t M, int64_t K, int threads);
+
+#endif

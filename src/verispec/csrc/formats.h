@@ -1,0 +1,26 @@
+/* Weight formats of a linear product: the one list that C and Python share.
+ * Python (verispec.models.kernels.abi) reads the enumerators below from this file at import, so
+ * keep one `VS_NAME = number,` per line. */
+#ifndef VS_FORMATS_H
+#define VS_FORMATS_H
+
+enum vs_format {
+    VS_F32 = 0,        /* float32 [N, K] */
+    VS_BF16 = 1,       /* bfloat16 [N, K] (stored as uint16; converted exactly, accumulated in float32) */
+    VS_INT8 = 2,       /* int8 [N, K], a float32 scale per row in s (accumulated in float32, scaled once at the end) */
+    VS_INT4 = 3,       /* int4 codes [N, K / 2] in groups of I4GROUP along k, a float32 scale per group in s [N, K / I4GROUP] */
+    VS_INT4_VNNI = 4,  /* the same int4 matrices, activations rounded to int8 per group (AVX-512 VNNI) */
+    VS_INT4_AVX2 = 5,  /* the same on AVX2 (byte products through vpmaddubsw) */
+    VS_Q4K = 6,        /* exact Q4_K blocks (see widen_q4k; s holds their scales and mins) */
+    VS_Q6K = 7,        /* exact Q6_K blocks (see widen_q6k; s holds their scales) */
+    VS_PANELS = 8,     /* float32 in 16-row panels (see panel_linear_group; AVX2+FMA whatever the ISA) */
+};
+
+/* How blocked_linear_group (prefill) reads one matrix of its group. */
+enum vs_blocked_kind {
+    VS_BLOCKED_F32 = 0,     /* float32 [N, K], packed into panels as it streams */
+    VS_BLOCKED_INT4 = 1,    /* the VS_INT4 layout, widened to float32 as its panels are packed */
+    VS_BLOCKED_PANELS = 2,  /* float32 already in the GEMM's panels, [ceil(N / 16)][K][16] (VS_PANELS): read in place */
+};
+
+#endif

@@ -1,0 +1,110 @@
+/* ======== a small thread pool that never waits for a thread that has not started ========
+ * OpenMP's fork/join makes every parallel region wait at a barrier for all its threads. On a
+ * machine shared with other busy processes (2 cores here), a descheduled OpenMP thread costs the
+ * region a scheduler time slice, and a forward pass has ~250 regions: measured 8x slower than one
+ * thread. Here the caller claims chunks of the range like any worker, and waits only for chunks a
+ * worker has actually claimed; a worker that wakes late finds nothing left. Workers spin briefly
+ * between jobs (a pass issues them back to back), then sleep. */
+#include <pthread.h>
+#include <sched.h>
+
+#include "common.h"
+
+#define TAG_SHIFT 40  /* pool_next = job tag << 40 | next index: a late worker cannot claim a newer job's chunks */
+static pthread_mutex_t pool_lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t pool_wake = PTHREAD_COND_INITIALIZER;
+static int pool_workers = 0;
+static _Atomic uint64_t pool_generation = 0;
+static _Atomic uint64_t pool_next = 0;
+static _Atomic int64_t pool_done = 0;
+static range_fn pool_fn;
+static const void *pool_job;
+static int64_t pool_total, pool_grain;
+static int pool_helpers;
+static _Atomic int pool_busy = 0;  /* ctypes drops the GIL: a second caller thread runs its job alone */
+
+static void run_ranges(uint64_t generation, range_fn fn, const void *job, int64_t total, int64_t grain)
+{
+    const uint64_t tag = generation & 0xFFFFFF;
+    for (;;) {
+        uint64_t current = atomic_load(&pool_next);
+        if ((current >> TAG_SHIFT) != tag) return;
+        const int64_t begin = (int64_t)(current & ((1ull << TAG_SHIFT) - 1));
+        if (begin >= total) return;
+        const int64_t end = begin + grain < total ? begin + grain : total;
+        if (!atomic_compare_exchange_weak(&pool_next, &current, (tag << TAG_SHIFT) | (uint64_t)end)) continue;
+        fn(job, begin, end);
+        atomic_fetch_add(&pool_done, end - begin);
+    }
+}
+
+static void *pool_worker(void *arg)
+{
+    const int index = (int)(intptr_t)arg;
+    uint64_t seen = 0;
+    for (;;) {
+        for (int spin = 0; spin < 4000 && atomic_load(&pool_generation) == seen; spin++) _mm_pause();
+        pthread_mutex_lock(&pool_lock);
+        while (atomic_load(&pool_generation) == seen) pthread_cond_wait(&pool_wake, &pool_lock);
+        seen = atomic_load(&pool_generation);
+        const range_fn fn = pool_fn;
+        const void *job = pool_job;
+        const int64_t total = pool_total, grain = pool_grain;
+        const int helping = index < pool_helpers;
+        pthread_mutex_unlock(&pool_lock);
+        if (helping) run_ranges(seen, fn, job, total, grain);
+    }
+    return 0;
+}
+
+void parallel_for(range_fn fn, const void *job, int64_t total, int64_t grain, int threads)
+{
+    if (threads > 64) threads = 64;
+    if (threads <= 1 || total <= grain || atomic_exchange(&pool_busy, 1)) { fn(job, 0, total); return; }
+    pthread_mutex_lock(&pool_lock);
+    while (pool_workers < threads - 1) {
+        pthread_t thread;
+        if (pthread_create(&thread, 0, pool_worker, (void *)(intptr_t)pool_workers)) break;
+        pthread_detach(thread);
+        pool_workers++;
+    }
+    const uint64_t generation = atomic_load(&pool_generation) + 1;
+    pool_fn = fn; pool_job = job; pool_total = total; pool_grain = grain; pool_helpers = threads - 1;
+    atomic_store(&pool_done, 0);
+    atomic_store(&pool_next, (generation & 0xFFFFFF) << TAG_SHIFT);
+    atomic_store(&pool_generation, generation);
+    pthread_cond_broadcast(&pool_wake);
+    pthread_mutex_unlock(&pool_lock);
+    run_ranges(generation, fn, job, total, grain);
+    for (int spin = 0; atomic_load(&pool_done) < total; spin++) {
+        if (spin < 20000) _mm_pause(); else sched_yield();  /* a claimed chunk's worker may be descheduled */
+    }
+    atomic_store(&pool_busy, 0);
+}
+
+/* Several products of one x (a layer's q, k and v, or gate and up) as one job over all their weight
+ * tiles: one wake of the pool, one rounding of x. */
+typedef struct { range_fn fn; const void *jobs[MAX_GROUP]; int64_t first[MAX_GROUP + 1]; int count; } group_job;
+
+static void group_range(const void *arg, int64_t begin, int64_t end)
+{
+    const group_job *group = arg;
+    for (int i = 0; i < group->count; i++) {
+        const int64_t lo = begin > group->first[i] ? begin : group->first[i];
+        const int64_t hi = end < group->first[i + 1] ? end : group->first[i + 1];
+        if (lo < hi) group->fn(group->jobs[i], lo - group->first[i], hi - group->first[i]);
+    }
+}
+
+void run_group(range_fn fn, const void *const *jobs, const int64_t *tiles, int count, int64_t work, int threads)
+{
+    group_job group = {fn, {0}, {0}, count};
+    for (int i = 0; i < count; i++) {
+        group.jobs[i] = jobs[i];
+        group.first[i + 1] = group.first[i] + tiles[i];
+    }
+    const int64_t total = group.first[count];
+    /* ~64 chunks per call balance threads; below ~64k multiply-adds one thread is quicker than waking another */
+    const int64_t grain = work < 65536 ? total : (total + 63) / 64;
+    if (total) parallel_for(group_range, &group, total, grain > 0 ? grain : 1, threads);
+}

@@ -1,0 +1,231 @@
+"""Weight matrices in the formats the kernels read: quantized for drafts (`Int8Matrix`, `Int4Matrix`),
+exact for targets (`Q4KMatrix`, `Q6KMatrix`: GGUF k-quant blocks, bitwise the float32 matrix), and
+float32 in the blocked GEMM's panels (`PanelMatrix`). Each knows its layout and how to widen itself
+back to a dense tensor; the products live in `ops`."""
+
+from __future__ import annotations
+
+import torch
+
+from verispec.models.kernels import abi
+from verispec.models.kernels.runtime import available, check, runtime
+
+class QuantizedMatrix:
+    """Integer weight codes `values` and float32 `scale`s standing for a float matrix [N, K]; rows
+    are output features. Subclasses define the format (`quantize`, `dequantize`, `shape`, `dtype`)."""
+
+    def __init__(self, values: torch.Tensor, scale: torch.Tensor):
+        self.values, self.scale = values, scale
+        self._widened: dict[torch.dtype, torch.Tensor] = {}
+
+    @property
+    def device(self) -> torch.device:
+        return self.values.device
+
+    def is_contiguous(self) -> bool:
+        return self.values.is_contiguous() and self.scale.is_contiguous()
+
+    def __getitem__(self, rows) -> "QuantizedMatrix":
+        """A subset of output rows (e.g. a restricted vocabulary), as a new matrix."""
+        return type(self)(self.values[rows].contiguous(), self.scale[rows].contiguous())
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        raise NotImplementedError
+
+    def widened(self, dtype: torch.dtype) -> torch.Tensor:
+        """`dequantize(dtype)`, computed on the first call and kept: big passes (prefill) multiply it
+        (for a 0.5B draft, widening at every prefill cost ~1 s; the bfloat16 copy is 1 GB)."""
+        if dtype not in self._widened:
+            self._widened[dtype] = self.dequantize(dtype)
+        return self._widened[dtype]
+
+
+class Int8Matrix(QuantizedMatrix):
+    """Weight-only int8 storage: w[n, k] ~ values[n, k] * scale[n], symmetric, one scale per output row.
+
+    A quarter of float32's bytes. Only the weights are rounded (once, at load); activations stay
+    float32 and are never quantized, so each output row still depends on its own input row alone.
+    values [N, K] int8, scale [N] float32.
+    """
+
+    dtype = torch.int8
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor) -> "Int8Matrix":
+        w = weight.detach().float()
+        scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
+        values = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+        return cls(values.contiguous(), scale.contiguous())
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.values.shape
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return self.values.to(dtype) * self.scale[:, None].to(dtype)
+
+
+class Int4Matrix(QuantizedMatrix):
+    """Weight-only 4-bit storage in groups: w[n, k] ~ (values - 8) * scale[n, k // GROUP], symmetric.
+
+    Two weights per byte: byte j of a group of `GROUP` weights holds weight j (low nibble) and weight
+    j + GROUP/2 (high nibble), the layout the kernels unpack. About a seventh of float32's bytes
+    with the scales (0.5625 bytes per weight). values [N, K / 2] uint8, scale [N, K / GROUP] float32.
+    """
+
+    GROUP = abi.I4GROUP
+    dtype = torch.quint4x2  # the tag for this format: two 4-bit values per byte
+
+    # Each group's scale: of a few clipping ranges (amax/7 shrunk by up to 30%), the one with the least
+    # squared rounding error; clipping a lone outlier often serves the other 63 weights better.
+    SHRINKS = torch.linspace(1.0, 0.7, 7)  # at most abi.I4MAXSHRINKS
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor) -> "Int4Matrix":
+        n, k = weight.shape
+        if k % cls.GROUP:
+            raise ValueError(f"int4 weights need in_features divisible by {cls.GROUP}, got {k}: use int8")
+        if not available():
+            return cls.quantize_reference(weight)
+        weight = weight.detach().float().contiguous()
+        packed = torch.empty(n, k // 2, dtype=torch.uint8)
+        scale = torch.empty(n, k // cls.GROUP)
+        found = runtime()
+        if found.lib.int4_quantize(weight.data_ptr(), packed.data_ptr(), scale.data_ptr(), cls.SHRINKS.data_ptr(), n, k,
+                                   len(cls.SHRINKS), found.isa, torch.get_num_threads()):
+            raise ValueError(f"int4 quantization takes 1 to {abi.I4MAXSHRINKS} candidate scales")
+        return cls(packed, scale)
+
+    @classmethod
+    def quantize_reference(cls, weight: torch.Tensor) -> "Int4Matrix":
+        """`quantize` in PyTorch ops (where the C kernels are unavailable; the tests compare both)."""
+        n, k = weight.shape
+        groups = weight.detach().float().reshape(n, k // cls.GROUP, cls.GROUP)
+        peak = groups.abs().amax(dim=2).clamp(min=1e-12)
+        scale, best = peak / 7.0, None
+        for shrink in cls.SHRINKS.tolist():
+            candidate = peak * shrink / 7.0
+            rounded = torch.round(groups * (1.0 / candidate)[..., None]).clamp(-8, 7) * candidate[..., None]
+            error = (rounded - groups).pow(2).sum(dim=2)
+            if best is None:
+                best = error
+            else:
+                better = error < best
+                scale, best = torch.where(better, candidate, scale), torch.where(better, error, best)
+        q = (torch.round(groups * (1.0 / scale)[..., None]).clamp(-8, 7) + 8).to(torch.uint8)
+        half = cls.GROUP // 2
+        packed = q[..., :half] | (q[..., half:] << 4)
+        return cls(packed.reshape(n, k // 2).contiguous(), scale.contiguous())
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.values.shape[0], self.values.shape[1] * 2))
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        n, half = self.values.shape[0], self.GROUP // 2
+        packed = self.values.reshape(n, -1, half)
+        q = torch.cat((packed & 15, packed >> 4), dim=2).to(torch.float32) - 8
+        return (q * self.scale[..., None]).reshape(n, -1).to(dtype)
+
+
+class ExactBlocks(QuantizedMatrix):
+    """A float32 matrix kept as the GGUF k-quant blocks it was dequantized from, with the float32 matrix
+    itself (`dense`, shared, not copied) for big passes. The kernels rebuild every weight with the
+    operations of gguf's reference dequantizer, rounded alike, and then run the float32 arithmetic:
+    a product is bit for bit the float32 matrix's, from a fifth (Q4_K) to a third (Q6_K) of its bytes
+    per token. Unlike the draft formats above, a target may use these. `build` checks every weight
+    against `dense` and returns None if any bit differs."""
+
+    dtype = torch.float32  # the numbers are the float32 matrix's
+    format: abi.Format  # the C kernels' weight format
+
+    def __init__(self, values: torch.Tensor, scale: torch.Tensor, dense: torch.Tensor):
+        super().__init__(values, scale)
+        self.dense = dense
+
+    @classmethod
+    def build(cls, values: torch.Tensor, scale: torch.Tensor, dense: torch.Tensor) -> "ExactBlocks | None":
+        """The blocks as a matrix standing for `dense` [N, K], or None unless they rebuild it exactly."""
+        n, k = dense.shape
+        if k % 256 or not available():
+            return None
+        values, scale = values.contiguous(), scale.contiguous()
+        found = check(dense, scale)
+        if values.device.type != "cpu" or values.numel() * (2 if cls.format == abi.Format.Q4K else 1) != n * k or scale.numel() * 16 != n * k:
+            raise ValueError(f"blocks of {cls.__name__} do not cover a [{n}, {k}] matrix")
+        first = found.lib.exact_blocks_mismatch(values.data_ptr(), scale.data_ptr(), dense.data_ptr(), n, k, cls.format)
+        if first < 0:
+            raise MemoryError("exact_blocks_mismatch: out of memory for its scratch row")
+        return cls(values, scale, dense) if first == n else None
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.dense.shape
+
+    def __getitem__(self, rows) -> "ExactBlocks":
+        return type(self)(self.values[rows].contiguous(), self.scale[rows].contiguous(), self.dense[rows].contiguous())
+
+    def widened(self, dtype: torch.dtype) -> torch.Tensor:
+        return self.dense if dtype == torch.float32 else self.dense.to(dtype)
+
+
+class Q4KMatrix(ExactBlocks):
+    """Q4_K: codes [N, K / 2] uint8 in 64-weight groups (byte j: weight j low, weight j + 32 high, the
+    super-block order), scale [N, K / 32, 2] each 32 weights' (scale, min); w = (scale * q) - min."""
+
+    format = abi.Format.Q4K
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        n = self.values.shape[0]
+        packed = self.values.reshape(n, -1, 32)
+        q = torch.stack((packed & 15, packed >> 4), dim=2).reshape(n, -1, 32).to(torch.float32)
+        pairs = self.scale.reshape(n, -1, 2)
+        return (pairs[..., 0:1] * q - pairs[..., 1:2]).reshape(n, -1).to(dtype)
+
+
+class Q6KMatrix(ExactBlocks):
+    """Q6_K: codes [N, K] int8 in [-32, 31], scale [N, K / 16] one per 16 weights; w = scale * q."""
+
+    format = abi.Format.Q6K
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        n = self.values.shape[0]
+        q = self.values.reshape(n, -1, 16).to(torch.float32)
+        return (self.scale.reshape(n, -1, 1) * q).reshape(n, -1).to(dtype)
+
+
+class PanelMatrix(QuantizedMatrix):
+    """A float32 matrix [N, K] stored in panels of 16 rows, k-major: values [ceil(N / 16), K, 16], rows
+    past N zero. The same numbers as the float32 matrix (nothing is rounded), in the order the AVX2
+    kernels read them: a small pass streams the matrix front to back, which on 2 Zen 3 cores ran a
+    one-row pass at the memory's speed and kept 8-16-row passes within ~1.3-1.8x of it (row-major
+    tiles: 1.45-2.3x), and prefill's GEMM uses the panels in place instead of packing them per call.
+    Each output row of a pass is bitwise the same whatever the other rows (see panel_linear_group),
+    though it differs in the last bits from a row-major float32 product (another summation order)."""
+
+    dtype = torch.float32  # the numbers are the float32 matrix's
+    ROWS = 16
+
+    def __init__(self, values: torch.Tensor, scale: torch.Tensor | None = None, rows: int | None = None):
+        super().__init__(values, torch.empty(0) if scale is None else scale)
+        self.rows = values.shape[0] * self.ROWS if rows is None else rows
+
+    @classmethod
+    def pack(cls, weight: torch.Tensor) -> "PanelMatrix":
+        n, k = weight.shape
+        padded = -(-n // cls.ROWS) * cls.ROWS
+        w = weight.detach().float()
+        if padded != n:
+            w = torch.cat((w, w.new_zeros(padded - n, k)))
+        return cls(w.view(padded // cls.ROWS, cls.ROWS, k).transpose(1, 2).contiguous(), rows=n)
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.rows, self.values.shape[1]))
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        k = self.values.shape[1]
+        return self.values.transpose(1, 2).reshape(-1, k)[: self.rows].to(dtype).contiguous()
+
+    def __getitem__(self, rows) -> "PanelMatrix":
+        return self.pack(self.dequantize()[rows])
