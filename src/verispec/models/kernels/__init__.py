@@ -63,7 +63,7 @@ and the ISA in use), `matrices` (weight formats), `ops` (the operations).
 
 from verispec.models.kernels.abi import SLOT_BLOCK, Format
 from verispec.models.kernels.config import KernelConfig
-from verispec.models.kernels.matrices import (ExactBlocks, Int4Matrix, Int8Matrix, PanelMatrix, Q4KMatrix, Q6KMatrix,
+from verispec.models.kernels.matrices import (ExactBlocks, GGUFMatrix, Int4Matrix, Int8Matrix, PanelMatrix, Q4KMatrix, Q6KMatrix,
                                               QuantizedMatrix)
 from verispec.models.kernels.ops import (MAX_ROWS, LayerStack, Linear, LinearGroup, _int4_code, blocked_linear,
                                          blocked_preferred, blocked_takes, cache_write, panels_preferred, rms_norm, rope_,
@@ -72,7 +72,7 @@ from verispec.models.kernels.runtime import available, isa, lanes, runtime, vnni
 
 __all__ = [
     "SLOT_BLOCK", "MAX_ROWS", "Format", "KernelConfig", "QuantizedMatrix", "Int8Matrix", "Int4Matrix", "ExactBlocks",
-    "Q4KMatrix", "Q6KMatrix", "PanelMatrix", "Linear", "LinearGroup", "LayerStack", "rowwise_linear", "blocked_linear",
+    "Q4KMatrix", "Q6KMatrix", "GGUFMatrix", "PanelMatrix", "Linear", "LinearGroup", "LayerStack", "rowwise_linear", "blocked_linear",
     "blocked_preferred", "blocked_takes", "panels_preferred", "rms_norm", "rope_", "silu_mul_", "cache_write",
     "slot_attention", "available", "isa", "lanes", "vnni", "runtime",
 ]
