@@ -15,7 +15,7 @@ from gguf.quants import dequantize
 
 import verispec
 from verispec.errors import VerispecError
-from verispec.models import kernels
+from verispec.models import gguf_q8, kernels
 from verispec.models.kernels import config as kernel_config
 
 from conftest import EOS, VOCAB
@@ -170,3 +170,156 @@ def test_a_group_mixing_q4k_and_q6k_is_one_call_with_each_matrix_own_numbers(isa
     outs = group(x, tuple(torch.empty(3, lin.n) for lin in linears))
     for out, lin in zip(outs, linears):
         assert torch.equal(out, lin(x, torch.empty(3, lin.n)))
+
+
+# ---- a whole model from a GGUF file -------------------------------------------------------------------
+
+def tiny_gguf(tmp_path, layers: int = 2, head_kind: str = "Q6_K", embed_kind: str = "Q4_K"):
+    """A tiny Qwen2 GGUF file (Q4_K_M's mix: q, k, o, gate, up Q4_K; v, down, head Q6_K; float32 norms and q/k/v
+    biases) and a transformers model holding its dequantized weights (the float32 model the file stands for)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    hidden, inter, heads, kv_heads = 256, 512, 4, 2
+    config = Qwen2Config(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+                         num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=512,
+                         rms_norm_eps=1e-6, eos_token_id=EOS, tie_word_embeddings=head_kind is None)
+    model = Qwen2ForCausalLM(config).eval()
+    rng = np.random.default_rng(11)
+    path = tmp_path / "tiny-q8.gguf"
+    writer = GGUFWriter(str(path), "qwen2")
+    writer.add_block_count(layers)
+    writer.add_context_length(512)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(inter)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_eos_token_id(EOS)
+    writer.add_array("tokenizer.ggml.tokens", [f"t{i}" for i in range(VOCAB)])  # an array to skip over
+
+    def blocks(name, kind, weight):
+        n, k = weight.shape
+        raw = random_blocks(kind, n, k, rng)
+        raw.reshape(-1, BYTES[kind])[:, slice(0, 4) if kind == "Q4_K" else slice(208, 210)] = (
+            (rng.standard_normal((raw.size // BYTES[kind], 2 if kind == "Q4_K" else 1)) * 0.004)
+            .astype(np.float16).view(np.uint8).reshape(raw.size // BYTES[kind], -1))
+        weight.copy_(torch.from_numpy(dequantize(raw, getattr(GGMLQuantizationType, kind)).reshape(n, k)))
+        writer.add_tensor(name, raw, raw_dtype=getattr(GGMLQuantizationType, kind))
+
+    def floats(name, tensor):
+        writer.add_tensor(name, tensor.detach().float().numpy())
+
+    kinds = {"q_proj": ("self_attn", "attn_q", "Q4_K"), "k_proj": ("self_attn", "attn_k", "Q4_K"),
+             "v_proj": ("self_attn", "attn_v", "Q6_K"), "o_proj": ("self_attn", "attn_output", "Q4_K"),
+             "gate_proj": ("mlp", "ffn_gate", "Q4_K"), "up_proj": ("mlp", "ffn_up", "Q4_K"),
+             "down_proj": ("mlp", "ffn_down", "Q6_K")}
+    with torch.no_grad():
+        blocks("token_embd.weight", embed_kind, model.model.embed_tokens.weight)
+        for i, layer in enumerate(model.model.layers):
+            layer.input_layernorm.weight.uniform_(0.5, 1.5)
+            layer.post_attention_layernorm.weight.uniform_(0.5, 1.5)
+            floats(f"blk.{i}.attn_norm.weight", layer.input_layernorm.weight)
+            floats(f"blk.{i}.ffn_norm.weight", layer.post_attention_layernorm.weight)
+            for part, (module, name, kind) in kinds.items():
+                linear = getattr(getattr(layer, module), part)
+                blocks(f"blk.{i}.{name}.weight", kind, linear.weight)
+                if linear.bias is not None:
+                    linear.bias.normal_(0, 0.1)
+                    floats(f"blk.{i}.{name}.bias", linear.bias)
+        floats("output_norm.weight", model.model.norm.weight)
+        if head_kind is not None:
+            blocks("output.weight", head_kind, model.lm_head.weight)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return model, path
+
+
+def test_a_gguf_loads_as_its_own_blocks_and_computes_what_the_file_holds(tmp_path):
+    hf, path = tiny_gguf(tmp_path)
+    model = verispec.load(str(path), numerics="q8")
+    assert model.numerics == "q8" and model.eos_token_ids == {EOS}
+    assert isinstance(model.embed, kernels.GGUFMatrix) and model.lm_head.kind == 14
+    assert [model.layers[0].q.kind, model.layers[0].v.kind, model.layers[0].down.kind] == [12, 14, 14]
+    assert model._layer_stack() is not None  # q (Q4_K) and v (Q6_K) still one product: one C call a pass
+    # the file's bytes, not a copy: the matrices point into the mapped file
+    mapped = gguf_q8.read(path)[1]["blk.1.ffn_up.weight"].raw
+    assert np.shares_memory(model.layers[1].up.values.numpy(), mapped) or model.layers[1].up.values.numpy().base is not None
+    # the float32 model the file stands for, up to the rounding of the activations to 8 bits
+    prompt = torch.tensor([[5, 17, 33, 2, 64, 9, 41, 12]])
+    q8 = model.forward(prompt, model.new_cache(1))
+    with torch.no_grad():
+        dense = hf(prompt).logits
+    assert torch.corrcoef(torch.stack((q8.flatten(), dense.flatten())))[0, 1] > 0.999
+    assert (q8 - dense).abs().max() < 0.05 * dense.abs().max()
+
+
+def test_a_verify_pass_gives_bitwise_the_logits_of_single_token_steps(tmp_path):
+    _, path = tiny_gguf(tmp_path)
+    model = verispec.load(str(path), numerics="q8")
+    prompt = [5, 17, 33, 2, 64, 9, 41, 12, 7, 7, 30]
+    tokens = [40, 41, 42, 3, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61]
+    steps = model.new_cache(1)
+    model.forward(torch.tensor([prompt]), steps, last_only=True)
+    single = torch.cat([model.forward(torch.tensor([[t]]), steps) for t in tokens], dim=1)
+    for width in (2, 5, 8, 16):
+        cache = model.new_cache(1)
+        model.forward(torch.tensor([prompt]), cache, last_only=True)
+        wide = torch.cat([model.forward(torch.tensor([tokens[i:i + width]]), cache)
+                          for i in range(0, len(tokens), width)], dim=1)
+        assert torch.equal(wide, single)
+    # two sequences in one pass: each row's logits are its own
+    both = model.new_cache(2)
+    model.forward(torch.tensor([prompt, prompt]), both, last_only=True)
+    pair = model.forward(torch.tensor([tokens[:8], tokens[8:]]), both)
+    alone = model.new_cache(1)
+    model.forward(torch.tensor([prompt]), alone, last_only=True)
+    assert torch.equal(pair[0], model.forward(torch.tensor([tokens[:8]]), alone)[0])
+
+
+def test_prefill_of_any_length_is_the_chunks_of_small_passes(tmp_path):
+    _, path = tiny_gguf(tmp_path, layers=1)
+    model = verispec.load(str(path), numerics="q8")
+    prompt = torch.tensor([[(7 * i) % VOCAB for i in range(70)]])  # 70 rows: chunks of 32, 32, 6
+    whole = model.forward(prompt, model.new_cache(1))
+    cache = model.new_cache(1)
+    parts = torch.cat([model.forward(prompt[:, i:i + 32], cache) for i in range(0, 70, 32)], dim=1)
+    assert torch.equal(whole, parts)
+    assert torch.equal(model.forward(prompt, model.new_cache(1), last_only=True), whole[:, -1:])
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "self"])
+def test_greedy_speculative_decoding_equals_plain_greedy_decoding(tmp_path, drafter):
+    _, path = tiny_gguf(tmp_path, head_kind=None)  # tied: the Q4_K embedding is the head too
+    model = verispec.load(str(path), numerics="q8")
+    assert model.lm_head is model.embed
+    prompt = [5, 17, 33, 2, 64, 9, 41, 12, 5, 17, 33, 2, 64]
+    plain = verispec.generate(model, prompt, drafter="none", max_new_tokens=40)
+    speculative = verispec.generate(model, prompt, drafter=drafter, draft_len=4, max_new_tokens=40)
+    assert speculative.token_ids == plain.token_ids
+    assert speculative.stats.target_passes < 40 or drafter == "self"
+
+
+def test_files_it_cannot_run_this_way_are_refused_clearly(tmp_path):
+    with pytest.raises(VerispecError, match="zoo name .* or a .gguf file"):
+        verispec.load(str(tmp_path), numerics="q8")
+    with pytest.raises(VerispecError, match="numerics must be"):
+        verispec.load("x.gguf", numerics="q4")
+    writer = GGUFWriter(str(tmp_path / "q8_0.gguf"), "qwen2")
+    writer.add_block_count(0)
+    writer.add_embedding_length(256)
+    writer.add_feed_forward_length(512)
+    writer.add_head_count(4)
+    writer.add_tensor("token_embd.weight", np.zeros((VOCAB, 256), np.float32))
+    writer.add_tensor("output.weight", np.zeros((VOCAB, 34 * 8), np.uint8), raw_dtype=GGMLQuantizationType.Q8_0)
+    for call in (writer.write_header_to_file, writer.write_kv_data_to_file, writer.write_tensors_to_file, writer.close):
+        call()
+    with pytest.raises(VerispecError, match="output.weight is Q8_0"):
+        gguf_q8.load(tmp_path / "q8_0.gguf")
+    metadata, tensors = gguf_q8.read(tmp_path / "q8_0.gguf")
+    del metadata["qwen2.attention.head_count"]
+    with pytest.raises(VerispecError, match="no qwen2.attention.head_count"):
+        gguf_q8._config(metadata, VOCAB)

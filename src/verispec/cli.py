@@ -45,6 +45,9 @@ def _add_generation_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=None, help="float32 (default), bfloat16, float16")
     p.add_argument("--gguf-blocks", action="store_true",
                    help="the target keeps its GGUF's Q4_K/Q6_K blocks, rebuilt exactly (same output; plain decoding ~2x faster)")
+    p.add_argument("--numerics", choices=("float32", "q8"), default="float32",
+                   help="the target's numbers: float32 (the model a GGUF stands for) or q8 (llama.cpp's: the GGUF's own "
+                        "Q4_K/Q6_K blocks times 8-bit activations, memory-mapped; speculation exact w.r.t. it)")
 
 
 def cmd_pull(args) -> int:
@@ -59,7 +62,8 @@ def cmd_pull(args) -> int:
 def cmd_generate(args) -> int:
     import verispec
 
-    target = verispec.load(args.target, dtype=args.dtype, gguf_blocks=True if args.gguf_blocks else None)
+    target = verispec.load(args.target, dtype=args.dtype, gguf_blocks=True if args.gguf_blocks else None,
+                           numerics=args.numerics)
     draft = verispec.load(args.draft, dtype=args.dtype, weight_dtype=args.draft_dtype) if args.draft else None
     options = dict(draft=draft, drafter=args.drafter, draft_len=args.draft_len, temperature=args.temperature,
                    top_k=args.top_k, top_p=args.top_p, seed=args.seed, coupled=args.coupled,
