@@ -149,12 +149,18 @@ static inline IVEC q4k_chunk(const uint8_t *qs, int c)
 #endif
 }
 
-static inline IVEC q4k_chunk_scales(const uint8_t sc[8], int c)
+/* The scale words of chunk c (one int16 per pair of weights, for IDPWSSD) from the block's scales as
+ * words (`words`: Q4_K's eight, zero-extended; Q6_K's sixteen). */
+static inline IVEC q4k_chunk_scales(__m128i words, int c)
 {
 #if QLANES == 16
-    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi16(sc[2 * c])), _mm256_set1_epi16(sc[2 * c + 1]), 1);
+    /* words 0..15 take scale 2c, 16..31 scale 2c + 1 */
+    const __m512i index = _mm512_add_epi16(_mm512_set1_epi16((short)(2 * c)),
+                                           _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(1), 1));
+    return _mm512_permutexvar_epi16(index, _mm512_castsi128_si512(words));
 #else
-    return _mm256_set1_epi16(sc[c]);
+    /* every word takes scale c: its two bytes picked from each 128-bit lane's copy of the words */
+    return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(words), _mm256_set1_epi16((short)((2 * c) | ((2 * c + 1) << 8))));
 #endif
 }
 
@@ -192,15 +198,19 @@ static inline IVEC q6k_chunk(const uint8_t *ql, const uint8_t *qh, int c)
 #endif
 }
 
-static inline IVEC q6k_chunk_scales(const int8_t *sc, int c)
+static inline IVEC q6k_chunk_scales(__m256i words, int c)
 {
 #if QLANES == 16
-    const __m128i a = _mm_set1_epi16(sc[4 * c]), b = _mm_set1_epi16(sc[4 * c + 1]);
-    const __m128i e = _mm_set1_epi16(sc[4 * c + 2]), f = _mm_set1_epi16(sc[4 * c + 3]);
-    const __m256i lo = _mm256_set_m128i(b, a), hi = _mm256_set_m128i(f, e);
-    return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+    /* words 8j .. 8j + 7 take scale 4c + j */
+    const __m512i index = _mm512_add_epi16(_mm512_set1_epi16((short)(4 * c)),
+                                           _mm512_srli_epi16(_mm512_set_epi16(31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17, 16,
+                                                                              15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), 3));
+    return _mm512_permutexvar_epi16(index, _mm512_castsi256_si512(words));
 #else
-    return _mm256_set_m128i(_mm_set1_epi16(sc[2 * c + 1]), _mm_set1_epi16(sc[2 * c]));
+    /* words 0..7 take scale 2c, 8..15 scale 2c + 1: dword c holds both, spread to every dword, then split by lane */
+    const __m256i both = _mm256_permutevar8x32_epi32(words, _mm256_set1_epi32(c));
+    return _mm256_shuffle_epi8(both, _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,
+                                                      2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3));
 #endif
 }
 
@@ -221,10 +231,11 @@ static void q4k_rows_##MR(const q8_job *job, int64_t m0, const uint8_t *w, float
         uint8_t sc[8], mn[8];                                                                                  \
         q4k_scales(block + 4, sc, mn);                                                                         \
         const __m128i mins = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)mn));                         \
+        const __m128i scale_words = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)sc));                  \
         IVEC sumi[MR];                                                                                         \
         for (int i = 0; i < MR; i++) sumi[i] = IZERO();                                                        \
         for (int c = 0; c < CHUNKS; c++) {                                                                     \
-            const IVEC q = q4k_chunk(block + 16, c), s = q4k_chunk_scales(sc, c);                              \
+            const IVEC q = q4k_chunk(block + 16, c), s = q4k_chunk_scales(scale_words, c);                              \
             for (int i = 0; i < MR; i++) {                                                                     \
                 const IVEC xq = ILOAD(job->qx + (m0 + i) * K + b * QK_K + c * CHUNK);                          \
                 sumi[i] = IDPWSSD(sumi[i], IMADDUBS(q, xq), s);                                                \
@@ -266,7 +277,7 @@ static void q6k_rows_##MR(const q8_job *job, int64_t m0, const uint8_t *w, float
             sumi[i] = ISUB(IZERO(), FROM256(_mm256_slli_epi32(_mm256_madd_epi16(scales, bs), 5)));             \
         }                                                                                                      \
         for (int c = 0; c < CHUNKS; c++) {                                                                     \
-            const IVEC q = q6k_chunk(block, block + 128, c), s = q6k_chunk_scales(sc, c);                      \
+            const IVEC q = q6k_chunk(block, block + 128, c), s = q6k_chunk_scales(scales, c);                      \
             for (int i = 0; i < MR; i++) {                                                                     \
                 const IVEC xq = ILOAD(job->qx + (m0 + i) * K + b * QK_K + c * CHUNK);                          \
                 sumi[i] = IDPWSSD(sumi[i], IMADDUBS(q, xq), s);                                                \
