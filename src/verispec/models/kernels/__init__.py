@@ -33,6 +33,13 @@ rows the weights are rebuilt in registers; for more, a tile's rows are widened o
 into an L1 scratch that the float32 tiles then read. Qwen2.5-Coder 1.5B reads 1.4 GB per step
 instead of 7.1; the step becomes bound by the rebuilding arithmetic (~3 cycles per 8 weights).
 
+`GGUFMatrix` is the other way to run a GGUF file: its Q4_K / Q6_K blocks exactly as the file stores
+them (memory-mapped, `models.gguf_q8`), with llama.cpp's numerics instead of the float32 model's: each
+activation row rounded to 8 bits per block of 256 as ggml's Q8_K, integer dot products against the
+blocks' codes (AVX-512 VNNI, or AVX2 byte products), the blocks' scales applied in float32 (csrc/
+kquant_q8.c). Rows stay independent (threads split output columns; each output's sums run in one
+fixed order), so a target in this mode (`numerics="q8"`) is speculated on exactly.
+
 Prefill is the other regime: hundreds of rows, compute-bound. `blocked_linear` is a classic blocked
 GEMM for it (packed panels, 6x16 register tiles, AVX2+FMA), used where PyTorch's GEMM is slow: on
 2 AVX2 Zen 3 cores ~130-145 GFLOPS where MKL's path gave 75-120. Its rows are independent too,
