@@ -33,7 +33,8 @@ BACKENDS = ("auto", "native", "hf")
 
 
 def load(name_or_path: Any, dtype: torch.dtype | str | None = None, device: str | torch.device | None = None, tokenizer=None,
-         backend: str = "auto", weight_dtype: torch.dtype | str | None = None, gguf_blocks: bool | None = None) -> CausalLM:
+         backend: str = "auto", weight_dtype: torch.dtype | str | None = None, gguf_blocks: bool | None = None,
+         numerics: str = "float32") -> CausalLM:
     """A model ready for `generate`: a zoo name (`smollm2-135m`), a local directory, a `.gguf` file,
     a hub id, or a `transformers` model object. Loaded once per process and reused.
 
@@ -52,7 +53,19 @@ def load(name_or_path: Any, dtype: torch.dtype | str | None = None, device: str 
     bytes read per decode step (plain decoding about twice as fast on a 2-core CPU). Off by default
     (VERISPEC_GGUF_BLOCKS=1 turns it on): with a plain step that fast, a draft model's prompt prefill
     and wider verify passes are no longer hidden, and speculation stops paying on short chat answers.
+
+    numerics: "float32" (the default) runs the float32 model a GGUF file stands for (converted once, as
+    above). "q8" runs a GGUF file (a zoo name or a .gguf path) with llama.cpp's numerics, straight from
+    the file's own Q4_K / Q6_K blocks, memory-mapped: activations rounded to 8 bits per block of 256
+    (ggml's Q8_K) and integer dot products (`verispec.models.gguf_q8`). It loads in seconds at about the
+    file's size and decodes at memory speed; its logits are not the float32 model's but llama.cpp's up
+    to float32 rounding, and speculation is exact with respect to them (every token row is computed
+    alike at any pass width).
     """
+    if numerics not in ("float32", "q8"):
+        raise VerispecError(f"numerics must be 'float32' or 'q8', got {numerics!r}")
+    if numerics == "q8":
+        return _load_q8(name_or_path, tokenizer, backend, weight_dtype, dtype, device)
     if backend not in BACKENDS:
         raise VerispecError(f"unknown backend {backend!r}: use one of {', '.join(BACKENDS)}")
     weight_dtype = _parse_weight_dtype(weight_dtype)
@@ -71,6 +84,35 @@ def load(name_or_path: Any, dtype: torch.dtype | str | None = None, device: str 
     if key not in _LOADED:
         _LOADED[key] = _load_uncached(name_or_path, dtype, pick_device(device))
     return _wrap(_LOADED[key], backend, weight_dtype, gguf_blocks)
+
+
+def _load_q8(name_or_path, tokenizer, backend: str, weight_dtype, dtype, device) -> CausalLM:
+    """`load(..., numerics="q8")`: a GGUF file's own blocks with llama.cpp's numerics (models.gguf_q8)."""
+    from pathlib import Path
+
+    from verispec import zoo
+    from verispec.models import gguf_q8
+
+    if backend == "hf" or weight_dtype is not None or _parse_dtype(dtype) != torch.float32:
+        raise VerispecError("numerics='q8' runs the GGUF file's own blocks on the native backend: drop backend='hf', "
+                            "weight_dtype and dtype")
+    if device is not None and torch.device(device).type != "cpu":
+        raise VerispecError("numerics='q8' runs on the CPU: drop device")
+    if not isinstance(name_or_path, str) or not name_or_path:
+        raise VerispecError(f"numerics='q8' takes a zoo name or a .gguf file, got {name_or_path!r}")
+    if name_or_path in zoo.ZOO:
+        path = zoo.gguf_path(name_or_path)
+        if not path.is_file():
+            zoo.pull(name_or_path)
+    else:
+        path = Path(name_or_path).expanduser()
+        if path.suffix.lower() != ".gguf" or not path.is_file():
+            raise VerispecError(f"numerics='q8' takes a zoo name ({', '.join(zoo.ZOO)}) or a .gguf file; "
+                                f"{name_or_path!r} is neither")
+    key = (str(path.resolve()), "q8", id(tokenizer) if tokenizer is not None else None)
+    if key not in _LOADED:
+        _LOADED[key] = gguf_q8.load(path, tokenizer=tokenizer, name=name_or_path)
+    return _LOADED[key]
 
 
 # Native forwards built per transformers module and weight dtype. Keyed by the module itself, weakly:

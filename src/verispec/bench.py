@@ -43,6 +43,8 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-dtype", default="int4", help="matrix dtype of a native-backend draft: fp32, bf16 (half the bytes), int8 (weight-only, a quarter) or int4 (grouped, ~1/7) (default: %(default)s)")
     p.add_argument("--gguf-blocks", action="store_true",
                    help="the target keeps its GGUF's Q4_K/Q6_K blocks, rebuilt exactly, instead of float32 matrices (same output)")
+    p.add_argument("--numerics", choices=("float32", "q8"), default="float32",
+                   help="the target's numbers: float32, or q8 (llama.cpp's: the GGUF's own blocks, 8-bit activations)")
     p.add_argument("--draft-int8", action="store_true", help="PyTorch dynamic int8 for the draft model (transformers backend; see --draft-dtype int8 for the native one)")
     p.add_argument("--draft-vocab", type=int, default=None, help="the draft scores only the first N token ids (+ specials)")
     p.add_argument("--draft-confidence", type=float, default=0.0, help="stop drafting at a token the draft gives less than this")
@@ -170,7 +172,7 @@ def run_bench(args) -> dict:
         prompts = [p for p in prompts if p.category in keep]
         if not prompts:
             raise SystemExit(f"no prompts in categories {sorted(keep)} of {args.prompts}")
-    target = verispec.load(args.target, gguf_blocks=True if args.gguf_blocks else None)
+    target = verispec.load(args.target, gguf_blocks=True if args.gguf_blocks else None, numerics=args.numerics)
     # The cheap draft variants rewrite transformers modules, so such a draft runs on that backend.
     draft = None
     if args.draft and args.draft != "none":

@@ -52,6 +52,9 @@ def _add_generation_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="the models' dtype (default: float32)")
     p.add_argument("--gguf-blocks", action="store_true",
                    help="the target keeps its GGUF's Q4_K/Q6_K blocks, rebuilt exactly (same output; plain decoding ~2x faster)")
+    p.add_argument("--numerics", choices=("float32", "q8"), default="float32",
+                   help="the target's numbers: float32 (the model a GGUF stands for) or q8 (llama.cpp's: the GGUF's own "
+                        "Q4_K/Q6_K blocks times 8-bit activations, memory-mapped; speculation exact w.r.t. it)")
     p.add_argument("--system", default=None, help="a system prompt (with --chat, and in `verispec chat`)")
     _add_run_options(p)
 
@@ -80,7 +83,8 @@ def _generation_options(args, chat: bool) -> dict:
 
 def _load_models(args):
     """(target, draft model or None), as the flags name them."""
-    target = verispec.load(args.target, dtype=args.dtype, gguf_blocks=True if args.gguf_blocks else None)
+    target = verispec.load(args.target, dtype=args.dtype, gguf_blocks=True if args.gguf_blocks else None,
+                           numerics=args.numerics)
     draft = verispec.load(args.draft, dtype=args.dtype, weight_dtype=args.draft_dtype) if args.draft else None
     return target, draft
 

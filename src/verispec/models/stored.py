@@ -47,6 +47,9 @@ def _float32_values(matrix) -> torch.Tensor:
         return matrix.dense
     if isinstance(matrix, kernels.PanelMatrix):
         return matrix.values
+    if isinstance(matrix, kernels.GGUFMatrix):  # the file's bytes stand for its weights: read them as float32 bit patterns
+        flat = matrix.values.reshape(-1)
+        return flat[: flat.numel() // 4 * 4].view(torch.float32)
     return matrix
 
 
