@@ -35,6 +35,7 @@ def test_draft_with_a_different_vocabulary(target):
     expect_error("same vocabulary|share one vocabulary", target=target, prompt=[1, 2], draft=other, drafter="model")
 
 
+@pytest.mark.slow
 def test_draft_with_a_different_tokenizer():
     import copy
 
