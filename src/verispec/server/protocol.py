@@ -128,6 +128,7 @@ class ServerConfig:
     target: CausalLM
     model_name: str
     draft_len: DraftSetting  # the server's own setting; None when it was started without a drafter
+    max_model_len: int  # most tokens of prompt plus answer per request: the model's context, or less if the server says
 
 
 def parse_common(fields: Fields, config: ServerConfig, prompts: list[list[int]], prompt_param: str,
@@ -184,7 +185,7 @@ def parse_common(fields: Fields, config: ServerConfig, prompts: list[list[int]],
     if stop is not None and len(stop) > MAX_STOP:
         raise ApiError(400, f"stop takes at most {MAX_STOP} sequences, got {len(stop)}", param="stop", code="invalid_value")
 
-    context = config.target.max_context
+    context = config.max_model_len
     for ids in prompts:
         if not ids:
             raise ApiError(400, "the prompt is empty: give at least one token", param=prompt_param, code="invalid_value")
@@ -236,7 +237,7 @@ def parse_completion(body: Any, config: ServerConfig, tokenizer) -> Spec:
     fields.only_default("echo", False)
     fields.only_default("suffix", "")
     fields.only_default("best_of", 1)
-    prompts = completion_prompts(fields.body.get("prompt"), tokenizer, config.target.max_context)
+    prompts = completion_prompts(fields.body.get("prompt"), tokenizer, config.max_model_len)
     max_tokens = fields.integer("max_tokens", None, 1)
     return parse_common(fields, config, prompts, "prompt", max_tokens, default_max_tokens=16)
 
@@ -293,7 +294,7 @@ def parse_chat(body: Any, config: ServerConfig, tokenizer) -> Spec:
     if not getattr(tokenizer, "chat_template", None):
         raise ApiError(400, f"{config.model_name} has no chat template: use /v1/completions", param="messages", code="unsupported_model")
     messages = chat_messages(fields.body.get("messages"))
-    check_text_fits(tokenizer, "".join(m["content"] for m in messages), config.target.max_context, "messages")
+    check_text_fits(tokenizer, "".join(m["content"] for m in messages), config.max_model_len, "messages")
     ids = encode_chat(tokenizer, messages)
     return parse_common(fields, config, [ids], "messages", max_tokens, default_max_tokens=None)
 
