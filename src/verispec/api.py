@@ -16,6 +16,8 @@ from verispec.drafters import HybridDrafter, ModelDrafter, NgramDrafter, NoDraft
 from verispec.drafters.base import Drafter
 from verispec.engine import Request, SpeculativeEngine, TokenEvent
 from verispec.errors import VerispecError
+from verispec.drafters.eagle3 import Eagle3Drafter
+from verispec.heads.eagle3 import Eagle3Head, load_head, target_embedding
 from verispec.models import stored
 from verispec.models.base import CausalLM
 from verispec.models.hf import HFCausalLM, pick_device
@@ -56,7 +58,7 @@ def load(name_or_path: Any, dtype: torch.dtype | str | None = None, device: str 
     weight_dtype = _parse_weight_dtype(weight_dtype)
     if weight_dtype is not None and backend == "hf":
         raise VerispecError("weight_dtype needs the native backend: drop backend='hf' or weight_dtype")
-    if hasattr(name_or_path, "new_cache"):  # already a verispec model
+    if hasattr(name_or_path, "new_cache") or isinstance(name_or_path, Eagle3Head):  # already a verispec model or head
         return name_or_path
     if gguf_blocks is None:
         gguf_blocks = os.environ.get("VERISPEC_GGUF_BLOCKS", "0") not in ("0", "false", "no", "")
@@ -64,6 +66,8 @@ def load(name_or_path: Any, dtype: torch.dtype | str | None = None, device: str 
         return _wrap(HFCausalLM(name_or_path, tokenizer), backend, weight_dtype, gguf_blocks)
     if not isinstance(name_or_path, str) or not name_or_path:
         raise VerispecError(f"a model must be a zoo name, a path, a hub id or a loaded model, got {name_or_path!r}")
+    if is_head_directory(name_or_path):  # a trained draft head: draft=load(DIR) drafts with it
+        return load_head(name_or_path)
     dtype = _parse_dtype(dtype)
     key = (name_or_path, dtype, str(device))
     if key not in _LOADED:
@@ -158,6 +162,7 @@ DRAFTERS: dict[str, Callable[[CausalLM, CausalLM | None, float], Drafter]] = {
     "hybrid": lambda target, draft, confidence: HybridDrafter(ModelDrafter(draft, target.vocab_size, min_confidence=confidence)),
     "self": lambda target, draft, confidence: SharedCacheDrafter(draft if draft is not None else self_draft(target), target,
                                                                  min_confidence=confidence),
+    "eagle3": lambda target, draft, confidence: Eagle3Drafter(draft, target, min_confidence=confidence),
     "ngram": lambda target, draft, confidence: NgramDrafter(),
     "none": lambda target, draft, confidence: NoDrafter(),
 }
@@ -193,6 +198,20 @@ def _same_vocabulary(a, b) -> bool:
     if key not in _SAME_VOCAB:
         _SAME_VOCAB[key] = (a, b, a is b or a.get_vocab() == b.get_vocab())
     return _SAME_VOCAB[key][2]
+
+
+def is_head_directory(path: str) -> bool:
+    """Whether `path` is a directory holding a trained EAGLE-3 head (its config.json says so)."""
+    import json
+    from pathlib import Path
+
+    from verispec.heads.eagle3 import ARCHITECTURE, CONFIG_FILE
+
+    config = Path(path).expanduser() / CONFIG_FILE
+    try:
+        return ARCHITECTURE in (json.loads(config.read_text()).get("architectures") or [])
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def check_compatible(target: CausalLM, draft: CausalLM) -> None:
@@ -242,6 +261,8 @@ def resolve_drafter(target: CausalLM, draft: CausalLM | None, drafter: str, new_
     """
     if drafter != "auto":
         return drafter
+    if isinstance(draft, Eagle3Head):
+        return "eagle3"
     if draft is not None:
         return "model"
     if self_draft_possible(target) and (target in _SELF_DRAFTS or new_tokens is None or new_tokens >= SELF_COPY_MIN_TOKENS
@@ -254,6 +275,15 @@ def make_drafter(target: CausalLM, draft: CausalLM | None, drafter: str, draft_c
     drafter = resolve_drafter(target, draft, drafter)
     if drafter not in DRAFTERS:
         raise VerispecError(f"unknown drafter {drafter!r}: use one of auto, {', '.join(DRAFTERS)}")
+    if (drafter == "eagle3") != isinstance(draft, Eagle3Head) and drafter not in ("ngram", "none"):
+        raise VerispecError("drafter='eagle3' drafts with a trained head and a head drafts only with drafter='eagle3' "
+                            "(or 'auto'): pass draft=verispec.load_head(DIR) (or the head's directory) with it")
+    if drafter == "eagle3":
+        if draft.config.vocab_size != target.vocab_size:
+            raise VerispecError(f"the head was trained for {draft.config.target!r} ({draft.config.vocab_size} tokens); "
+                                f"{target.name!r} has {target.vocab_size}: use it with its own target")
+        if draft.embed is None:
+            draft.bind(target_embedding(target))
     if drafter in ("model", "hybrid"):
         if draft is None:
             raise VerispecError(f"drafter={drafter!r} needs a draft model: pass draft=NAME_OR_PATH")

@@ -119,7 +119,11 @@ class DecodeBatch:
         for request in requests:
             self.check(request)
         started = time.perf_counter()
-        self.cache.concat(prefill(self.target, [list(r.prompt[:-1]) for r in requests]))
+        taps = getattr(self.drafter, "target_taps", None)  # a drafter that reads the target's hidden states
+        prefilled = prefill(self.target, [list(r.prompt[:-1]) for r in requests], taps=taps)
+        if taps is not None:
+            prefilled, hidden = prefilled
+        self.cache.concat(prefilled)
         target_seconds = time.perf_counter() - started
         tokens = sum(len(r.prompt) - 1 for r in requests)  # what both prefills process
         if self.fallback is not None:
@@ -128,6 +132,8 @@ class DecodeBatch:
         self.stats.drafter = type(self.drafter).__name__
         drafting = time.perf_counter()
         self.drafter.add([list(r.prompt) for r in requests])
+        if taps is not None:
+            self.drafter.observe_taps([None] * len(self.rows) + hidden)
         draft_model = getattr(self.drafter, "prefill_model", None)
         if draft_model is not None and target_seconds > 0:
             BOOK.record_relative_prefill(self.target, draft_model, tokens, (time.perf_counter() - drafting) / target_seconds)
@@ -202,21 +208,29 @@ class DecodeBatch:
         # 1. One target pass scores the last token and every drafted one.
         last = torch.tensor([[row.sequence[-1]] for row in self.rows], dtype=torch.long)
         start = self.cache.slots.length
+        taps = getattr(self.drafter, "target_taps", None)
+        tapping = {} if taps is None else {"taps": taps}  # the pass also returns those hidden states
         if draft.has_alternates:
             extra, tree, _ = draft.tree
-            logits = self.target.forward(torch.cat([last, draft.tokens, extra], 1), self.cache, tree=tree)
+            logits = self.target.forward(torch.cat([last, draft.tokens, extra], 1), self.cache, tree=tree, **tapping)
         else:
             extra = None
-            logits = self.target.forward(torch.cat([last, draft.tokens], 1), self.cache)
+            logits = self.target.forward(torch.cat([last, draft.tokens], 1), self.cache, **tapping)
+        if taps is not None:
+            logits, hidden = logits
         t2 = time.perf_counter()
         # 2. Accept a prefix (and perhaps the alternate where it broke off), add the target's own token.
         positions = [len(row.sequence) for row in self.rows]
         verdict = verifier.verify(draft, logits, sampling, generators, positions)
         # 3. Roll back: the target keeps the last token and the accepted draft tokens; the drafter its own.
         if verdict.alternate is not None and bool(verdict.alternate.any()):
-            self.cache.retain(start, self._accepted_path(draft, verdict))
+            kept = self._accepted_path(draft, verdict)
+            self.cache.retain(start, kept)
         else:
+            kept = torch.arange(1 + width)[None, :] <= verdict.num_accepted[:, None]
             self.cache.truncate(start + 1 + verdict.num_accepted)
+        if taps is not None:  # the hidden states of the tokens the target's cache kept, in order
+            self.drafter.observe_taps([hidden[b, kept[b].to(hidden.device)] for b in range(len(self.rows))])
         self.drafter.commit(verdict)
         t3 = time.perf_counter()
         # The target's share of a step is its pass plus verification and rollback: what a wider pass adds to.
