@@ -264,3 +264,48 @@ def _resume(out: Path, head: Eagle3Head, optimizer, schedule, config: TrainConfi
     rng.setstate(state["rng"])
     torch.set_rng_state(state["torch_rng"])
     return int(state["step"]), rng
+
+
+# --- the command line: `verispec train eagle3` -----------------------------------------------------------
+
+def add_train_arguments(parser) -> None:
+    """The options of `verispec train eagle3`."""
+    parser.add_argument("--target", required=True, help="the target model: zoo name, local directory or .gguf file")
+    parser.add_argument("--out", required=True, help="directory for the head (config.json, model.safetensors), its "
+                                                    "checkpoint and train.jsonl; a run with the same --out resumes")
+    parser.add_argument("--data", action="append", default=None, metavar="SOURCE",
+                        help="training text (repeatable): site-packages (the default: installed Python sources), a "
+                             ".jsonl prompt file, a text file or a directory")
+    parser.add_argument("--self-distill", action="store_true",
+                        help="append the target's own greedy answers to .jsonl prompts (slower; learns what it says)")
+    parser.add_argument("--max-tokens", type=int, default=200_000, help="tokens of training features (default: %(default)s)")
+    parser.add_argument("--seq-len", type=int, default=256, help="tokens per training sequence (default: %(default)s)")
+    parser.add_argument("--draft-vocab", type=int, default=32000, help="the head's output vocabulary (default: %(default)s)")
+    parser.add_argument("--steps", type=int, default=1000, help="optimizer steps (default: %(default)s)")
+    parser.add_argument("--ttt-steps", type=int, default=5, help="draft positions unrolled per step (default: %(default)s)")
+    parser.add_argument("--batch", type=int, default=2, help="sequences per step (default: %(default)s)")
+    parser.add_argument("--lr", type=float, default=3e-4, help="peak learning rate (default: %(default)s)")
+    parser.add_argument("--checkpoint-every", type=int, default=100, help="steps between checkpoints (default: %(default)s)")
+    parser.add_argument("--features", default=None, help="feature cache directory (default: under the verispec home, "
+                                                         "keyed by target and settings, reused across runs)")
+    parser.add_argument("--taps", default=None, help="comma-separated target layers whose inputs the head reads "
+                                                     "(default: 2, N/2, N-3)")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: PyTorch's choice)")
+
+
+def run_train(args) -> int:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    for name in ("max_tokens", "steps", "ttt_steps", "batch", "draft_vocab", "seq_len", "checkpoint_every"):
+        if getattr(args, name) < 1:
+            raise VerispecError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if args.seq_len <= args.ttt_steps:
+        raise VerispecError(f"--seq-len ({args.seq_len}) must exceed --ttt-steps ({args.ttt_steps})")
+    taps = tuple(int(t) for t in args.taps.split(",")) if args.taps else None
+    config = TrainConfig(steps=args.steps, ttt_steps=args.ttt_steps, batch_sequences=args.batch, lr=args.lr,
+                         checkpoint_every=args.checkpoint_every)
+    train_eagle3(args.target, args.out, data=tuple(args.data or ("site-packages",)), max_tokens=args.max_tokens,
+                 draft_vocab=args.draft_vocab, config=config, taps=taps, features=args.features, seq_len=args.seq_len,
+                 self_distill=args.self_distill)
+    print(f"verispec: head saved in {args.out}; draft with it: verispec generate --target {args.target} --draft {args.out} PROMPT")
+    return 0
