@@ -267,3 +267,76 @@ def test_sampled_eagle3_follows_the_target(tiny_hf, tiny_target, trained_head, p
     assert results[0].stats.accepted_tokens > 10
     first, joint = first_two_tokens_pvalues(tiny_hf, prompt, SamplingParams(**params), [r.token_ids for r in results])
     assert first > P_THRESHOLD and joint > P_THRESHOLD
+
+
+# --- smollm2-135m (slow) --------------------------------------------------------------------------------
+
+SMOL_PROMPTS = [
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "import os\n\n\ndef list_python_files(directory):\n",
+    "The three primary colors are",
+]
+
+
+@pytest.fixture(scope="module")
+def smol_head(tmp_path_factory):
+    """A head for smollm2-135m trained for a few steps on ~2k tokens of installed Python sources."""
+    from verispec import zoo
+    from verispec.heads.train import train_eagle3
+
+    torch.set_num_threads(1)
+    zoo.pull("smollm2-135m")
+    target = verispec.load("smollm2-135m")
+    out = tmp_path_factory.mktemp("smol-head")
+    config = TrainConfig(steps=12, ttt_steps=3, checkpoint_every=6, lr=1e-3, warmup=2, eval_sequences=4)
+    head = train_eagle3(target, out, max_tokens=2048, draft_vocab=2048, config=config, seq_len=64,
+                        features=out / "features", progress=False)
+    return target, head, out
+
+
+@pytest.mark.slow
+def test_smollm_training_lowers_the_loss_and_resumes(smol_head):
+    from verispec.heads.train import train_eagle3
+
+    target, head, out = smol_head
+    log = [json.loads(line) for line in (out / "train.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in log if "loss" in r]
+    assert len(losses) == 12
+    assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3  # it learns
+    held_out = log[-1]["held_out"]
+    assert len(held_out["accuracy"]) == 3 and held_out["sequences"] == 4
+    saved = load_head(out, target)
+    assert saved.config.extra["steps"] == 12 and saved.config.target == "smollm2-135m"
+    # a second run with more steps resumes from the checkpoint instead of starting again
+    config = TrainConfig(steps=14, ttt_steps=3, checkpoint_every=6, lr=1e-3, warmup=2, eval_sequences=4)
+    train_eagle3(target, out, max_tokens=2048, draft_vocab=2048, config=config, seq_len=64,
+                 features=out / "features", progress=False)
+    steps = [r["step"] for r in map(json.loads, (out / "train.jsonl").read_text().splitlines()) if "step" in r]
+    assert steps[12:] == [13, 14]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("draft_len", [3, "auto"])
+def test_smollm_greedy_eagle3_equals_plain(smol_head, draft_len):
+    target, _, out = smol_head
+    head = verispec.load(str(out))  # the saved head, as a user would load it
+    for prompt in SMOL_PROMPTS:
+        expected = verispec.generate(target, prompt, drafter="none", max_new_tokens=40).token_ids
+        got = verispec.generate(target, prompt, draft=head, draft_len=draft_len, max_new_tokens=40)
+        assert got.token_ids == expected, prompt
+        assert got.stats.drafter == "Eagle3Drafter"
+    batch = verispec.generate(target, SMOL_PROMPTS, draft=head, draft_len=draft_len, max_new_tokens=24)
+    assert [r.token_ids for r in batch] == [verispec.generate(target, p, drafter="none", max_new_tokens=24).token_ids
+                                            for p in SMOL_PROMPTS]
+
+
+@pytest.mark.slow
+def test_cli_trains_a_head(tmp_path, smol_head):
+    from verispec.cli import main
+
+    _, _, out = smol_head
+    code = main(["train", "eagle3", "--target", "smollm2-135m", "--out", str(tmp_path / "h"), "--max-tokens", "2048",
+                 "--seq-len", "64", "--draft-vocab", "1024", "--steps", "2", "--ttt-steps", "2",
+                 "--features", str(tmp_path / "f")])
+    assert code == 0 and isinstance(verispec.load(str(tmp_path / "h")), Eagle3Head)
+    assert main(["train", "eagle3", "--target", "smollm2-135m", "--out", str(tmp_path / "h"), "--steps", "0"]) == 2
