@@ -137,8 +137,9 @@ def _greedy_answer(target, prompt: list[int], max_new_tokens: int) -> list[int]:
 
 
 @torch.inference_mode()
-def features_of(target, sequences: torch.Tensor, taps: tuple[int, ...], top_k: int) -> dict[str, torch.Tensor]:
-    """One shard's tensors for sequences [N, T] long: a prefill pass per sequence on a fresh cache."""
+def features_of(target, sequences: torch.Tensor, taps: tuple[int, ...], top_k: int, bar: tqdm | None = None) -> dict[str, torch.Tensor]:
+    """One shard's tensors for sequences [N, T] long: a prefill pass per sequence on a fresh cache
+    (`bar`, if given, advances by each sequence's tokens)."""
     out = {"tokens": sequences.to(torch.int32), "taps": [], "top_ids": [], "top_logprobs": []}
     for row in sequences:
         logits, hidden = target.forward(row[None], target.new_cache(1), taps=taps)
@@ -146,6 +147,8 @@ def features_of(target, sequences: torch.Tensor, taps: tuple[int, ...], top_k: i
         out["taps"].append(hidden[0].to(torch.float16))
         out["top_ids"].append(top.indices.to(torch.int32))
         out["top_logprobs"].append(top.values.to(torch.float16))
+        if bar is not None:
+            bar.update(len(row))
     return {k: (v if isinstance(v, torch.Tensor) else torch.stack(v)) for k, v in out.items()}
 
 
@@ -183,11 +186,10 @@ def extract(target, directory: str | Path, spec: FeatureSpec, max_tokens: int, p
                                 "with --data or lower --max-tokens")
         if paths[i].exists():
             continue  # made by an earlier run: the token stream is the same, so skip its sequences
-        tensors = features_of(target, torch.tensor(batch), spec.taps, spec.top_k)
+        tensors = features_of(target, torch.tensor(batch), spec.taps, spec.top_k, bar)
         partial = paths[i].with_name(paths[i].name + ".partial")
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(partial))
         partial.replace(paths[i])
-        bar.update(per_shard)
     bar.close()
     if progress:
         print(f"verispec: {len(missing) * per_shard} tokens of features in {time.perf_counter() - started:.0f} s -> {directory}")
