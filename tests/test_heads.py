@@ -247,6 +247,14 @@ def test_greedy_eagle3_equals_plain(tiny_target, trained_head, draft_len):
         assert batch[0].stats.accepted_tokens > 60  # not vacuous: the head's tokens were accepted
 
 
+def test_greedy_eagle3_on_the_transformers_backend(tiny_hf, trained_head):
+    """The HF backend returns taps too (its hidden_states), so a head drafts for it alike."""
+    plain = [verispec.generate(tiny_hf, p, drafter="none", max_new_tokens=30).token_ids for p in PROMPTS]
+    batch = verispec.generate(tiny_hf, PROMPTS, draft=trained_head, draft_len=3, max_new_tokens=30)
+    assert [r.token_ids for r in batch] == plain
+    assert batch[0].stats.accepted_tokens > 30
+
+
 def test_greedy_eagle3_with_a_random_head_is_still_exact(tiny_target):
     head = random_head(tiny_target, seed=5)
     for prompt in PROMPTS:
