@@ -203,8 +203,10 @@ def test_head_of_another_target_is_refused(tiny_target):
     head.config.vocab_size = 50
     with pytest.raises(VerispecError, match="own target"):
         verispec.generate(other, [1, 2, 3], draft=head, max_new_tokens=2)
-    with pytest.raises(VerispecError, match="eagle3"):
+    with pytest.raises(VerispecError, match="drafter='eagle3'"):
         verispec.generate(other, [1, 2, 3], draft=random_head(tiny_target), drafter="model", max_new_tokens=2)
+    with pytest.raises(VerispecError, match="trained head"):
+        verispec.generate(other, [1, 2, 3], drafter="eagle3", max_new_tokens=2)
 
 
 # --- drafting -------------------------------------------------------------------------------------------
@@ -275,6 +277,40 @@ def test_sampled_eagle3_follows_the_target(tiny_hf, tiny_target, trained_head, p
     assert results[0].stats.accepted_tokens > 10
     first, joint = first_two_tokens_pvalues(tiny_hf, prompt, SamplingParams(**params), [r.token_ids for r in results])
     assert first > P_THRESHOLD and joint > P_THRESHOLD
+
+
+class TapRecorder:
+    """A model drafter that also asks for the target's taps and keeps what the engine hands it."""
+
+    def __init__(self, inner):
+        self.inner, self.target_taps, self.observed = inner, TAPS, []
+        self.add, self.propose, self.commit, self.select = inner.add, inner.propose, inner.commit, inner.select
+
+    def observe_taps(self, hidden):
+        self.observed.append([None if h is None else h.clone() for h in hidden])
+
+
+def test_engine_hands_over_the_taps_of_every_kept_token(tiny_hf, tiny_target):
+    """Prefill, chain and tree passes alike: the drafter receives, in order, the taps of exactly the tokens
+    the target's cache keeps, i.e. of the final sequence but its last token (and of any tokens the last
+    step produced past the end of the output)."""
+    from conftest import perturbed_copy
+    from test_trees import _decode, _PricedLikeAPair
+    from verispec.drafters import ModelDrafter
+
+    draft = NativeCausalLM.from_hf(perturbed_copy(tiny_hf, scale=0.1))
+    alternates = 0
+    for prompt in PROMPTS:
+        recorder = TapRecorder(ModelDrafter(draft, tiny_target.vocab_size))
+        (generated,), stats = _decode(tiny_target, recorder, [prompt], _PricedLikeAPair(alternates=True), 40)
+        alternates += stats.alternates_accepted
+        sequence = prompt + generated
+        got = torch.cat([h[0] for h in recorder.observed if h[0] is not None and h[0].numel()])
+        _, expected = tiny_target.forward(torch.tensor([sequence[:-1]]), tiny_target.new_cache(1), taps=TAPS)
+        # the last step may keep tokens past max_new_tokens or EOS, which the output then cuts
+        assert len(sequence) - 1 <= len(got) <= len(sequence) + 10
+        torch.testing.assert_close(got[: len(sequence) - 1], expected[0], rtol=1e-4, atol=1e-4)
+    assert alternates > 0  # tree passes were among them, and some kept an alternate
 
 
 # --- smollm2-135m (slow) --------------------------------------------------------------------------------

@@ -12,12 +12,11 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from verispec.drafters import HybridDrafter, ModelDrafter, NgramDrafter, NoDrafter, SharedCacheDrafter
+from verispec.drafters import Eagle3Drafter, HybridDrafter, ModelDrafter, NgramDrafter, NoDrafter, SharedCacheDrafter
 from verispec.drafters.base import Drafter
 from verispec.engine import Request, SpeculativeEngine, TokenEvent
 from verispec.errors import VerispecError
-from verispec.drafters.eagle3 import Eagle3Drafter
-from verispec.heads.eagle3 import Eagle3Head, load_head, target_embedding
+from verispec.heads.eagle3 import Eagle3Head, load_head
 from verispec.models import stored
 from verispec.models.base import CausalLM
 from verispec.models.hf import HFCausalLM, pick_device
@@ -275,15 +274,14 @@ def make_drafter(target: CausalLM, draft: CausalLM | None, drafter: str, draft_c
     drafter = resolve_drafter(target, draft, drafter)
     if drafter not in DRAFTERS:
         raise VerispecError(f"unknown drafter {drafter!r}: use one of auto, {', '.join(DRAFTERS)}")
-    if (drafter == "eagle3") != isinstance(draft, Eagle3Head) and drafter not in ("ngram", "none"):
-        raise VerispecError("drafter='eagle3' drafts with a trained head and a head drafts only with drafter='eagle3' "
-                            "(or 'auto'): pass draft=verispec.load_head(DIR) (or the head's directory) with it")
-    if drafter == "eagle3":
-        if draft.config.vocab_size != target.vocab_size:
-            raise VerispecError(f"the head was trained for {draft.config.target!r} ({draft.config.vocab_size} tokens); "
-                                f"{target.name!r} has {target.vocab_size}: use it with its own target")
-        if draft.embed is None:
-            draft.bind(target_embedding(target))
+    if drafter == "eagle3" and not isinstance(draft, Eagle3Head):
+        raise VerispecError("drafter='eagle3' drafts with a trained head: pass draft=verispec.load_head(DIR) (or the "
+                            "head's directory); train one with `verispec train eagle3`")
+    if isinstance(draft, Eagle3Head) and drafter in ("model", "hybrid", "self"):
+        raise VerispecError(f"a trained head drafts with drafter='eagle3' (or 'auto'), not {drafter!r}")
+    if drafter == "eagle3" and draft.config.vocab_size != target.vocab_size:
+        raise VerispecError(f"the head was trained for {draft.config.target!r} ({draft.config.vocab_size} tokens); "
+                            f"{target.name!r} has {target.vocab_size}: use it with its own target")
     if drafter in ("model", "hybrid"):
         if draft is None:
             raise VerispecError(f"drafter={drafter!r} needs a draft model: pass draft=NAME_OR_PATH")

@@ -227,7 +227,7 @@ class DecodeBatch:
             kept = self._accepted_path(draft, verdict)
             self.cache.retain(start, kept)
         else:
-            kept = torch.arange(1 + width)[None, :] <= verdict.num_accepted[:, None]
+            kept = torch.arange(logits.shape[1])[None, :] <= verdict.num_accepted[:, None]  # the chain's kept prefix
             self.cache.truncate(start + 1 + verdict.num_accepted)
         if taps is not None:  # the hidden states of the tokens the target's cache kept, in order
             self.drafter.observe_taps([hidden[b, kept[b].to(hidden.device)] for b in range(len(self.rows))])
