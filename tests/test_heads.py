@@ -193,6 +193,9 @@ def test_save_load_round_trip(tiny_target, tmp_path):
         assert torch.equal(tensor, loaded.state_dict()[name]), name
     assert loaded.config == head.config
     assert isinstance(verispec.load(str(tmp_path / "head")), Eagle3Head)  # load(DIR) knows a head
+    plain = verispec.generate(tiny_target, PROMPT, drafter="none", max_new_tokens=8).token_ids
+    by_path = verispec.generate(tiny_target, PROMPT, head=str(tmp_path / "head"), drafter="eagle3", max_new_tokens=8)
+    assert by_path.token_ids == plain and by_path.stats.drafter == "Eagle3Drafter"
     with pytest.raises(VerispecError, match="not a draft head"):
         load_head(tmp_path)
 

@@ -344,8 +344,12 @@ class Session:
 
     def __init__(self, target, prompt, *, draft=None, drafter="auto", draft_len="auto", temperature=0.0, top_k=0, top_p=1.0,
                  seed=None, coupled=False, blockwise=True, typical_acceptance=0.0, max_new_tokens=128, chat=False, stop=None,
-                 draft_confidence=0.0):
+                 draft_confidence=0.0, head=None):
         self.target = load(target)
+        if head is not None:  # a trained draft head (a directory or `load_head`'s result) is the draft
+            if draft is not None:
+                raise VerispecError("give either draft= or head=, not both")
+            draft = head if isinstance(head, Eagle3Head) else load_head(head)
         draft_model = load(draft) if draft is not None else None
         self.sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, coupled=coupled,
                                        blockwise=blockwise, typical_acceptance=typical_acceptance)
@@ -380,7 +384,7 @@ def generate(target, prompt, *, draft=None, drafter: str = "auto", draft_len: in
              top_k: int = 0, top_p: float = 1.0, seed: int | None = None, coupled: bool = False, blockwise: bool = True,
              typical_acceptance: float = 0.0, max_new_tokens: int = 128,
              chat: bool = False, stop: str | Sequence[str] | None = None,
-             draft_confidence: float = 0.0) -> GenerationResult | list[GenerationResult]:
+             draft_confidence: float = 0.0, head=None) -> GenerationResult | list[GenerationResult]:
     """Generate from `prompt` with speculative decoding; the output is what the target alone would give.
 
     target / draft: zoo name, path, hub id or loaded model. prompt: text, token ids, or a list of
@@ -408,11 +412,13 @@ def generate(target, prompt, *, draft=None, drafter: str = "auto", draft_len: in
     rule; e.g. 0.09): a draft token is kept while the target gives it more than
     min(eps, sqrt(eps) * exp(-entropy)). LOSSY: the text is plausible to the target but no longer a sample
     of its distribution. Greedy decoding is unaffected (exact either way).
+    head: a trained EAGLE-3 head (its directory, or `verispec.load_head(DIR)`; `verispec train eagle3` makes
+    one) drafts with drafter="eagle3" (which "auto" picks for it); draft=head works the same.
     """
     session = Session(target, prompt, draft=draft, drafter=drafter, draft_len=draft_len, temperature=temperature,
                       top_k=top_k, top_p=top_p, seed=seed, coupled=coupled, blockwise=blockwise,
                       typical_acceptance=typical_acceptance, max_new_tokens=max_new_tokens, chat=chat,
-                      stop=stop, draft_confidence=draft_confidence)
+                      stop=stop, draft_confidence=draft_confidence, head=head)
     generated = [[] for _ in session.prompt_ids]
     finish = ["length"] * len(generated)
     for event in session.events():
