@@ -209,11 +209,11 @@ def train_eagle3(target, out: str | Path, *, data: tuple[str, ...] = ("site-pack
         torch.nn.utils.clip_grad_norm_(head.parameters(), config.grad_clip)
         optimizer.step()
         schedule.step()
-        record = {"step": step + 1, "loss": round(float(loss), 4), "accuracy": [round(a, 3) for a in accuracy],
+        record = {"step": step + 1, "loss": round(float(loss.detach()), 4), "accuracy": [round(a, 3) for a in accuracy],
                   "lr": schedule.get_last_lr()[0], "seconds": round(time.perf_counter() - started, 1)}
         log.write(json.dumps(record) + "\n")
         log.flush()
-        bar.set_postfix(loss=f"{float(loss):.3f}", acc0=f"{accuracy[0]:.2f}")
+        bar.set_postfix(loss=f"{float(loss.detach()):.3f}", acc0=f"{accuracy[0]:.2f}")
         bar.update(1)
         if (step + 1) % config.checkpoint_every == 0 or step + 1 == config.steps:
             _checkpoint(out, head, optimizer, schedule, step + 1, rng, config, spec)
