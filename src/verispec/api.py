@@ -13,11 +13,12 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 from transformers import PreTrainedModel
 
-from verispec.drafters import HybridDrafter, ModelDrafter, NgramDrafter, NoDrafter, SharedCacheDrafter
+from verispec.drafters import Eagle3Drafter, HybridDrafter, ModelDrafter, NgramDrafter, NoDrafter, SharedCacheDrafter
 from verispec.drafters.base import Drafter
 from verispec.engine import Request, SpeculativeEngine, TokenEvent
 from verispec import options
 from verispec.errors import VerispecError
+from verispec.heads.eagle3 import Eagle3Head, load_head
 from verispec.models import stored
 from verispec.models.base import CausalLM
 from verispec.models.hf import HFCausalLM, pick_device
@@ -71,7 +72,7 @@ def load(name_or_path: Any, dtype: torch.dtype | str | None = None, device: str 
     weight_dtype = _parse_weight_dtype(weight_dtype)
     if weight_dtype is not None and backend == "hf":
         raise VerispecError("weight_dtype needs the native backend: drop backend='hf' or weight_dtype")
-    if isinstance(name_or_path, CausalLM):  # already a verispec model
+    if isinstance(name_or_path, (CausalLM, Eagle3Head)):  # already a verispec model or head
         return name_or_path
     if gguf_blocks is None:
         gguf_blocks = os.environ.get("VERISPEC_GGUF_BLOCKS", "0") not in ("0", "false", "no", "")
@@ -79,6 +80,8 @@ def load(name_or_path: Any, dtype: torch.dtype | str | None = None, device: str 
         return _wrap(HFCausalLM(name_or_path, tokenizer), backend, weight_dtype, gguf_blocks)
     if not isinstance(name_or_path, str) or not name_or_path:
         raise VerispecError(f"a model must be a zoo name, a path, a hub id or a loaded model, got {name_or_path!r}")
+    if is_head_directory(name_or_path):  # a trained draft head: draft=load(DIR) drafts with it
+        return load_head(name_or_path)
     dtype = _parse_dtype(dtype)
     key = (name_or_path, dtype, str(device))
     if key not in _LOADED:
@@ -202,6 +205,7 @@ DRAFTERS: dict[str, Callable[[CausalLM, CausalLM | None, float], Drafter]] = {
     "hybrid": lambda target, draft, confidence: HybridDrafter(ModelDrafter(draft, target.vocab_size, min_confidence=confidence)),
     "self": lambda target, draft, confidence: SharedCacheDrafter(draft if draft is not None else self_draft(target), target,
                                                                  min_confidence=confidence),
+    "eagle3": lambda target, draft, confidence: Eagle3Drafter(draft, target, min_confidence=confidence),
     "ngram": lambda target, draft, confidence: NgramDrafter(),
     "none": lambda target, draft, confidence: NoDrafter(),
 }
@@ -237,6 +241,20 @@ def _same_vocabulary(a, b) -> bool:
     if key not in _SAME_VOCAB:
         _SAME_VOCAB[key] = (a, b, a is b or a.get_vocab() == b.get_vocab())
     return _SAME_VOCAB[key][2]
+
+
+def is_head_directory(path: str) -> bool:
+    """Whether `path` is a directory holding a trained EAGLE-3 head (its config.json says so)."""
+    import json
+    from pathlib import Path
+
+    from verispec.heads.eagle3 import ARCHITECTURE, CONFIG_FILE
+
+    config = Path(path).expanduser() / CONFIG_FILE
+    try:
+        return ARCHITECTURE in (json.loads(config.read_text()).get("architectures") or [])
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def check_compatible(target: CausalLM, draft: CausalLM) -> None:
@@ -286,6 +304,8 @@ def resolve_drafter(target: CausalLM, draft: CausalLM | None, drafter: str, new_
     """
     if drafter != "auto":
         return drafter
+    if isinstance(draft, Eagle3Head):
+        return "eagle3"
     if draft is not None:
         return "model"
     if self_draft_possible(target) and (target in _SELF_DRAFTS or new_tokens is None or new_tokens >= SELF_COPY_MIN_TOKENS
@@ -296,6 +316,14 @@ def resolve_drafter(target: CausalLM, draft: CausalLM | None, drafter: str, new_
 
 def make_drafter(target: CausalLM, draft: CausalLM | None, drafter: str, draft_confidence: float = 0.0) -> Drafter:
     drafter = resolve_drafter(target, draft, options.drafter_name(drafter))
+    if drafter == "eagle3" and not isinstance(draft, Eagle3Head):
+        raise VerispecError("drafter='eagle3' drafts with a trained head: pass draft=verispec.load_head(DIR) (or the "
+                            "head's directory); train one with `verispec train eagle3`")
+    if isinstance(draft, Eagle3Head) and drafter in ("model", "hybrid", "self"):
+        raise VerispecError(f"a trained head drafts with drafter='eagle3' (or 'auto'), not {drafter!r}")
+    if drafter == "eagle3" and draft.config.vocab_size != target.vocab_size:
+        raise VerispecError(f"the head was trained for {draft.config.target!r} ({draft.config.vocab_size} tokens); "
+                            f"{target.name!r} has {target.vocab_size}: use it with its own target")
     if drafter in ("model", "hybrid"):
         if draft is None:
             raise VerispecError(f"drafter={drafter!r} needs a draft model: pass draft=NAME_OR_PATH")
@@ -358,7 +386,7 @@ class Session:
 
     def __init__(self, target, prompt, *, draft=None, drafter="auto", draft_len="auto", temperature=0.0, top_k=0, top_p=1.0,
                  seed=None, coupled=False, blockwise=True, typical_acceptance=0.0, max_new_tokens=128, chat=False, stop=None,
-                 draft_confidence=0.0, system=None):
+                 draft_confidence=0.0, system=None, head=None):
         # The options first: a bad value fails before any model loads.
         draft_len = DraftLen.parse(draft_len)
         max_new_tokens = options.max_new_tokens(max_new_tokens)
@@ -368,6 +396,10 @@ class Session:
         if system is not None and not chat:
             raise VerispecError("system= is a system prompt for the chat template: pass chat=True as well, or drop system=")
         self.target = load(target)
+        if head is not None:  # a trained draft head (a directory or `load_head`'s result) is the draft
+            if draft is not None:
+                raise VerispecError("give either draft= or head=, not both")
+            draft = head if isinstance(head, Eagle3Head) else load_head(head)
         draft_model = load(draft) if draft is not None else None
         prompts, self.batched = _normalize_prompts(prompt)
         self.prompt_ids = _tokenize(self.target, prompts, chat, system)
@@ -399,7 +431,7 @@ def generate(target, prompt, *, draft=None, drafter: str = "auto", draft_len: Dr
              top_k: int = 0, top_p: float = 1.0, seed: int | None = None, coupled: bool = False, blockwise: bool = True,
              typical_acceptance: float = 0.0, max_new_tokens: int = 128,
              chat: bool = False, stop: str | Sequence[str] | None = None,
-             draft_confidence: float = 0.0, system: str | None = None) -> GenerationResult | list[GenerationResult]:
+             draft_confidence: float = 0.0, system: str | None = None, head=None) -> GenerationResult | list[GenerationResult]:
     """Generate from `prompt` with speculative decoding; the output is what the target alone would give.
 
     target / draft: zoo name, path, hub id or loaded model. prompt: text, token ids, or a list of
@@ -429,11 +461,13 @@ def generate(target, prompt, *, draft=None, drafter: str = "auto", draft_len: Dr
     of its distribution. Greedy decoding is unaffected (exact either way).
     chat: each text prompt is one user turn in the model's chat template; system: a system turn before
     it (with chat=True).
+    head: a trained EAGLE-3 head (its directory, or `verispec.load_head(DIR)`; `verispec train eagle3` makes
+    one) drafts with drafter="eagle3" (which "auto" picks for it); draft=head works the same.
     """
     session = Session(target, prompt, draft=draft, drafter=drafter, draft_len=draft_len, temperature=temperature,
                       top_k=top_k, top_p=top_p, seed=seed, coupled=coupled, blockwise=blockwise,
                       typical_acceptance=typical_acceptance, max_new_tokens=max_new_tokens, chat=chat,
-                      stop=stop, draft_confidence=draft_confidence, system=system)
+                      stop=stop, draft_confidence=draft_confidence, system=system, head=head)
     generated = [[] for _ in session.prompt_ids]
     finish = ["length"] * len(generated)
     for event in session.events():

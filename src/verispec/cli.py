@@ -260,6 +260,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run_options(p)
     p.set_defaults(run=cmd_demo)
 
+    p = sub.add_parser("train", help="train a draft head for a target (verispec train eagle3 --help)")
+    heads = p.add_subparsers(dest="head", required=True)
+    p = heads.add_parser("eagle3", help="an EAGLE-3 head: reads three of the target's hidden states, drafts chains")
+    from verispec.heads.train import add_train_arguments, run_train
+
+    add_train_arguments(p)
+    p.set_defaults(run=run_train)
+
     sub.add_parser("serve", help="OpenAI-compatible server (verispec serve --help)", add_help=False)
     return parser
 

@@ -121,7 +121,11 @@ class DecodeBatch:
         for request in requests:
             self.check(request)
         started = time.perf_counter()
-        self.cache.concat(prefill(self.target, [list(r.prompt[:-1]) for r in requests]))
+        taps = self.drafter.target_taps  # a drafter that reads the target's hidden states
+        prefilled = prefill(self.target, [list(r.prompt[:-1]) for r in requests], taps=taps)
+        if taps is not None:
+            prefilled, hidden = prefilled
+        self.cache.concat(prefilled)
         target_seconds = time.perf_counter() - started
         tokens = sum(len(r.prompt) - 1 for r in requests)  # what both prefills process
         if self.fallback is not None:
@@ -130,6 +134,8 @@ class DecodeBatch:
         self.stats.drafter = type(self.drafter).__name__
         drafting = time.perf_counter()
         self.drafter.add([list(r.prompt) for r in requests])
+        if taps is not None:
+            self.drafter.observe_taps([None] * len(self.rows) + hidden)
         draft_model = self.drafter.prefill_model
         if draft_model is not None and target_seconds > 0:
             BOOK.record_relative_prefill(self.target, draft_model, tokens, (time.perf_counter() - drafting) / target_seconds)
@@ -199,12 +205,14 @@ class DecodeBatch:
         t1 = time.perf_counter()
         # 1. One target pass scores the last token and every drafted one (a token tree with alternates).
         start = self.cache.slots.length
-        logits = self._score(draft)
+        logits, hidden = self._score(draft)
         t2 = time.perf_counter()
         # 2. Accept a prefix (and perhaps the alternate where it broke off), add the target's own token.
         verdict = verifier.verify(draft, logits, sampling, generators, [len(row.sequence) for row in self.rows])
         # 3. Roll back: the target keeps the last token and the accepted path; the drafter its own state.
-        self._roll_back(start, draft, verdict)
+        kept = self._roll_back(start, draft, verdict, logits.shape[1])
+        if hidden is not None:  # a drafter that reads the target's hidden states gets those of the kept tokens, in order
+            self.drafter.observe_taps([hidden[b, kept[b].to(hidden.device)] for b in range(len(self.rows))])
         self.drafter.commit(verdict)
         t3 = time.perf_counter()
         # 4. Hand out the new tokens; cut at max_new_tokens, EOS and stop sequences.
@@ -233,21 +241,28 @@ class DecodeBatch:
         draft = draft.narrow(int(draft.num_drafted.max()) if k else 0)  # rows that stopped early need no verify slots
         return self._fit_alternates(draft) if draft.has_alternates else draft
 
-    def _score(self, draft: Draft) -> torch.Tensor:
+    def _score(self, draft: Draft) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The target's logits [batch, 1 + k (+ alternates), vocab] over [last token, chain, alternates],
-        appended to its cache."""
+        appended to its cache; and, for a drafter that reads them (`Drafter.target_taps`), the hidden states
+        at those layers' inputs [batch, same width, taps x hidden], else None."""
         last = torch.tensor([[row.sequence[-1]] for row in self.rows], dtype=torch.long)
+        tapping = {} if self.drafter.target_taps is None else {"taps": self.drafter.target_taps}
         if draft.has_alternates:
             extra, tree, _ = draft.tree
-            return self.target.forward(torch.cat([last, draft.tokens, extra], 1), self.cache, tree=tree)
-        return self.target.forward(torch.cat([last, draft.tokens], 1), self.cache)
-
-    def _roll_back(self, start: int, draft: Draft, verdict: Verdict) -> None:
-        """The target's cache forgets what the pass that began at slot `start` wrote and was not accepted."""
-        if verdict.alternate is not None and bool(verdict.alternate.any()):
-            self.cache.retain(start, self._accepted_path(draft, verdict))
+            out = self.target.forward(torch.cat([last, draft.tokens, extra], 1), self.cache, tree=tree, **tapping)
         else:
-            self.cache.truncate(start + 1 + verdict.num_accepted)
+            out = self.target.forward(torch.cat([last, draft.tokens], 1), self.cache, **tapping)
+        return out if tapping else (out, None)
+
+    def _roll_back(self, start: int, draft: Draft, verdict: Verdict, width: int) -> torch.Tensor:
+        """The target's cache forgets what the pass that began at slot `start` (`width` columns) wrote and was
+        not accepted. Returns which columns each row kept: [batch, width] bool."""
+        if verdict.alternate is not None and bool(verdict.alternate.any()):
+            kept = self._accepted_path(draft, verdict)
+            self.cache.retain(start, kept)
+            return kept
+        self.cache.truncate(start + 1 + verdict.num_accepted)
+        return torch.arange(width)[None, :] <= verdict.num_accepted[:, None]  # the chain's kept prefix
 
     def _observe(self, step: StepRecord) -> None:
         """The policy learns from the step, the stats count it, and the server can read it (`last_step`)."""

@@ -152,9 +152,19 @@ class Drafter(Protocol):
     # `propose` must leave that cache as it found it (`SharedCacheDrafter`).
     shares_cache: bool = False
 
+    # Reads the target's hidden states at the inputs of these layers (a trained head, `Eagle3Drafter`): the
+    # engine's prefill and verify passes also return them, and it hands over those of every token the
+    # target's cache keeps (`observe_taps`), with no extra target pass. None: it reads none.
+    target_taps: "tuple[int, ...] | None" = None
+
     def share_cache(self, cache: "ModelCache") -> None:
         """Draft on this target cache from now on (called only when `shares_cache`)."""
         raise NotImplementedError(f"{type(self).__name__} does not draft on the target's cache")
+
+    def observe_taps(self, hidden: "list[torch.Tensor | None]") -> None:
+        """Per row, the target's tapped hidden states [n, len(target_taps) * hidden] of the n tokens its cache
+        just kept, in order (None: none). Called only when `target_taps` is set."""
+        raise NotImplementedError(f"{type(self).__name__} reads no hidden states of the target")
 
     def add(self, prompts: list[list[int]]) -> None:
         """New sequences join the batch, after the current rows."""

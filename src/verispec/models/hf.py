@@ -118,7 +118,9 @@ class HFCausalLM(CausalLM):
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, cache: ModelCache, visible: torch.Tensor | None = None, last_only: bool = False,
-                tree: torch.Tensor | None = None) -> torch.Tensor:
+                tree: torch.Tensor | None = None, taps: tuple[int, ...] | None = None):
+        """See `CausalLM.forward`. taps: also return the inputs of those decoder layers, every position, as
+        (logits, hidden [B, T, len(taps) * hidden_size] float32) (transformers' `hidden_states[i]`)."""
         if tree is not None:
             raise ValueError(f"{self.name} runs on transformers, which verifies chains only: pass tree=None")
         tokens = tokens.to(self.device)
@@ -131,10 +133,16 @@ class HFCausalLM(CausalLM):
             position_ids=position_ids,
             past_key_values=cache.store.cache,
             use_cache=True,
+            output_hidden_states=taps is not None,
             **({"logits_to_keep": 1} if last_only and self._takes_logits_to_keep else {}),
         )
         logits = out.logits[:, -1:].float() if last_only else out.logits.float()
         if self.output_ids is not None:  # a restricted output layer: every other token gets probability 0
             full = logits.new_full((*logits.shape[:-1], self.vocab_size), float("-inf"))
             logits = full.index_copy_(-1, self.output_ids.to(logits.device), logits)
-        return logits
+        if taps is None:
+            return logits
+        layers = len(out.hidden_states) - 1  # hidden_states[i]: the input of layer i; the last is normed
+        if not taps or any(not 0 <= int(i) < layers for i in taps):
+            raise ValueError(f"taps must be layer indices in [0, {layers}), got {tuple(taps)}")
+        return logits, torch.cat([out.hidden_states[int(i)].float() for i in taps], -1)

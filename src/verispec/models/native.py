@@ -89,6 +89,14 @@ def supports(hf_model) -> bool:
     )
 
 
+def _check_taps(taps, num_layers: int) -> tuple[int, ...]:
+    """Tap layer indices as a tuple, each the input of a layer in [0, num_layers)."""
+    taps = tuple(int(i) for i in taps)
+    if not taps or any(not 0 <= i < num_layers for i in taps):
+        raise ValueError(f"taps must be layer indices in [0, {num_layers}), got {taps}")
+    return taps
+
+
 @dataclass
 class _Layer:
     """One decoder layer's weights: [out, in] matrices and optional [out] biases, borrowed from HF."""
@@ -496,19 +504,30 @@ class NativeCausalLM(CausalLM):
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, cache: ModelCache, visible: torch.Tensor | None = None,
-                last_only: bool = False, tree: torch.Tensor | None = None) -> torch.Tensor:
+                last_only: bool = False, tree: torch.Tensor | None = None, taps: tuple[int, ...] | None = None):
         """tokens [B, T] long, visible [B, T] bool (False = padding), tree [B, T, T] bool (a token tree, see
-        `CausalLM.forward`) -> logits [B, T or 1, vocab] float32."""
+        `CausalLM.forward`) -> logits [B, T or 1, vocab] float32.
+
+        taps (layer indices in [0, layers)): also return the hidden states at the inputs of those layers
+        (the residual stream after layer i - 1; the embedding for 0) for every position of the pass, even
+        with last_only: (logits, hidden [B, T, len(taps) * hidden_size] float32, in `taps` order). The
+        logits are bitwise those of the same pass without taps."""
         tokens = tokens.to(self.device)
         batch, width = tokens.shape
         if visible is None:
             visible = torch.ones_like(tokens, dtype=torch.bool)
+        if taps is not None:
+            taps = _check_taps(taps, len(self.layers))
         if ((last_only or self.numerics == "q8") and tree is None and batch * width > kernels.MAX_ROWS
                 and self._prefills_in_chunks(batch, width)):
             rows = kernels.MAX_ROWS // batch
-            chunks = [self.forward(tokens[:, begin : begin + rows], cache, visible[:, begin : begin + rows], last_only=last_only)
+            chunks = [self.forward(tokens[:, begin : begin + rows], cache, visible[:, begin : begin + rows], last_only=last_only,
+                                   taps=taps)
                       for begin in range(0, width, rows)]
-            return chunks[-1] if last_only else torch.cat(chunks, dim=1)
+            if taps is None:
+                return chunks[-1] if last_only else torch.cat(chunks, dim=1)
+            logits = chunks[-1][0] if last_only else torch.cat([c[0] for c in chunks], dim=1)
+            return logits, torch.cat([c[1] for c in chunks], dim=1)
         if self.numerics == "q8" and batch * width > kernels.MAX_ROWS:
             raise VerispecError(f"{self.name}: a pass of {batch} x {width} token rows is wider than the q8 kernels take "
                                 f"({kernels.MAX_ROWS} rows{' with a tree' if tree is not None else ''})")
@@ -521,10 +540,11 @@ class NativeCausalLM(CausalLM):
         _, position_ids = cache.slots.extend(visible.to(self.device), tree)
         store.reserve(start + width)
         self._rope_tables(int(position_ids.max()) + 1)
+        tapped = [] if taps is not None else None  # filled by the pass: [B, T, hidden] per tap, in layer order
         if self._kernels and batch * width <= kernels.MAX_ROWS:
-            hidden = self._small_pass(tokens, position_ids, cache.slots.visible, store, start, tree)
+            hidden = self._small_pass(tokens, position_ids, cache.slots.visible, store, start, tree, taps, tapped)
         else:
-            hidden = self._big_pass(tokens, position_ids, cache.slots.visible, store, start, tree, last_only)
+            hidden = self._big_pass(tokens, position_ids, cache.slots.visible, store, start, tree, last_only, taps, tapped)
         store.length = start + width
         if last_only:
             hidden = hidden[:, -1:]  # the LM head is the biggest matrix: score only what the caller reads
@@ -537,7 +557,11 @@ class NativeCausalLM(CausalLM):
         if self.output_ids is not None:  # a restricted head: every other token gets probability 0
             full = logits.new_full((logits.shape[0], self.vocab_size), float("-inf"))
             logits = full.index_copy_(1, self.output_ids, logits.to(full.dtype))
-        return logits.view(batch, -1, self.vocab_size).float()
+        logits = logits.view(batch, -1, self.vocab_size).float()
+        if taps is None:
+            return logits
+        by_layer = dict(zip(sorted(set(taps)), tapped))
+        return logits, torch.cat([by_layer[i].float() for i in taps], -1)
 
     @property
     def _blocked(self) -> bool:
@@ -615,6 +639,22 @@ class NativeCausalLM(CausalLM):
             self._prepared = layers, kernels.Linear(self.lm_head, self.lm_head_bias)
         return self._prepared
 
+    def _segment_stacks(self, taps: tuple[int, ...]) -> list[tuple[int, int, kernels.LayerStack]]:
+        """The layers split at each tap, (first layer, end, LayerStack of layers first..end-1) in order, so a
+        fused pass can stop at a tap's input; built once per set of taps and rebuilt with the whole stack
+        (which must exist: `_layer_stack()` is not None)."""
+        stack = self._layer_stack()
+        built = self.__dict__.get("_segments")
+        if built is None or built[0] is not stack:
+            built = self._segments = (stack, {})
+        bounds = tuple(sorted(set(taps) | {0}))
+        if bounds not in built[1]:
+            segments = []
+            for begin, end in zip(bounds, bounds[1:] + (len(self.layers),)):
+                segments.append((begin, end, kernels.LayerStack(stack._layers[begin:end])))
+            built[1][bounds] = segments
+        return built[1][bounds]
+
     def _layer_stack(self) -> kernels.LayerStack | None:
         """Every layer's norms and products as one `kernels.LayerStack` (one C call a pass), built once;
         None where a layer's products mix weight formats."""
@@ -625,8 +665,10 @@ class NativeCausalLM(CausalLM):
                 for layer, linear in zip(self.layers, linears)])
         return self._stack
 
-    def _small_pass(self, tokens, position_ids, visible, store: NativeStore, start: int, tree=None) -> torch.Tensor:
-        """Hidden states [B, T, hidden] after the final norm, every op a row-exact kernel."""
+    def _small_pass(self, tokens, position_ids, visible, store: NativeStore, start: int, tree=None,
+                    taps: tuple[int, ...] | None = None, tapped: list | None = None) -> torch.Tensor:
+        """Hidden states [B, T, hidden] after the final norm, every op a row-exact kernel. With `taps`, the
+        inputs of those layers are appended to `tapped` ([B, T, hidden] each, in increasing layer order)."""
         batch, width = tokens.shape
         rows = batch * width
         buf = self._buffers_for(rows)
@@ -634,8 +676,17 @@ class NativeCausalLM(CausalLM):
         x = self._embed(tokens.reshape(-1))  # the residual stream [rows, hidden], a fresh copy
         stack = self._layer_stack() if self.fused_layers else None
         if stack is not None:
-            stack(x, buf, batch, width, self.num_heads, self.num_kv_heads, self.head_dim, positions, self._cos, self._sin,
-                  store.keys, store.values, visible, start, self.scale, self.eps, tree)
+            segments = self._segment_stacks(taps) if taps else [(0, len(self.layers), stack)]
+            tap_set = set(taps or ())
+            for begin, end, part in segments:
+                if begin and begin in tap_set:
+                    # a segment ends with its last MLP output in delta, not yet added: the C loop's first
+                    # rms_norm of the next layer would add it in place (the same float32 sum), done here instead
+                    x.add_(buf["delta"])
+                if begin in tap_set:
+                    tapped.append(x.clone().view(batch, width, self.hidden_size))
+                part(x, buf, batch, width, self.num_heads, self.num_kv_heads, self.head_dim, positions, self._cos,
+                     self._sin, store.keys[begin:end], store.values[begin:end], visible, start, self.scale, self.eps, tree)
             out = torch.empty(rows, self.hidden_size)
             kernels.rms_norm(x, self.final_norm, self.eps, out, buf["delta"])
             return out.view(batch, width, self.hidden_size)
@@ -643,6 +694,8 @@ class NativeCausalLM(CausalLM):
         residual = None  # the last sublayer's output, added to x inside the next rms_norm
         for index, (layer, linear) in enumerate(zip(self.layers, linears)):
             kernels.rms_norm(x, layer.attn_norm, self.eps, buf["normed"], residual)
+            if taps and index in taps:
+                tapped.append(x.clone().view(batch, width, self.hidden_size))  # x += residual happened in rms_norm
             linear["qkv"](buf["normed"], (buf["q"], buf["k"], buf["v"]))
             kernels.rope_(buf["q"], self.num_heads, positions, self._cos, self._sin)
             kernels.rope_(buf["k"], self.num_kv_heads, positions, self._cos, self._sin)
@@ -707,9 +760,10 @@ class NativeCausalLM(CausalLM):
         return [self._linear(x, weight, bias) for weight, bias in pairs]
 
     def _big_pass(self, tokens, position_ids, visible, store: NativeStore, start: int, tree=None,
-                  last_only: bool = False) -> torch.Tensor:
+                  last_only: bool = False, taps: tuple[int, ...] | None = None, tapped: list | None = None) -> torch.Tensor:
         """Hidden states [B, T, hidden] after the final norm (last_only: [B, 1, hidden], the last layer
-        computing only the last row past its keys and values: a prefill reads nothing else)."""
+        computing only the last row past its keys and values: a prefill reads nothing else). With `taps`,
+        the inputs of those layers, every row, are appended to `tapped` in increasing layer order."""
         batch, width = tokens.shape
         end = start + width
         cos = self._cos[position_ids][:, None]  # [B, 1, T, D], broadcast over heads
@@ -724,6 +778,8 @@ class NativeCausalLM(CausalLM):
         allowed = allowed[:, None]
         x = self._embed(tokens)
         for index, layer in enumerate(self.layers):
+            if taps and index in taps:
+                tapped.append(x)
             h = self._rms_norm(x, layer.attn_norm)
             final = last_only and index == len(self.layers) - 1  # keys and values for every row, the rest for the last
             if final:
