@@ -2,8 +2,9 @@
 
 from verispec.api import GenerationResult, generate, load, stream
 from verispec.errors import VerispecError
+from verispec.heads.eagle3 import load_head
 from verispec.sampling import SamplingParams
 from verispec.stats import SpecStats
 
-__all__ = ["generate", "load", "stream", "GenerationResult", "SamplingParams", "SpecStats", "VerispecError"]
+__all__ = ["generate", "load", "load_head", "stream", "GenerationResult", "SamplingParams", "SpecStats", "VerispecError"]
 __version__ = "0.1.0"

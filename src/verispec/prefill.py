@@ -41,23 +41,33 @@ def prefill_groups(lengths: list[int], max_padding: float = 0.25) -> list[list[i
 
 
 @torch.inference_mode()
-def prefill(model: CausalLM, contexts: list[list[int]]) -> ModelCache:
+def prefill(model: CausalLM, contexts: list[list[int]], taps: tuple[int, ...] | None = None):
     """A new cache of len(contexts) rows, row b holding contexts[b] (logits are not needed: the last
-    prompt token opens the first decode step)."""
+    prompt token opens the first decode step).
+
+    taps (see `CausalLM.forward`): return (cache, hidden) instead, hidden[b] [len(contexts[b]), n * H] the
+    tapped hidden states of context b's tokens, for a drafter that reads them (`drafters.eagle3`)."""
     groups = prefill_groups([len(c) for c in contexts])
     cache = None
+    hidden: dict[int, torch.Tensor] = {}
     for group in groups:
         part = model.new_cache(len(group))
         tokens, visible = left_pad([contexts[i] for i in group])
-        if tokens.shape[1]:
+        if tokens.shape[1] and taps is not None:
+            _, tapped = model.forward(tokens, part, visible, last_only=True, taps=taps)
+            for row, i in enumerate(group):
+                hidden[i] = tapped[row, visible[row].to(tapped.device)]
+        elif tokens.shape[1]:
             model.forward(tokens, part, visible, last_only=True)
         if cache is None:
             cache = part
         else:
             cache.concat(part)
     if cache is None:
-        return model.new_cache(0)
+        cache = model.new_cache(0)
     grouped = [i for group in groups for i in group]  # context at each row of the cache
     if grouped != sorted(grouped):
         cache.select(sorted(range(len(grouped)), key=grouped.__getitem__))  # back to the callers' order
-    return cache
+    if taps is None:
+        return cache
+    return cache, [hidden.get(i) if i in hidden else torch.zeros(0, 0) for i in range(len(contexts))]

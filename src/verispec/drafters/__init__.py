@@ -1,10 +1,11 @@
 """Ways of proposing tokens, one per file, registered in one table and chosen once."""
 
 from verispec.drafters.base import Draft, Drafter, Verdict
+from verispec.drafters.eagle3 import Eagle3Drafter
 from verispec.drafters.hybrid import HybridDrafter
 from verispec.drafters.model import ModelDrafter
 from verispec.drafters.ngram import NgramDrafter
 from verispec.drafters.none import NoDrafter
 from verispec.drafters.shared import SharedCacheDrafter
 
-__all__ = ["Draft", "Drafter", "Verdict", "HybridDrafter", "ModelDrafter", "NgramDrafter", "NoDrafter", "SharedCacheDrafter"]
+__all__ = ["Draft", "Drafter", "Verdict", "Eagle3Drafter", "HybridDrafter", "ModelDrafter", "NgramDrafter", "NoDrafter", "SharedCacheDrafter"]

@@ -13,11 +13,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from verispec.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from verispec.models.base import CausalLM, ModelCache
 
 
 @dataclass
@@ -138,11 +141,30 @@ class BranchRule(Protocol):
 class Drafter(Protocol):
     """Proposes tokens; learns the outcome. Chosen once, when the engine is built.
 
-    A drafter whose `add` prefills the prompts on a model of its own names it as `prefill_model`: a
-    start-up cost the engine may price before choosing it (see `DecodeBatch`). Others need not have it.
-    A drafter that drafts on the target's own cache has `share_cache(cache)`: the engine hands it every
-    cache it makes, and `propose` must leave that cache as it found it (`SharedCacheDrafter`).
+    Drafters subclass it, so they inherit the capability defaults below and set the ones they have.
     """
+
+    # --- capabilities -------------------------------------------------------------------------------
+    # The model `add` prefills the prompts on, if the drafter keeps one of its own: a start-up cost the
+    # engine may price before choosing this drafter (see `DecodeBatch`). None: no such cost.
+    prefill_model: "CausalLM | None" = None
+    # Drafts on the target's own cache: the engine hands it every cache it makes (`share_cache`), and
+    # `propose` must leave that cache as it found it (`SharedCacheDrafter`).
+    shares_cache: bool = False
+
+    # Reads the target's hidden states at the inputs of these layers (a trained head, `Eagle3Drafter`): the
+    # engine's prefill and verify passes also return them, and it hands over those of every token the
+    # target's cache keeps (`observe_taps`), with no extra target pass. None: it reads none.
+    target_taps: "tuple[int, ...] | None" = None
+
+    def share_cache(self, cache: "ModelCache") -> None:
+        """Draft on this target cache from now on (called only when `shares_cache`)."""
+        raise NotImplementedError(f"{type(self).__name__} does not draft on the target's cache")
+
+    def observe_taps(self, hidden: "list[torch.Tensor | None]") -> None:
+        """Per row, the target's tapped hidden states [n, len(target_taps) * hidden] of the n tokens its cache
+        just kept, in order (None: none). Called only when `target_taps` is set."""
+        raise NotImplementedError(f"{type(self).__name__} reads no hidden states of the target")
 
     def add(self, prompts: list[list[int]]) -> None:
         """New sequences join the batch, after the current rows."""

@@ -12,14 +12,25 @@ import torch
 from transformers import DynamicCache
 
 from verispec.cache import SlotCache
-from verispec.models.base import ModelCache
+from verispec.errors import VerispecError
+from verispec.models.base import CausalLM, ModelCache
 
 
 def pick_device(device: str | torch.device | None = None) -> torch.device:
-    """The given device, else CUDA when present, else CPU."""
-    if device is not None:
-        return torch.device(device)
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    """The given device, else CUDA when present, else CPU. Raises VerispecError for a device this build
+    of PyTorch cannot use (an unknown name, CUDA on a CPU-only build or machine)."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise VerispecError(f"unknown device {device!r}: use 'cpu', 'cuda' or 'cuda:N'") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise VerispecError(f"device {str(device)!r} needs CUDA, which this PyTorch build or machine does not have: "
+                            "use device='cpu' (or leave device unset)")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise VerispecError("device 'mps' is not available here: use device='cpu' (or leave device unset)")
+    return device
 
 
 def _eos_ids(model, tokenizer) -> frozenset[int]:
@@ -78,7 +89,7 @@ def _pad_slots(x: torch.Tensor, length: int) -> torch.Tensor:
     return torch.nn.functional.pad(x, (0, 0, 0, length - x.shape[-2]))
 
 
-class HFCausalLM:
+class HFCausalLM(CausalLM):
     """Wraps a `transformers` PreTrainedModel (and optionally its tokenizer)."""
 
     source_gguf = None  # the GGUF file the weights were converted from, when known (see verispec.load)
@@ -107,7 +118,9 @@ class HFCausalLM:
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, cache: ModelCache, visible: torch.Tensor | None = None, last_only: bool = False,
-                tree: torch.Tensor | None = None) -> torch.Tensor:
+                tree: torch.Tensor | None = None, taps: tuple[int, ...] | None = None):
+        """See `CausalLM.forward`. taps: also return the inputs of those decoder layers, every position, as
+        (logits, hidden [B, T, len(taps) * hidden_size] float32) (transformers' `hidden_states[i]`)."""
         if tree is not None:
             raise ValueError(f"{self.name} runs on transformers, which verifies chains only: pass tree=None")
         tokens = tokens.to(self.device)
@@ -120,10 +133,16 @@ class HFCausalLM:
             position_ids=position_ids,
             past_key_values=cache.store.cache,
             use_cache=True,
+            output_hidden_states=taps is not None,
             **({"logits_to_keep": 1} if last_only and self._takes_logits_to_keep else {}),
         )
         logits = out.logits[:, -1:].float() if last_only else out.logits.float()
         if self.output_ids is not None:  # a restricted output layer: every other token gets probability 0
             full = logits.new_full((*logits.shape[:-1], self.vocab_size), float("-inf"))
             logits = full.index_copy_(-1, self.output_ids.to(logits.device), logits)
-        return logits
+        if taps is None:
+            return logits
+        layers = len(out.hidden_states) - 1  # hidden_states[i]: the input of layer i; the last is normed
+        if not taps or any(not 0 <= int(i) < layers for i in taps):
+            raise ValueError(f"taps must be layer indices in [0, {layers}), got {tuple(taps)}")
+        return logits, torch.cat([out.hidden_states[int(i)].float() for i in taps], -1)

@@ -41,9 +41,10 @@ import torch
 import torch.nn.functional as F
 
 from verispec.cache import SlotCache
+from verispec.errors import VerispecError
 from verispec.models import kernels
+from verispec.models.base import CausalLM, ModelCache
 from verispec.models.kernels import config as kernel_config
-from verispec.models.base import ModelCache
 from verispec.models.hf import _eos_ids
 
 log = logging.getLogger(__name__)
@@ -86,6 +87,14 @@ def supports(hf_model) -> bool:
         for module in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
                        layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)
     )
+
+
+def _check_taps(taps, num_layers: int) -> tuple[int, ...]:
+    """Tap layer indices as a tuple, each the input of a layer in [0, num_layers)."""
+    taps = tuple(int(i) for i in taps)
+    if not taps or any(not 0 <= i < num_layers for i in taps):
+        raise ValueError(f"taps must be layer indices in [0, {num_layers}), got {taps}")
+    return taps
 
 
 @dataclass
@@ -227,8 +236,10 @@ def _widened_dtype() -> torch.dtype:
     return torch.bfloat16 if _fast_bfloat16_matmul() else torch.float32
 
 
-class NativeCausalLM:
+class NativeCausalLM(CausalLM):
     """A Llama/Qwen2-family causal LM behind the verispec `CausalLM` contract; see the module docstring."""
+
+    makes_lower_precision_copies = True  # `lower_precision_copy`, for drafter="self"
 
     def __init__(self, hf_model, tokenizer=None, name: str | None = None, weight_dtype: torch.dtype | None = None,
                  panels: bool | None = None):
@@ -268,15 +279,23 @@ class NativeCausalLM:
                 *_borrow(mlp.gate_proj), *_borrow(mlp.up_proj), *_borrow(mlp.down_proj),
             ))
 
+        # RoPE frequencies as the HF model computed them (handles rope_theta and static scalings).
+        rotary = decoder.rotary_emb
+        self.numerics = "float32"  # the float32 model's numbers (see models.gguf_q8 for "q8")
+        self._finish_init(weight_dtype, panels, rotary.inv_freq.detach().float(),
+                          float(getattr(rotary, "attention_scaling", 1.0)))
+
+    def _finish_init(self, weight_dtype: torch.dtype | None, panels: bool | None, inv_freq: torch.Tensor,
+                     rope_scaling: float) -> None:
+        """The part of construction that needs only the weights gathered above (also run by
+        `models.gguf_q8`, which gathers them from a GGUF file instead of a transformers model)."""
         self.output_ids: torch.Tensor | None = None  # set when the LM head scores only these token ids
         if weight_dtype is not None and weight_dtype != self.dtype:
             self._store_matrices_as(weight_dtype)
         self.weight_dtype = self.lm_head.dtype
 
-        # RoPE frequencies as the HF model computed them (handles rope_theta and static scalings).
-        rotary = decoder.rotary_emb
-        self._inv_freq = rotary.inv_freq.detach().float().to(self.device)
-        self._rope_scaling = float(getattr(rotary, "attention_scaling", 1.0))
+        self._inv_freq = inv_freq.to(self.device)
+        self._rope_scaling = rope_scaling
         self._cos = self._sin = torch.empty(0, self.head_dim, device=self.device)
         self._rope_tables(min(self.max_context, 4096))
 
@@ -437,6 +456,8 @@ class NativeCausalLM:
         def row_major(matrix):  # the float32 numbers, whatever layout this model keeps them in
             if isinstance(matrix, kernels.ExactBlocks):
                 return matrix.dense
+            if isinstance(matrix, kernels.GGUFMatrix):
+                return matrix.dequantize()  # the file's weights; the copy rounds them again for itself
             return matrix.dequantize() if isinstance(matrix, kernels.PanelMatrix) else matrix
 
         if matrices is None:
@@ -446,6 +467,7 @@ class NativeCausalLM:
             given = iter(matrices)
             clone._convert_matrices(lambda _: next(given))
         clone.weight_dtype = clone.lm_head.dtype
+        clone.numerics = "float32"  # a draft's own rounded weights, float32 activations
         clone.name = f"{self.name}-self-{'int4' if weight_dtype == torch.quint4x2 else str(weight_dtype).removeprefix('torch.')}"
         clone._buffers = None  # activation buffers are per model object
         return clone
@@ -482,18 +504,33 @@ class NativeCausalLM:
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, cache: ModelCache, visible: torch.Tensor | None = None,
-                last_only: bool = False, tree: torch.Tensor | None = None) -> torch.Tensor:
+                last_only: bool = False, tree: torch.Tensor | None = None, taps: tuple[int, ...] | None = None):
         """tokens [B, T] long, visible [B, T] bool (False = padding), tree [B, T, T] bool (a token tree, see
-        `CausalLM.forward`) -> logits [B, T or 1, vocab] float32."""
+        `CausalLM.forward`) -> logits [B, T or 1, vocab] float32.
+
+        taps (layer indices in [0, layers)): also return the hidden states at the inputs of those layers
+        (the residual stream after layer i - 1; the embedding for 0) for every position of the pass, even
+        with last_only: (logits, hidden [B, T, len(taps) * hidden_size] float32, in `taps` order). The
+        logits are bitwise those of the same pass without taps."""
         tokens = tokens.to(self.device)
         batch, width = tokens.shape
         if visible is None:
             visible = torch.ones_like(tokens, dtype=torch.bool)
-        if last_only and tree is None and batch * width > kernels.MAX_ROWS and self._prefills_in_chunks(batch, width):
+        if taps is not None:
+            taps = _check_taps(taps, len(self.layers))
+        if ((last_only or self.numerics == "q8") and tree is None and batch * width > kernels.MAX_ROWS
+                and self._prefills_in_chunks(batch, width)):
             rows = kernels.MAX_ROWS // batch
-            for begin in range(0, width, rows):
-                logits = self.forward(tokens[:, begin : begin + rows], cache, visible[:, begin : begin + rows], last_only=True)
-            return logits
+            chunks = [self.forward(tokens[:, begin : begin + rows], cache, visible[:, begin : begin + rows], last_only=last_only,
+                                   taps=taps)
+                      for begin in range(0, width, rows)]
+            if taps is None:
+                return chunks[-1] if last_only else torch.cat(chunks, dim=1)
+            logits = chunks[-1][0] if last_only else torch.cat([c[0] for c in chunks], dim=1)
+            return logits, torch.cat([c[1] for c in chunks], dim=1)
+        if self.numerics == "q8" and batch * width > kernels.MAX_ROWS:
+            raise VerispecError(f"{self.name}: a pass of {batch} x {width} token rows is wider than the q8 kernels take "
+                                f"({kernels.MAX_ROWS} rows{' with a tree' if tree is not None else ''})")
         store: NativeStore = cache.store
         start = cache.slots.length
         if store.length != start:
@@ -503,10 +540,11 @@ class NativeCausalLM:
         _, position_ids = cache.slots.extend(visible.to(self.device), tree)
         store.reserve(start + width)
         self._rope_tables(int(position_ids.max()) + 1)
+        tapped = [] if taps is not None else None  # filled by the pass: [B, T, hidden] per tap, in layer order
         if self._kernels and batch * width <= kernels.MAX_ROWS:
-            hidden = self._small_pass(tokens, position_ids, cache.slots.visible, store, start, tree)
+            hidden = self._small_pass(tokens, position_ids, cache.slots.visible, store, start, tree, taps, tapped)
         else:
-            hidden = self._big_pass(tokens, position_ids, cache.slots.visible, store, start, tree, last_only)
+            hidden = self._big_pass(tokens, position_ids, cache.slots.visible, store, start, tree, last_only, taps, tapped)
         store.length = start + width
         if last_only:
             hidden = hidden[:, -1:]  # the LM head is the biggest matrix: score only what the caller reads
@@ -519,7 +557,11 @@ class NativeCausalLM:
         if self.output_ids is not None:  # a restricted head: every other token gets probability 0
             full = logits.new_full((logits.shape[0], self.vocab_size), float("-inf"))
             logits = full.index_copy_(1, self.output_ids, logits.to(full.dtype))
-        return logits.view(batch, -1, self.vocab_size).float()
+        logits = logits.view(batch, -1, self.vocab_size).float()
+        if taps is None:
+            return logits
+        by_layer = dict(zip(sorted(set(taps)), tapped))
+        return logits, torch.cat([by_layer[i].float() for i in taps], -1)
 
     @property
     def _blocked(self) -> bool:
@@ -541,6 +583,8 @@ class NativeCausalLM:
         against 2.92), so chunks run there only if `KernelConfig.chunked_prefill` asks for them.
         `KernelConfig.wide_prefill` turns chunks off everywhere."""
         settings = kernel_config.current()
+        if self.numerics == "q8":  # llama.cpp's numerics exist only in the small-pass kernels
+            return self._kernels and batch <= kernels.MAX_ROWS
         if not (self._kernels and batch <= kernels.MAX_ROWS and self.weight_dtype == torch.quint4x2
                 and kernels._int4_code() in (kernels.Format.INT4_VNNI, kernels.Format.INT4_AVX2)
                 and not settings.wide_prefill):
@@ -595,6 +639,22 @@ class NativeCausalLM:
             self._prepared = layers, kernels.Linear(self.lm_head, self.lm_head_bias)
         return self._prepared
 
+    def _segment_stacks(self, taps: tuple[int, ...]) -> list[tuple[int, int, kernels.LayerStack]]:
+        """The layers split at each tap, (first layer, end, LayerStack of layers first..end-1) in order, so a
+        fused pass can stop at a tap's input; built once per set of taps and rebuilt with the whole stack
+        (which must exist: `_layer_stack()` is not None)."""
+        stack = self._layer_stack()
+        built = self.__dict__.get("_segments")
+        if built is None or built[0] is not stack:
+            built = self._segments = (stack, {})
+        bounds = tuple(sorted(set(taps) | {0}))
+        if bounds not in built[1]:
+            segments = []
+            for begin, end in zip(bounds, bounds[1:] + (len(self.layers),)):
+                segments.append((begin, end, kernels.LayerStack(stack._layers[begin:end])))
+            built[1][bounds] = segments
+        return built[1][bounds]
+
     def _layer_stack(self) -> kernels.LayerStack | None:
         """Every layer's norms and products as one `kernels.LayerStack` (one C call a pass), built once;
         None where a layer's products mix weight formats."""
@@ -605,17 +665,28 @@ class NativeCausalLM:
                 for layer, linear in zip(self.layers, linears)])
         return self._stack
 
-    def _small_pass(self, tokens, position_ids, visible, store: NativeStore, start: int, tree=None) -> torch.Tensor:
-        """Hidden states [B, T, hidden] after the final norm, every op a row-exact kernel."""
+    def _small_pass(self, tokens, position_ids, visible, store: NativeStore, start: int, tree=None,
+                    taps: tuple[int, ...] | None = None, tapped: list | None = None) -> torch.Tensor:
+        """Hidden states [B, T, hidden] after the final norm, every op a row-exact kernel. With `taps`, the
+        inputs of those layers are appended to `tapped` ([B, T, hidden] each, in increasing layer order)."""
         batch, width = tokens.shape
         rows = batch * width
         buf = self._buffers_for(rows)
         positions = position_ids.reshape(-1).contiguous()
-        x = F.embedding(tokens.reshape(-1), self.embed)  # the residual stream [rows, hidden], a fresh copy
+        x = self._embed(tokens.reshape(-1))  # the residual stream [rows, hidden], a fresh copy
         stack = self._layer_stack() if self.fused_layers else None
         if stack is not None:
-            stack(x, buf, batch, width, self.num_heads, self.num_kv_heads, self.head_dim, positions, self._cos, self._sin,
-                  store.keys, store.values, visible, start, self.scale, self.eps, tree)
+            segments = self._segment_stacks(taps) if taps else [(0, len(self.layers), stack)]
+            tap_set = set(taps or ())
+            for begin, end, part in segments:
+                if begin and begin in tap_set:
+                    # a segment ends with its last MLP output in delta, not yet added: the C loop's first
+                    # rms_norm of the next layer would add it in place (the same float32 sum), done here instead
+                    x.add_(buf["delta"])
+                if begin in tap_set:
+                    tapped.append(x.clone().view(batch, width, self.hidden_size))
+                part(x, buf, batch, width, self.num_heads, self.num_kv_heads, self.head_dim, positions, self._cos,
+                     self._sin, store.keys[begin:end], store.values[begin:end], visible, start, self.scale, self.eps, tree)
             out = torch.empty(rows, self.hidden_size)
             kernels.rms_norm(x, self.final_norm, self.eps, out, buf["delta"])
             return out.view(batch, width, self.hidden_size)
@@ -623,6 +694,8 @@ class NativeCausalLM:
         residual = None  # the last sublayer's output, added to x inside the next rms_norm
         for index, (layer, linear) in enumerate(zip(self.layers, linears)):
             kernels.rms_norm(x, layer.attn_norm, self.eps, buf["normed"], residual)
+            if taps and index in taps:
+                tapped.append(x.clone().view(batch, width, self.hidden_size))  # x += residual happened in rms_norm
             linear["qkv"](buf["normed"], (buf["q"], buf["k"], buf["v"]))
             kernels.rope_(buf["q"], self.num_heads, positions, self._cos, self._sin)
             kernels.rope_(buf["k"], self.num_kv_heads, positions, self._cos, self._sin)
@@ -641,6 +714,12 @@ class NativeCausalLM:
         return out.view(batch, width, self.hidden_size)
 
     # --- big passes (prefill) and other devices: PyTorch ops ---------------------------------------
+
+    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Embedding rows of tokens [...] -> [..., hidden], fresh tensors (a quantized table dequantizes its rows)."""
+        if isinstance(self.embed, kernels.GGUFMatrix):
+            return self.embed.rows(tokens)
+        return F.embedding(tokens, self.embed)
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         # Same op sequence as transformers' LlamaRMSNorm / Qwen2RMSNorm: statistics in float32.
@@ -681,9 +760,10 @@ class NativeCausalLM:
         return [self._linear(x, weight, bias) for weight, bias in pairs]
 
     def _big_pass(self, tokens, position_ids, visible, store: NativeStore, start: int, tree=None,
-                  last_only: bool = False) -> torch.Tensor:
+                  last_only: bool = False, taps: tuple[int, ...] | None = None, tapped: list | None = None) -> torch.Tensor:
         """Hidden states [B, T, hidden] after the final norm (last_only: [B, 1, hidden], the last layer
-        computing only the last row past its keys and values: a prefill reads nothing else)."""
+        computing only the last row past its keys and values: a prefill reads nothing else). With `taps`,
+        the inputs of those layers, every row, are appended to `tapped` in increasing layer order."""
         batch, width = tokens.shape
         end = start + width
         cos = self._cos[position_ids][:, None]  # [B, 1, T, D], broadcast over heads
@@ -696,8 +776,10 @@ class NativeCausalLM:
         if tree is not None:  # new slots: only the token's own path
             allowed[:, :, start:end] &= tree | torch.eye(width, dtype=torch.bool, device=self.device)
         allowed = allowed[:, None]
-        x = F.embedding(tokens, self.embed)
+        x = self._embed(tokens)
         for index, layer in enumerate(self.layers):
+            if taps and index in taps:
+                tapped.append(x)
             h = self._rms_norm(x, layer.attn_norm)
             final = last_only and index == len(self.layers) - 1  # keys and values for every row, the rest for the last
             if final:

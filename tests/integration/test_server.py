@@ -476,6 +476,28 @@ def test_a_request_that_can_never_fit_gets_a_400_not_a_503():
         assert client.post("/v1/completions", json={"prompt": PROMPT, "n": 2, "max_tokens": 2}).status_code == 200
 
 
+def test_served_model_name_max_model_len_and_chat_template(tmp_path):
+    from fastapi.testclient import TestClient
+
+    template = tmp_path / "template.jinja"
+    template.write_text("{% for m in messages %}<<{{ m['role'] }}>> {{ m['content'] }}\n{% endfor %}<<assistant>>")
+    app = build_app("smollm2-135m", drafter="ngram", model_name="tiny", max_model_len=64, chat_template=str(template))
+    with TestClient(app) as client:
+        assert [m["id"] for m in client.get("/v1/models").json()["data"]] == ["tiny"]
+        assert client.get("/v1/models/tiny").json()["max_model_len"] == 64
+        ok = client.post("/v1/completions", json={"model": "tiny", "prompt": PROMPT, "max_tokens": 8, "temperature": 0})
+        assert ok.status_code == 200, ok.text
+        too_long = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 60})
+        assert too_long.status_code == 400 and too_long.json()["error"]["code"] == "context_length_exceeded"
+        ids = client.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()["tokens"]
+        tokenizer = verispec.load("smollm2-135m").tokenizer
+        assert tokenizer.decode(ids) == "<<user>> hi\n<<assistant>>"
+    with pytest.raises(VerispecError, match="chat-template"):
+        build_app("smollm2-135m", drafter="ngram", chat_template=str(tmp_path / "missing.jinja"))
+    with pytest.raises(VerispecError, match="max_model_len"):
+        build_app("smollm2-135m", drafter="ngram", max_model_len=1)
+
+
 def test_server_options_are_checked_before_loading():
     with pytest.raises(VerispecError, match="max_queue"):
         build_app("smollm2-135m", max_queue=-1)

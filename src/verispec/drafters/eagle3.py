@@ -1,0 +1,162 @@
+"""An EAGLE-3 head as the drafter (Li et al. 2025): it reads the target's hidden states and drafts a chain.
+
+The head needs, for each position t the target's cache holds, the target's tapped hidden states h_t and
+the token after it, x_{t+1}. The engine hands it the taps of every token its cache keeps, from the
+prompt's prefill and from each verify pass (`observe_taps`, no extra target pass); they wait here until
+the token after them is known, which it is by the next `propose`. A round then:
+1. catches up: one head pass over the new positions (target taps beside the next tokens), appended to
+   the head's own key/value cache; its output at the last position predicts the first draft token;
+2. drafts: each further token feeds the head its own output hidden state beside the token it chose,
+   one position to the right (as training-time test trained it);
+3. forgets the drafted positions in its cache: they were built from its own hidden states, and the next
+   round rebuilds the accepted ones from the target's.
+
+Greedy rows propose the argmax over the draft vocabulary; sampled rows draw from q, the head's warped
+distribution spread over the target vocabulary (zero outside the draft vocabulary), and report it, so
+speculative sampling stays exact. The output is the target's either way: the head only proposes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from verispec.cache import SlotCache
+from verispec.drafters.base import BranchRule, Draft, Drafter, StopRule, Verdict, empty_draft
+from verispec.heads.eagle3 import Eagle3Head, target_embedding
+from verispec.prefill import left_pad
+from verispec.sampling import SamplingParams, coupled_choice, sample, warp_rows
+
+
+class Eagle3Drafter(Drafter):
+    """Drafts with a trained EAGLE-3 head; `target_taps` (set per head) makes the engine hand it the target's taps."""
+
+    def __init__(self, head: Eagle3Head, target, min_confidence: float = 0.0):
+        if head.embed is None:
+            head.bind(target_embedding(target))
+        if head.config.vocab_size != target.vocab_size:
+            raise ValueError(f"the head scores a {head.config.vocab_size}-token vocabulary, the target has {target.vocab_size}")
+        self.head = head.eval()
+        self.target_taps = tuple(head.config.taps)  # the engine's verify passes return these for `observe_taps`
+        self.vocab_size = target.vocab_size
+        self.min_confidence = min_confidence
+        config = head.config
+        self.slots = SlotCache(0)
+        self.keys = torch.zeros(0, config.num_key_value_heads, 0, config.head_dim)
+        self.values = torch.zeros_like(self.keys)
+        self.pending: list[list[torch.Tensor]] = []  # per row: target taps [n, len(taps) * H] not yet read
+
+    def add(self, prompts: list[list[int]]) -> None:
+        """New rows: an empty head cache each; their prompt taps arrive through `observe_taps`."""
+        config = self.head.config
+        new = SlotCache(len(prompts))
+        self.slots.concat(new)
+        empty = torch.zeros(len(prompts), config.num_key_value_heads, self.keys.shape[2], config.head_dim)
+        self.keys, self.values = torch.cat([self.keys, empty]), torch.cat([self.values, empty.clone()])
+        self.pending.extend([] for _ in prompts)
+
+    def observe_taps(self, hidden: list[torch.Tensor | None]) -> None:
+        """Per row of the batch, the target's taps [n, len(taps) * H] of the n tokens its cache just kept
+        (None or empty: none)."""
+        for row, taps in zip(self.pending, hidden):
+            if taps is not None and taps.numel():
+                row.append(taps.float().cpu())
+
+    def _append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.keys = torch.cat([self.keys, k], 2)
+        self.values = torch.cat([self.values, v], 2)
+
+    def _layer(self, tokens: torch.Tensor, hidden: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+        """One head pass over new positions: tokens [B, T], hidden [B, T, H], visible [B, T] -> outputs [B, T, H]."""
+        start = self.slots.length
+        _, positions = self.slots.extend(visible)
+        q, k, v = self.head.qkv(tokens, hidden, positions)
+        self._append(k, v)
+        width = tokens.shape[1]
+        slot = torch.arange(start + width)
+        own = start + torch.arange(width)
+        allowed = (self.slots.visible[:, None, :] & (slot <= own[:, None])) | (slot == own[:, None])
+        return self.head.finish(hidden, self.head.attend(q, self.keys, self.values, allowed))
+
+    def _catch_up(self, sequences: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Read every pending tap (beside the token that follows it). Returns (the head's output [B, H] at
+        each row's last position, [B] bool: rows that have any position at all)."""
+        batch = len(sequences)
+        seen = self.slots.num_tokens().tolist()
+        rows_tokens, rows_taps = [], []
+        for b in range(batch):
+            taps = torch.cat(self.pending[b]) if self.pending[b] else torch.zeros(0, self.head.fc.in_features)
+            if seen[b] + len(taps) != len(sequences[b]) - 1:
+                raise RuntimeError(f"row {b}: the head holds {seen[b]} positions and {len(taps)} new taps, but the "
+                                   f"target's cache holds {len(sequences[b]) - 1}")
+            rows_taps.append(taps)
+            rows_tokens.append(sequences[b][seen[b] + 1 : seen[b] + 1 + len(taps)])
+            self.pending[b] = []
+        tokens, visible = left_pad(rows_tokens)
+        width = tokens.shape[1]
+        taps = torch.zeros(batch, width, self.head.fc.in_features)
+        for b, row in enumerate(rows_taps):
+            if len(row):
+                taps[b, width - len(row) :] = row
+        known = self.slots.num_tokens() + visible.sum(1) > 0
+        if width == 0:
+            return torch.zeros(batch, self.head.config.hidden_size), known
+        out = self._layer(tokens, self.head.project(taps), visible)
+        return out[:, -1], known
+
+    @torch.inference_mode()
+    def propose(self, sequences: list[list[int]], draft_len: int, sampling: list[SamplingParams], generators: list[torch.Generator],
+                stop: StopRule | None = None, branch: BranchRule | None = None) -> Draft:
+        batch = len(sequences)
+        hidden, known = self._catch_up(sequences)  # always: the target's taps are read as they come
+        if draft_len == 0 or not bool(known.any()):
+            return empty_draft(batch)
+        kept = self.slots.length
+        greedy = torch.tensor([s.greedy for s in sampling])
+        all_greedy = bool(greedy.all())
+        tokens = torch.zeros(batch, draft_len, dtype=torch.long)
+        probs = None if all_greedy else torch.zeros(batch, draft_len, self.vocab_size)
+        confidence = torch.zeros(batch, draft_len)
+        num_drafted = torch.zeros(batch, dtype=torch.long)
+        going = known.clone()  # a row with no position yet (a one-token prompt) drafts nothing this round
+        draft_ids = self.head.draft_token_ids
+        try:
+            for i in range(draft_len):
+                logits = self.head.logits(hidden)  # [B, V] over the draft vocabulary
+                if all_greedy:
+                    top = logits.max(-1)
+                    tokens[:, i] = draft_ids[top.indices]
+                    confidence[:, i] = torch.exp(top.values - torch.logsumexp(logits, -1))
+                else:
+                    full = logits.new_full((batch, self.vocab_size), float("-inf"))
+                    full[:, draft_ids] = logits
+                    q = warp_rows(full, sampling)
+                    probs[:, i] = q
+                    tokens[:, i] = torch.tensor([coupled_choice(q[b], sampling[b].seed, len(sequences[b]) + i)
+                                                 if sampling[b].coupled else sample(q[b], generators[b]) for b in range(batch)])
+                    confidence[:, i] = q.max(-1).values  # never q(drawn token): see ModelDrafter
+                    if greedy.any():
+                        confidence[greedy, i] = logits[greedy].softmax(-1).max(-1).values
+                if stop is not None:
+                    going &= stop(i, confidence[:, i])
+                if self.min_confidence:
+                    going &= confidence[:, i] >= self.min_confidence
+                num_drafted += going.long()
+                if not going.any() or i + 1 == draft_len:
+                    break
+                hidden = self._layer(tokens[:, i : i + 1], hidden[:, None], torch.ones(batch, 1, dtype=torch.bool))[:, 0]
+        finally:
+            self._truncate(kept)  # drafted positions hold the head's own states: the target's replace them
+        return Draft(tokens=tokens, num_drafted=num_drafted, probs=probs, confidence=confidence)
+
+    def _truncate(self, length: int) -> None:
+        self.slots.truncate(torch.full((self.slots.batch_size,), length, dtype=torch.long))
+        self.keys, self.values = self.keys[:, :, : self.slots.length], self.values[:, :, : self.slots.length]
+
+    def commit(self, verdict: Verdict) -> None:
+        """Nothing to roll back: `propose` kept only positions read from the target's own taps."""
+
+    def select(self, rows: list[int]) -> None:
+        index = torch.tensor(rows, dtype=torch.long)
+        self.slots.select(index)
+        self.keys, self.values = self.keys[index], self.values[index]
+        self.pending = [self.pending[b] for b in rows]

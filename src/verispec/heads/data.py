@@ -1,0 +1,202 @@
+"""Training features for a draft head: the target's hidden-state taps and its next-token distribution,
+computed by prefill over training text and cached in shard files.
+
+What text. This machine has no internet beyond PyPI, so the data is what ships with it:
+- `site-packages` (the default): Python source files of the installed packages, code and docstrings
+  together, read in a fixed order. It is what a coding target writes, it is plentiful (hundreds of MB),
+  and it overlaps none of the benchmark prompts, so acceptance measured on them is not inflated;
+- files given with `--data`: `.jsonl` prompt sets (`prompt`, `turns` or `text` fields: e.g. the dev halves
+  of Spec-Bench and HumanEval in ../shared/data), or plain text / source files, or directories of them.
+  Training on the prompts one later benchmarks overstates acceptance there; the extraction says so;
+- self-distillation (`self_distill=True`, for prompt sets): the target's own greedy answers to the
+  prompts are appended to them, so the head learns what the target says rather than what a human wrote
+  (EAGLE and SpecForge regenerate their data this way). It costs one greedy generation per prompt.
+
+What is stored, per sequence of `seq_len` tokens (shards of `shard_sequences` sequences, safetensors):
+`tokens` [N, T] int32, `taps` [N, T, len(taps) * H] float16 (the inputs of the tapped layers), and the
+target's top-`top_k` next-token log-probabilities over its full vocabulary, `top_ids` [N, T, K] int32 and
+`top_logprobs` [N, T, K] float16; a head's draft vocabulary is chosen later, from these files. A shard is
+written under a temporary name and renamed when complete, so an interrupted run resumes at the first
+missing shard; `manifest.json` pins the target, taps, sequence length and sources the shards belong to.
+
+The module knows nothing about the head or its training.
+"""
+
+from __future__ import annotations
+
+import json
+import site
+import sysconfig
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from tqdm import tqdm
+
+from verispec.errors import VerispecError
+
+MANIFEST = "manifest.json"
+
+
+@dataclass
+class FeatureSpec:
+    """What a feature directory holds; a directory made for another spec is not reused."""
+
+    target: str
+    taps: tuple[int, ...]
+    seq_len: int = 256
+    top_k: int = 32
+    shard_sequences: int = 16
+    sources: tuple[str, ...] = ("site-packages",)
+    self_distill: bool = False
+    max_new_tokens: int = 192  # per prompt, when self-distilling
+
+    def to_json(self) -> dict:
+        data = asdict(self)
+        data["taps"], data["sources"] = list(self.taps), list(self.sources)
+        return data
+
+
+def site_packages_files() -> list[Path]:
+    """Python source files of the installed packages, in a fixed order (tests and vendored copies left out)."""
+    roots = {Path(p) for p in site.getsitepackages() + [sysconfig.get_paths()["purelib"]] if Path(p).is_dir()}
+    files = []
+    for root in sorted(roots):
+        for path in sorted(root.rglob("*.py")):
+            parts = set(path.relative_to(root).parts)
+            if parts & {"tests", "test", "_vendor", "vendored", "__pycache__"} or path.name.startswith("test_"):
+                continue
+            files.append(path)
+    return files
+
+
+def _prompt_texts(path: Path) -> list[str]:
+    texts = []
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        row = json.loads(line)
+        for key in ("prompt", "text"):
+            if isinstance(row.get(key), str):
+                texts.append(row[key])
+        texts.extend(t for t in row.get("turns", []) if isinstance(t, str))
+    return texts
+
+
+def documents(sources: tuple[str, ...]) -> Iterator[tuple[str, bool]]:
+    """(text, is_prompt) for each document of the sources, in a fixed order. A source is "site-packages",
+    a .jsonl prompt file, a text file, or a directory of them."""
+    for source in sources:
+        if source == "site-packages":
+            for path in site_packages_files():
+                try:
+                    yield path.read_text(errors="ignore"), False
+                except OSError:
+                    continue
+            continue
+        path = Path(source).expanduser()
+        if not path.exists():
+            raise VerispecError(f"training data {source!r} does not exist: give site-packages, a .jsonl prompt file, "
+                                "a text file or a directory")
+        for file in sorted(path.rglob("*")) if path.is_dir() else [path]:
+            if not file.is_file():
+                continue
+            if file.suffix == ".jsonl":
+                yield from ((text, True) for text in _prompt_texts(file))
+            else:
+                yield file.read_text(errors="ignore"), False
+
+
+def token_sequences(target, spec: FeatureSpec) -> Iterator[list[int]]:
+    """The token stream of the sources cut into sequences of spec.seq_len tokens (documents joined by
+    EOS; a prompt followed by the target's greedy answer when self-distilling)."""
+    tokenizer = target.tokenizer
+    if tokenizer is None:
+        raise VerispecError(f"{target.name} has no tokenizer: feature extraction needs one to read text")
+    separator = [min(target.eos_token_ids)] if target.eos_token_ids else []
+    buffer: list[int] = []
+    for text, is_prompt in documents(spec.sources):
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        if is_prompt and spec.self_distill and ids:
+            ids = ids + _greedy_answer(target, ids, spec.max_new_tokens)
+        buffer.extend(ids + separator)
+        while len(buffer) >= spec.seq_len:
+            yield buffer[: spec.seq_len]
+            buffer = buffer[spec.seq_len :]
+
+
+def _greedy_answer(target, prompt: list[int], max_new_tokens: int) -> list[int]:
+    from verispec.engine import Request, SpeculativeEngine
+    from verispec.drafters import NoDrafter
+
+    engine = SpeculativeEngine(target, NoDrafter)  # plain greedy decoding: the target's own tokens
+    prompt = prompt[-(target.max_context - max_new_tokens - 1):]
+    return [t for event in engine.stream([Request(prompt, max_new_tokens=max_new_tokens)]) for t in event.tokens]
+
+
+@torch.inference_mode()
+def features_of(target, sequences: torch.Tensor, taps: tuple[int, ...], top_k: int, bar: tqdm | None = None) -> dict[str, torch.Tensor]:
+    """One shard's tensors for sequences [N, T] long: a prefill pass per sequence on a fresh cache
+    (`bar`, if given, advances by each sequence's tokens)."""
+    out = {"tokens": sequences.to(torch.int32), "taps": [], "top_ids": [], "top_logprobs": []}
+    for row in sequences:
+        logits, hidden = target.forward(row[None], target.new_cache(1), taps=taps)
+        top = torch.log_softmax(logits[0].float(), -1).topk(top_k, -1)
+        out["taps"].append(hidden[0].to(torch.float16))
+        out["top_ids"].append(top.indices.to(torch.int32))
+        out["top_logprobs"].append(top.values.to(torch.float16))
+        if bar is not None:
+            bar.update(len(row))
+    return {k: (v if isinstance(v, torch.Tensor) else torch.stack(v)) for k, v in out.items()}
+
+
+def extract(target, directory: str | Path, spec: FeatureSpec, max_tokens: int, progress: bool = True) -> list[Path]:
+    """Make (or complete) the shards in `directory` until they hold at least `max_tokens` tokens; returns
+    every shard path, in order. Shards already there are kept (resumable)."""
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    manifest = directory / MANIFEST
+    if manifest.exists():
+        found = json.loads(manifest.read_text())
+        if found.get("spec") != spec.to_json():
+            raise VerispecError(f"{directory} holds features made with other settings ({found.get('spec')}); "
+                                "use another --features directory or delete it")
+    else:
+        manifest.write_text(json.dumps({"spec": spec.to_json()}, indent=2) + "\n")
+    if any(s.endswith(".jsonl") for s in spec.sources):
+        print("verispec: note: training on prompt sets you benchmark on overstates acceptance there")
+    per_shard = spec.seq_len * spec.shard_sequences
+    shards = -(-max_tokens // per_shard)
+    paths = [directory / f"shard-{i:05d}.safetensors" for i in range(shards)]
+    missing = [i for i, p in enumerate(paths) if not p.exists()]
+    if not missing:
+        return paths
+    stream = token_sequences(target, spec)
+    bar = tqdm(total=len(missing) * per_shard, unit="tok", desc="features", disable=not progress, smoothing=0.1)
+    started = time.perf_counter()
+    for i in range(shards):
+        batch = [next(stream, None) for _ in range(spec.shard_sequences)]
+        if batch[-1] is None:
+            bar.close()
+            raise VerispecError(f"the training data ran out after {i} shards ({i * per_shard} tokens): add sources "
+                                "with --data or lower --max-tokens")
+        if paths[i].exists():
+            continue  # made by an earlier run: the token stream is the same, so skip its sequences
+        tensors = features_of(target, torch.tensor(batch), spec.taps, spec.top_k, bar)
+        partial = paths[i].with_name(paths[i].name + ".partial")
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(partial))
+        partial.replace(paths[i])
+    bar.close()
+    if progress:
+        print(f"verispec: {len(missing) * per_shard} tokens of features in {time.perf_counter() - started:.0f} s -> {directory}")
+    return paths
+
+
+def load_shard(path: str | Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(path))

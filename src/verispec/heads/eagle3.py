@@ -1,0 +1,357 @@
+"""The EAGLE-3 draft head (Li et al. 2025, "EAGLE-3: Scaling up Inference Acceleration of Large Language
+Models via Training-Time Test"), as the EAGLE repository and SpecForge build it.
+
+The head reads the target's hidden states at the inputs of three layers (low, middle, high: by default
+layers 2, N/2 and N-3 of an N-layer target), concatenated [.., 3H] and projected by `fc` to H. One
+decoder layer then takes, per position, the target's embedding of the next token beside that projection:
+
+    x   = cat(input_layernorm(embed(token)), hidden_norm(h))          [.., 2H]   (q/k/v take 2H)
+    h'  = h + o(attention(x));  h'' = h' + mlp(post_attention_layernorm(h'))
+    logits over the draft vocabulary = lm_head(norm(h''))
+
+so position t, given the target's state h_t and token x_{t+1}, predicts x_{t+2}. Drafting further, the
+head feeds its own h'' (already H wide: no `fc`) with the token it chose, one position to the right.
+Its vocabulary is a subset of the target's: draft id i is target id i + d2t[i]; t2d[v] says whether
+target id v has a draft id. The token embedding is the target's own, shared and never trained.
+
+The module knows nothing about data, training loops or the engine: it computes, given hidden states,
+tokens and a key/value history, the next hidden state and draft logits.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from verispec.errors import VerispecError
+
+ARCHITECTURE = "LlamaForCausalLMEagle3"  # the name SpecForge and SGLang give this layout
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+
+
+def default_taps(num_layers: int) -> tuple[int, int, int]:
+    """EAGLE-3's low, middle and high taps for an N-layer target: the inputs of layers 2, N/2, N-3."""
+    if num_layers < 6:
+        raise VerispecError(f"an EAGLE-3 head taps three distinct layers; a {num_layers}-layer target has too few")
+    return 2, num_layers // 2, num_layers - 3
+
+
+@dataclass
+class Eagle3Config:
+    """The head's shape: the target's layer sizes, the draft vocabulary and where it taps the target."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int  # the target's
+    draft_vocab_size: int
+    taps: tuple[int, ...]  # inputs of these target layers (transformers' hidden_states[i])
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 32768
+    target: str = ""  # the target model's name, for users and for checks at load
+    target_num_layers: int = 0
+    extra: dict = field(default_factory=dict)  # training facts kept with the head (tokens seen, ...)
+
+    @classmethod
+    def for_target(cls, target, draft_vocab_size: int, taps: tuple[int, ...] | None = None) -> "Eagle3Config":
+        """The head of `target` (a verispec CausalLM with a transformers `config`): its sizes, rope and eps."""
+        config = target.config
+        layers = int(config.num_hidden_layers)
+        heads = int(config.num_attention_heads)
+        return cls(
+            hidden_size=int(config.hidden_size), intermediate_size=int(config.intermediate_size),
+            num_attention_heads=heads, num_key_value_heads=int(getattr(config, "num_key_value_heads", None) or heads),
+            head_dim=int(getattr(config, "head_dim", None) or config.hidden_size // heads),
+            vocab_size=int(target.vocab_size), draft_vocab_size=int(draft_vocab_size),
+            taps=tuple(taps) if taps is not None else default_taps(layers),
+            rms_norm_eps=float(getattr(config, "rms_norm_eps", 1e-6)),
+            rope_theta=float(_rope_theta(config)),
+            max_position_embeddings=int(getattr(config, "max_position_embeddings", None) or 32768),
+            target=str(getattr(target, "name", "")), target_num_layers=layers)
+
+    def to_json(self) -> dict:
+        """config.json: the transformers/SpecForge fields of a one-layer Llama draft, plus where it taps."""
+        fields = asdict(self)
+        return {
+            "architectures": [ARCHITECTURE],
+            "model_type": "llama",
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "num_hidden_layers": 1,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": None,
+            "max_position_embeddings": self.max_position_embeddings,
+            "vocab_size": self.vocab_size,
+            "draft_vocab_size": self.draft_vocab_size,
+            "target_hidden_size": self.hidden_size,
+            "tie_word_embeddings": False,
+            "attention_bias": False,
+            "torch_dtype": "float32",
+            # vLLM's convention (it captures the residual stream entering each listed layer), which is ours
+            "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(self.taps)},
+            "verispec": {"taps": list(self.taps), "taps_are": "inputs of these target layers",
+                         "target": self.target, "target_num_layers": self.target_num_layers, **fields["extra"]},
+        }
+
+    @classmethod
+    def from_json(cls, data: dict) -> "Eagle3Config":
+        ours = data.get("verispec", {})
+        taps = ours.get("taps") or (data.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+        if not taps:
+            raise VerispecError("the head's config.json names no tap layers (verispec.taps or eagle_config)")
+        heads = int(data["num_attention_heads"])
+        known = {"taps", "taps_are", "target", "target_num_layers"}
+        return cls(
+            hidden_size=int(data["hidden_size"]), intermediate_size=int(data["intermediate_size"]),
+            num_attention_heads=heads, num_key_value_heads=int(data.get("num_key_value_heads") or heads),
+            head_dim=int(data.get("head_dim") or data["hidden_size"] // heads),
+            vocab_size=int(data["vocab_size"]), draft_vocab_size=int(data.get("draft_vocab_size") or data["vocab_size"]),
+            taps=tuple(int(i) for i in taps), rms_norm_eps=float(data.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(data.get("rope_theta", 10000.0)),
+            max_position_embeddings=int(data.get("max_position_embeddings", 32768)),
+            target=str(ours.get("target", "")), target_num_layers=int(ours.get("target_num_layers", 0)),
+            extra={k: v for k, v in ours.items() if k not in known})
+
+
+def _rope_theta(config) -> float:
+    params = getattr(config, "rope_parameters", None) or {}
+    return params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        return self.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+
+class Attention(nn.Module):
+    """Grouped-query attention whose q/k/v read the 2H-wide [embedding, hidden] input."""
+
+    def __init__(self, config: Eagle3Config):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        width = 2 * config.hidden_size
+        self.q_proj = nn.Linear(width, self.heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(width, self.kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(width, self.kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, config.hidden_size, bias=False)
+
+
+class MLP(nn.Module):
+    def __init__(self, config: Eagle3Config):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MidLayer(nn.Module):
+    """The head's one decoder layer (SpecForge's `midlayer`)."""
+
+    def __init__(self, config: Eagle3Config):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+
+class Eagle3Head(nn.Module):
+    """fc, midlayer, norm, lm_head and the d2t/t2d maps; `embed` (the target's token embedding) is bound
+    with `bind` and never saved or trained. Shapes: B batch, T positions, H hidden, V draft vocabulary."""
+
+    def __init__(self, config: Eagle3Config):
+        super().__init__()
+        self.config = config
+        h = config.hidden_size
+        self.fc = nn.Linear(len(config.taps) * h, h, bias=False)
+        self.midlayer = MidLayer(config)
+        self.norm = RMSNorm(h, config.rms_norm_eps)
+        self.lm_head = nn.Linear(h, config.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
+        self.embed: torch.Tensor | None = None  # [vocab, H], the target's, bound by `bind`
+        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, config.head_dim, 2).float() / config.head_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    # --- vocabulary --------------------------------------------------------------------------------
+
+    def set_draft_vocab(self, token_ids: torch.Tensor) -> None:
+        """Draft id i scores target token token_ids[i] (sorted, distinct): fills d2t (offsets) and t2d."""
+        token_ids = torch.as_tensor(token_ids, dtype=torch.long).sort().values
+        if len(token_ids) != self.config.draft_vocab_size or len(token_ids.unique()) != len(token_ids):
+            raise ValueError(f"need {self.config.draft_vocab_size} distinct token ids, got {len(token_ids)}")
+        self.d2t.copy_(token_ids - torch.arange(len(token_ids)))
+        self.t2d.zero_()
+        self.t2d[token_ids] = True
+
+    @property
+    def draft_token_ids(self) -> torch.Tensor:
+        """[V] long: the target id of each draft id."""
+        return torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t
+
+    def bind(self, embedding: torch.Tensor) -> "Eagle3Head":
+        """Use the target's token embedding [vocab, H] (shared, not copied). Returns self."""
+        if tuple(embedding.shape) != (self.config.vocab_size, self.config.hidden_size):
+            raise VerispecError(f"the head was trained for a target with a {self.config.vocab_size} x "
+                                f"{self.config.hidden_size} embedding ({self.config.target or 'unnamed'}); this target's is "
+                                f"{tuple(embedding.shape)}: use the head with the target it was trained on")
+        self.embed = embedding.detach()
+        return self
+
+    # --- the layer ---------------------------------------------------------------------------------
+
+    def project(self, taps: torch.Tensor) -> torch.Tensor:
+        """The target's taps [.., len(taps) * H] -> the head's hidden input [.., H]."""
+        return self.fc(taps.to(self.fc.weight.dtype))
+
+    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x [B, heads, T, D] rotated by positions [B, T] (transformers' half-split layout)."""
+        angles = positions[:, None, :, None].float() * self.inv_freq
+        cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+        half = x.shape[-1] // 2
+        return x * cos + torch.cat([-x[..., half:], x[..., :half]], -1) * sin
+
+    def qkv(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor):
+        """tokens [B, T] long, hidden [B, T, H], positions [B, T] -> q [B, heads, T, D] and k, v [B, kv_heads, T, D],
+        rotated."""
+        if self.embed is None:
+            raise VerispecError("the head has no token embedding: bind it to its target first (Eagle3Head.bind)")
+        layer = self.midlayer
+        embeds = F.embedding(tokens, self.embed).to(hidden.dtype)
+        x = torch.cat([layer.input_layernorm(embeds), layer.hidden_norm(hidden)], -1)
+        attn = layer.self_attn
+        batch, width, _ = x.shape
+        q = attn.q_proj(x).view(batch, width, attn.heads, attn.head_dim).transpose(1, 2)
+        k = attn.k_proj(x).view(batch, width, attn.kv_heads, attn.head_dim).transpose(1, 2)
+        v = attn.v_proj(x).view(batch, width, attn.kv_heads, attn.head_dim).transpose(1, 2)
+        return self._rope(q, positions), self._rope(k, positions), v
+
+    def finish(self, hidden: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        """The layer's output [B, T, H] (pre-norm: the hidden state fed to the next draft step), given its
+        hidden input [B, T, H] (the residual) and the attention output [B, heads, T, D]."""
+        layer = self.midlayer
+        batch, _, width, _ = attended.shape
+        h = hidden + layer.self_attn.o_proj(attended.transpose(1, 2).reshape(batch, width, -1))
+        return h + layer.mlp(layer.post_attention_layernorm(h))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The layer's output [.., H] -> logits over the draft vocabulary [.., V] float32."""
+        return self.lm_head(self.norm(hidden)).float()
+
+    def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+        """Plain masked attention: q [B, heads, T, D] over keys/values [B, kv_heads, S, D], allowed [B, T, S] bool."""
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed[:, None], scale=scale,
+                                              enable_gqa=keys.shape[1] != q.shape[1])
+
+    def unroll(self, taps: torch.Tensor, tokens: torch.Tensor, steps: int, visible: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """Training-time test (EAGLE-3 section 3.2): `steps` passes over a whole sequence, each feeding the
+        head its own previous output, as drafting will.
+
+        taps [B, T, len(taps) * H]: the target's, at positions 0..T-1; tokens [B, T + steps] long: the
+        sequence, so tokens[:, t + 1 + i] is the token beside position t at step i; visible [B, T] bool
+        (False = padding). Step i's query at position t sits at position t + i and attends to step 0's keys
+        at positions <= t and to its own keys of steps 1..i at t (the chain it would have drafted).
+        Returns per step the logits [B, T, V]; step i's logits at t predict tokens[:, t + 2 + i].
+        """
+        batch, width, _ = taps.shape
+        positions = torch.arange(width, device=taps.device)[None].expand(batch, width)
+        causal = torch.tril(torch.ones(width, width, dtype=torch.bool, device=taps.device))
+        allowed = causal[None] if visible is None else causal[None] & visible[:, None, :]
+        allowed = allowed | torch.eye(width, dtype=torch.bool, device=taps.device)[None]  # padding sees itself
+        hidden = self.project(taps)
+        keys, values, outputs = [], [], []
+        group = self.config.num_attention_heads // self.config.num_key_value_heads
+        scale = 1.0 / math.sqrt(self.config.head_dim)
+        for i in range(steps):
+            q, k, v = self.qkv(tokens[:, 1 + i : 1 + i + width], hidden, positions + i)
+            keys.append(k.repeat_interleave(group, 1))
+            values.append(v.repeat_interleave(group, 1))
+            # scores against step 0 (causal) and, per later step, the key at the same index (the diagonal)
+            scores = [(q @ keys[0].transpose(-1, -2) * scale).masked_fill(~allowed[:, None], float("-inf"))]
+            scores += [((q * key).sum(-1) * scale)[..., None] for key in keys[1:]]
+            weights = torch.cat(scores, -1).softmax(-1)
+            attended = weights[..., :width] @ values[0]
+            for j, value in enumerate(values[1:]):
+                attended = attended + weights[..., width + j : width + j + 1] * value
+            hidden = self.finish(hidden, attended)
+            outputs.append(self.logits(hidden))
+        return outputs
+
+
+# --- files ------------------------------------------------------------------------------------------
+
+def save_head(head: Eagle3Head, directory: str | Path) -> Path:
+    """Write config.json and model.safetensors (EAGLE-3 names: fc.weight, midlayer.*, norm.weight,
+    lm_head.weight, d2t, t2d; no embedding) into `directory`, atomically per file."""
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = {name: tensor.detach().contiguous().cpu() for name, tensor in head.state_dict().items()}
+    partial = directory / (WEIGHTS_FILE + ".partial")
+    save_file(tensors, str(partial), metadata={"format": "pt"})
+    partial.replace(directory / WEIGHTS_FILE)
+    partial = directory / (CONFIG_FILE + ".partial")
+    partial.write_text(json.dumps(head.config.to_json(), indent=2) + "\n")
+    partial.replace(directory / CONFIG_FILE)
+    return directory
+
+
+def load_head(directory: str | Path, target=None) -> Eagle3Head:
+    """An EAGLE-3 head saved by `save_head` (or SpecForge's layout), in eval mode; bound to `target`'s
+    embedding when a target is given."""
+    from safetensors.torch import load_file
+
+    directory = Path(directory)
+    if not (directory / CONFIG_FILE).is_file() or not (directory / WEIGHTS_FILE).is_file():
+        raise VerispecError(f"{directory} is not a draft head: it needs {CONFIG_FILE} and {WEIGHTS_FILE} "
+                            "(train one with `verispec train eagle3`)")
+    data = json.loads((directory / CONFIG_FILE).read_text())
+    if ARCHITECTURE not in (data.get("architectures") or []):
+        raise VerispecError(f"{directory}/{CONFIG_FILE} describes {data.get('architectures')}, not an EAGLE-3 head")
+    head = Eagle3Head(Eagle3Config.from_json(data))
+    tensors = load_file(str(directory / WEIGHTS_FILE))
+    tensors.pop("embed_tokens.weight", None)  # some exports carry the target's embedding: ours is bound
+    missing, unexpected = head.load_state_dict(tensors, strict=False)
+    if missing or unexpected:
+        raise VerispecError(f"{directory}/{WEIGHTS_FILE} does not fit the config: missing {missing}, unexpected {unexpected}")
+    head.eval()
+    if target is not None:
+        head.bind(target_embedding(target))
+    return head
+
+
+def target_embedding(target) -> torch.Tensor:
+    """The token embedding [vocab, H] of a verispec CausalLM (native or transformers backend)."""
+    if getattr(target, "embed", None) is not None and isinstance(target.embed, torch.Tensor):
+        return target.embed
+    model = getattr(target, "model", None)
+    if model is not None and hasattr(model, "get_input_embeddings"):
+        return model.get_input_embeddings().weight
+    raise VerispecError(f"cannot find the token embedding of {getattr(target, 'name', target)!r}")

@@ -1,0 +1,311 @@
+"""Training an EAGLE-3 head on features extracted from its target (`heads.data`), with training-time test.
+
+Each step takes a few sequences of cached features and unrolls the head K times over them (EAGLE-3's
+training-time test: step i feeds the head its own outputs of step i-1, one position further right, as
+drafting does). The loss is sum_i 0.8^i * CE(p_target, q_head) at every position, where p_target is the
+target's next-token distribution restricted to the draft vocabulary and renormalized (from its cached
+top-k log-probabilities), and positions whose target argmax is outside the draft vocabulary are left out
+(as SpecForge does). AdamW with a linear warmup and cosine decay; gradients clipped.
+
+The draft vocabulary is the `draft_vocab` most frequent tokens of the training features (the text's tokens
+and the target's argmax tokens), plus the target's EOS tokens. The head's `norm` and `lm_head` start as
+the target's final norm and its LM head rows for that vocabulary, so the head begins by reading its
+hidden state the way the target reads its own; every other weight starts from PyTorch's defaults.
+
+Checkpoints (`checkpoint.pt`: weights, optimizer, step, random state) are written every
+`checkpoint_every` steps and at the end, with the head itself (`config.json`, `model.safetensors`) in
+the output directory; a run started again with the same output directory resumes. Held-out shards
+(never trained on) give the top-1 agreement with the target's argmax per unrolled step: the chance that
+the k-th drafted token is accepted when the ones before were (greedy).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from verispec.errors import VerispecError
+from verispec.heads.data import FeatureSpec, extract, load_shard
+from verispec.heads.eagle3 import Eagle3Config, Eagle3Head, default_taps, save_head, target_embedding
+
+CHECKPOINT = "checkpoint.pt"
+LOG = "train.jsonl"
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 1000  # optimizer steps
+    ttt_steps: int = 5  # K: unrolled draft positions trained per step
+    decay: float = 0.8  # weight of step i's loss: decay ** i
+    batch_sequences: int = 2  # sequences per optimizer step (from one shard)
+    lr: float = 3e-4
+    warmup: int = 20
+    weight_decay: float = 0.0
+    grad_clip: float = 0.5
+    checkpoint_every: int = 100
+    held_out_shards: int = 1
+    eval_sequences: int = 8  # held-out sequences the final report reads
+    seed: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+def target_output_layer(target) -> tuple[torch.Tensor, torch.Tensor]:
+    """(LM head [vocab, H], final norm weight [H]) of a verispec target, as float32 row-major tensors."""
+    model = getattr(target, "hf_model", None)
+    model = model if model is not None else getattr(target, "model", None)
+    if model is None or not hasattr(model, "get_output_embeddings"):
+        raise VerispecError(f"cannot read the output layer of {getattr(target, 'name', target)!r}")
+    return model.get_output_embeddings().weight.detach().float(), model.model.norm.weight.detach().float()
+
+
+def choose_draft_vocab(shards: list[Path], vocab_size: int, size: int, always: tuple[int, ...] = ()) -> torch.Tensor:
+    """The `size` most frequent target ids among the shards' tokens and target argmaxes (and `always`),
+    sorted; ids never seen fill up the rest in id order."""
+    size = min(size, vocab_size)
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for path in shards:
+        shard = load_shard(path)
+        for ids in (shard["tokens"].long().flatten(), shard["top_ids"][..., 0].long().flatten()):
+            counts += torch.bincount(ids, minlength=vocab_size)[:vocab_size]
+    counts[list(always)] = counts.max() + 1
+    # stable order: by count, ties by id
+    order = sorted(range(vocab_size), key=lambda i: (-int(counts[i]), i))[:size]
+    return torch.tensor(sorted(order), dtype=torch.long)
+
+
+def soft_targets(top_ids: torch.Tensor, top_logprobs: torch.Tensor, head: Eagle3Head) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's distribution over the draft vocabulary [.., V] (its top-k log-probabilities
+    [.., K], renormalized over those in the vocabulary) and a mask [..] of positions whose target argmax
+    is in the draft vocabulary."""
+    ids = top_ids.long()
+    in_vocab = head.t2d[ids]
+    draft_ids = (head.t2d.long().cumsum(0) - 1)[ids].clamp(min=0)
+    logprobs = top_logprobs.float().masked_fill(~in_vocab, float("-inf"))
+    weights = torch.softmax(logprobs, -1).nan_to_num(0.0)
+    p = torch.zeros(*ids.shape[:-1], head.config.draft_vocab_size)
+    p.scatter_add_(-1, draft_ids, weights)
+    return p, in_vocab[..., 0]
+
+
+def ttt_loss(head: Eagle3Head, shard: dict, rows: list[int], steps: int, decay: float):
+    """(loss, [accuracy of step i], [loss of step i]) over sequences `rows` of a shard, K = steps unrolled."""
+    tokens = shard["tokens"][rows].long()
+    width = tokens.shape[1] - steps
+    if width < 1:
+        raise VerispecError(f"sequences of {tokens.shape[1]} tokens are too short for {steps} unrolled steps")
+    taps = shard["taps"][rows, :width].float()
+    logits = head.unroll(taps, tokens, steps)
+    total, accuracy, losses = 0.0, [], []
+    draft_to_target = head.draft_token_ids
+    for i, step_logits in enumerate(logits):
+        ids, logprobs = shard["top_ids"][rows, 1 + i : 1 + i + width], shard["top_logprobs"][rows, 1 + i : 1 + i + width]
+        p, mask = soft_targets(ids, logprobs, head)
+        per_position = -(p * torch.log_softmax(step_logits, -1)).sum(-1)
+        count = mask.sum().clamp(min=1)
+        loss = (per_position * mask).sum() / count
+        total = total + decay ** i * loss
+        hits = (draft_to_target[step_logits.argmax(-1)] == ids[..., 0].long()) & mask
+        accuracy.append(float(hits.sum()) / float(count))
+        losses.append(float(loss.detach()))
+    return total, accuracy, losses
+
+
+def _features_dir(target_name: str, spec: FeatureSpec) -> Path:
+    from verispec import zoo
+
+    key = hashlib.sha256(json.dumps(spec.to_json(), sort_keys=True).encode()).hexdigest()[:12]
+    safe = "".join(c if c.isalnum() or c in "-._" else "_" for c in target_name)
+    return zoo.home() / "features" / f"{safe}-{key}"
+
+
+def new_head(target, shards: list[Path], draft_vocab: int, taps: tuple[int, ...]) -> Eagle3Head:
+    """A head for `target`, its draft vocabulary chosen from the shards, its norm and LM head the target's."""
+    config = Eagle3Config.for_target(target, min(draft_vocab, target.vocab_size), taps)
+    head = Eagle3Head(config)
+    head.set_draft_vocab(choose_draft_vocab(shards, target.vocab_size, config.draft_vocab_size,
+                                            tuple(sorted(target.eos_token_ids))))
+    lm_head, norm = target_output_layer(target)
+    with torch.no_grad():
+        head.lm_head.weight.copy_(lm_head[head.draft_token_ids])
+        head.norm.weight.copy_(norm)
+    return head.bind(target_embedding(target))
+
+
+def evaluate(head: Eagle3Head, shards: list[Path], config: TrainConfig) -> dict:
+    """Per unrolled step, the held-out top-1 agreement with the target and the loss (over up to
+    config.eval_sequences sequences)."""
+    head.eval()
+    sums, losses, seen = [0.0] * config.ttt_steps, [0.0] * config.ttt_steps, 0
+    with torch.no_grad():
+        for path in shards:
+            shard = load_shard(path)
+            for row in range(shard["tokens"].shape[0]):
+                if seen >= config.eval_sequences:
+                    break
+                _, accuracy, loss = ttt_loss(head, shard, [row], config.ttt_steps, config.decay)
+                sums = [a + b for a, b in zip(sums, accuracy)]
+                losses = [a + b for a, b in zip(losses, loss)]
+                seen += 1
+    head.train()
+    seen = max(seen, 1)
+    return {"accuracy": [round(a / seen, 4) for a in sums], "loss": [round(x / seen, 4) for x in losses], "sequences": seen}
+
+
+def train_eagle3(target, out: str | Path, *, data: tuple[str, ...] = ("site-packages",), max_tokens: int = 200_000,
+                 draft_vocab: int = 32000, config: TrainConfig | None = None, taps: tuple[int, ...] | None = None,
+                 features: str | Path | None = None, seq_len: int = 256, self_distill: bool = False,
+                 progress: bool = True) -> Eagle3Head:
+    """Extract features (or reuse them), train an EAGLE-3 head for `target`, save it into `out`, return it.
+
+    max_tokens: tokens of training text (features cached under `features`, by default in the verispec
+    home, keyed by target and settings); draft_vocab: the head's output vocabulary; config: the optimizer
+    and training-time-test settings. Resumes from `out/checkpoint.pt` when present."""
+    from verispec import load
+
+    config = config or TrainConfig()
+    target = load(target)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    taps = tuple(taps) if taps is not None else default_taps(int(target.config.num_hidden_layers))
+    spec = FeatureSpec(target=target.name, taps=taps, seq_len=seq_len, sources=tuple(data), self_distill=self_distill)
+    if max_tokens < 2 * spec.seq_len * spec.shard_sequences and config.held_out_shards:
+        spec.shard_sequences = max(1, max_tokens // (2 * spec.seq_len))  # room for a held-out shard
+    features = Path(features) if features is not None else _features_dir(target.name, spec)
+    shards = extract(target, features, spec, max_tokens, progress=progress)
+    held_out = shards[len(shards) - config.held_out_shards :] if config.held_out_shards else []
+    training = shards[: len(shards) - len(held_out)]
+    if not training:
+        raise VerispecError(f"{max_tokens} tokens make {len(shards)} shard(s), all held out: raise --max-tokens")
+
+    torch.manual_seed(config.seed)
+    head = new_head(target, training, draft_vocab, taps)
+    optimizer = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=config.lr,
+                                  weight_decay=config.weight_decay)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: _lr_factor(step, config))
+    start, rng = _resume(out, head, optimizer, schedule, config)
+    log = (out / LOG).open("a")
+    bar = tqdm(total=config.steps, initial=start, desc="train eagle3", unit="step", disable=not progress)
+    head.train()
+    started = time.perf_counter()
+    shard_cache: dict[Path, dict] = {}
+    for step in range(start, config.steps):
+        path = rng.choice(training)
+        if path not in shard_cache:
+            shard_cache.clear()  # one shard in memory at a time
+            shard_cache[path] = load_shard(path)
+        shard = shard_cache[path]
+        rows = rng.sample(range(shard["tokens"].shape[0]), min(config.batch_sequences, shard["tokens"].shape[0]))
+        loss, accuracy, losses = ttt_loss(head, shard, rows, config.ttt_steps, config.decay)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(head.parameters(), config.grad_clip)
+        optimizer.step()
+        schedule.step()
+        record = {"step": step + 1, "loss": round(float(loss.detach()), 4), "accuracy": [round(a, 3) for a in accuracy],
+                  "lr": schedule.get_last_lr()[0], "seconds": round(time.perf_counter() - started, 1)}
+        log.write(json.dumps(record) + "\n")
+        log.flush()
+        bar.set_postfix(loss=f"{float(loss.detach()):.3f}", acc0=f"{accuracy[0]:.2f}")
+        bar.update(1)
+        if (step + 1) % config.checkpoint_every == 0 or step + 1 == config.steps:
+            _checkpoint(out, head, optimizer, schedule, step + 1, rng, config, spec)
+    bar.close()
+    report = evaluate(head, held_out, config) if held_out else None
+    if report is not None:
+        head.config.extra["held_out"] = report
+        log.write(json.dumps({"held_out": report}) + "\n")
+        save_head(head, out)
+        if progress:
+            print(f"verispec: held-out top-1 agreement with the target by draft position: {report['accuracy']}")
+    log.close()
+    head.eval()
+    return head
+
+
+def _lr_factor(step: int, config: TrainConfig) -> float:
+    if step < config.warmup:
+        return (step + 1) / config.warmup
+    progress = (step - config.warmup) / max(1, config.steps - config.warmup)
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def _checkpoint(out: Path, head: Eagle3Head, optimizer, schedule, step: int, rng: random.Random,
+                config: TrainConfig, spec: FeatureSpec) -> None:
+    head.config.extra.update({"steps": step, "train": {k: v for k, v in asdict(config).items() if k != "extra"},
+                              "features": spec.to_json()})
+    state = {"head": head.state_dict(), "optimizer": optimizer.state_dict(), "schedule": schedule.state_dict(),
+             "step": step, "rng": rng.getstate(), "torch_rng": torch.get_rng_state(), "config": asdict(config)}
+    partial = out / (CHECKPOINT + ".partial")
+    torch.save(state, partial)
+    partial.replace(out / CHECKPOINT)
+    save_head(head, out)
+
+
+def _resume(out: Path, head: Eagle3Head, optimizer, schedule, config: TrainConfig) -> tuple[int, random.Random]:
+    """(the step to start from, the batch-choosing random stream), restored from out/checkpoint.pt if any."""
+    rng = random.Random(config.seed)
+    path = out / CHECKPOINT
+    if not path.exists():
+        return 0, rng
+    state = torch.load(path, weights_only=False)
+    if not torch.equal(state["head"]["t2d"], head.t2d):
+        raise VerispecError(f"{path} was trained with another draft vocabulary: use a new --out directory")
+    head.load_state_dict(state["head"])
+    optimizer.load_state_dict(state["optimizer"])
+    schedule.load_state_dict(state["schedule"])
+    rng.setstate(state["rng"])
+    torch.set_rng_state(state["torch_rng"])
+    return int(state["step"]), rng
+
+
+# --- the command line: `verispec train eagle3` -----------------------------------------------------------
+
+def add_train_arguments(parser) -> None:
+    """The options of `verispec train eagle3`."""
+    parser.add_argument("--target", required=True, help="the target model: zoo name, local directory or .gguf file")
+    parser.add_argument("--out", required=True, help="directory for the head (config.json, model.safetensors), its "
+                                                    "checkpoint and train.jsonl; a run with the same --out resumes")
+    parser.add_argument("--data", action="append", default=None, metavar="SOURCE",
+                        help="training text (repeatable): site-packages (the default: installed Python sources), a "
+                             ".jsonl prompt file, a text file or a directory")
+    parser.add_argument("--self-distill", action="store_true",
+                        help="append the target's own greedy answers to .jsonl prompts (slower; learns what it says)")
+    parser.add_argument("--max-tokens", type=int, default=200_000, help="tokens of training features (default: %(default)s)")
+    parser.add_argument("--seq-len", type=int, default=256, help="tokens per training sequence (default: %(default)s)")
+    parser.add_argument("--draft-vocab", type=int, default=32000, help="the head's output vocabulary (default: %(default)s)")
+    parser.add_argument("--steps", type=int, default=1000, help="optimizer steps (default: %(default)s)")
+    parser.add_argument("--ttt-steps", type=int, default=5, help="draft positions unrolled per step (default: %(default)s)")
+    parser.add_argument("--batch", type=int, default=2, help="sequences per step (default: %(default)s)")
+    parser.add_argument("--lr", type=float, default=3e-4, help="peak learning rate (default: %(default)s)")
+    parser.add_argument("--checkpoint-every", type=int, default=100, help="steps between checkpoints (default: %(default)s)")
+    parser.add_argument("--features", default=None, help="feature cache directory (default: under the verispec home, "
+                                                         "keyed by target and settings, reused across runs)")
+    parser.add_argument("--taps", default=None, help="comma-separated target layers whose inputs the head reads "
+                                                     "(default: 2, N/2, N-3)")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: PyTorch's choice)")
+
+
+def run_train(args) -> int:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    for name in ("max_tokens", "steps", "ttt_steps", "batch", "draft_vocab", "seq_len", "checkpoint_every"):
+        if getattr(args, name) < 1:
+            raise VerispecError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if args.seq_len <= args.ttt_steps:
+        raise VerispecError(f"--seq-len ({args.seq_len}) must exceed --ttt-steps ({args.ttt_steps})")
+    taps = tuple(int(t) for t in args.taps.split(",")) if args.taps else None
+    config = TrainConfig(steps=args.steps, ttt_steps=args.ttt_steps, batch_sequences=args.batch, lr=args.lr,
+                         checkpoint_every=args.checkpoint_every)
+    train_eagle3(args.target, args.out, data=tuple(args.data or ("site-packages",)), max_tokens=args.max_tokens,
+                 draft_vocab=args.draft_vocab, config=config, taps=taps, features=args.features, seq_len=args.seq_len,
+                 self_distill=args.self_distill)
+    print(f"verispec: head saved in {args.out}; draft with it: verispec generate --target {args.target} --draft {args.out} PROMPT")
+    return 0
