@@ -1,7 +1,9 @@
 """What the `numerics="q8"` kernels (csrc/kquant_q8.c) cost: nanoseconds per 256-weight block by pass width.
 
-Kernel mode (default): one thread, random Q4_K and Q6_K matrices of the 1.5B's shapes, each width timed
-best-of-`--repeats` (the least disturbed run on a shared machine), widths and kinds interleaved round-robin.
+Kernel mode (default): one thread, random Q4_K and Q6_K matrices, each (matrix, width) timed
+best-of-`--repeats` back-to-back calls (the least disturbed run on a shared machine; the matrix warm in
+L2/L3 as a layer's is not), cases interleaved round-robin over `--rounds`. The fixed cost of a call
+(Python, ctypes, the Q8_K rounding of x) is in the numbers: the `16x256` line shows it alone.
 A block is one 256-weight block of one output column; a pass of width w does w rows against each block,
 so ns/block is the whole pass's time over the matrix's block count. Cycles are given at `--ghz`.
 `--isa 256` forces the AVX2 kernels.
@@ -38,7 +40,7 @@ def random_matrix(kind: str, n: int, k: int, rng: np.random.Generator) -> kernel
     return kernels.GGUFMatrix(torch.from_numpy(raw.reshape(n, -1)), code)
 
 
-def kernel_costs(shapes: list[tuple[int, int]], widths: list[int], repeats: int) -> dict:
+def kernel_costs(shapes: list[tuple[int, int]], widths: list[int], repeats: int, rounds: int = 3) -> dict:
     """{(kind, n, k, width): best ns per block} of one-thread passes."""
     rng = np.random.default_rng(0)
     cases = []
@@ -50,11 +52,12 @@ def kernel_costs(shapes: list[tuple[int, int]], widths: list[int], repeats: int)
                 cases.append(((kind, n, k, w), linear, x, torch.empty(w, n)))
     best = {key: float("inf") for key, *_ in cases}
     torch.set_num_threads(1)
-    for _ in range(repeats + 1):  # the first round warms caches and the kernel build
+    for _ in range(rounds):
         for key, linear, x, out in cases:
-            started = time.perf_counter_ns()
-            linear(x, out)
-            best[key] = min(best[key], time.perf_counter_ns() - started)
+            for _ in range(repeats + 1):  # the first call warms the caches
+                started = time.perf_counter_ns()
+                linear(x, out)
+                best[key] = min(best[key], time.perf_counter_ns() - started)
     return {key: ns / (key[1] * key[2] // 256) for key, ns in best.items()}
 
 
@@ -72,9 +75,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--isa", type=int, default=0, help="512 or 256 (default: the widest this CPU runs)")
     parser.add_argument("--widths", default="1,2,4,8,16")
-    parser.add_argument("--repeats", type=int, default=31)
-    parser.add_argument("--shapes", default="1536x1536,8960x1536",
-                        help="NxK matrices (1536x1536: ~1.3 MB Q4_K, in L2; 8960x1536: 7.7 MB, in L3)")
+    parser.add_argument("--repeats", type=int, default=50)
+    parser.add_argument("--shapes", default="16x256,512x1536,1536x8960",
+                        help="NxK matrices (16x256: one group, the call's fixed cost; 512x1536: 0.4-0.6 MB, in L2; "
+                             "1536x8960: the 1.5B's down projection, 7.7-11 MB, in L3)")
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--ghz", type=float, default=2.6, help="clock for the cycles column (the TSC's here)")
     parser.add_argument("--model", help="time whole forward passes of this zoo model instead")
     parser.add_argument("--threads", type=int, default=2)
@@ -90,7 +95,7 @@ def main() -> None:
             print(f"  width {w:2d}: {costs[w] * 1e3:7.2f} ms  ({costs[w] / costs[widths[0]]:.2f}x width {widths[0]})")
         return
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
-    costs = kernel_costs(shapes, widths, args.repeats)
+    costs = kernel_costs(shapes, widths, args.repeats, args.rounds)
     print(f"isa={isa} vnni={kernels.vnni()} one thread, best of {args.repeats}: ns per block (cycles at {args.ghz} GHz)")
     for kind in KINDS:
         for n, k in shapes:
