@@ -42,7 +42,6 @@ typedef __m512 FVEC;
 #define ISLL16 _mm512_slli_epi16
 #define IADD32 _mm512_add_epi32
 #define ISUB16 _mm512_sub_epi16
-#define IDPWSSD(acc, a, b) _mm512_dpwssd_epi32(acc, a, b)                             /* acc + pairwise a * b, int16 */
 #define HALVES(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))          /* 16 half floats */
 #define U8X16(p) _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(p)))      /* 32 bytes -> int16 */
 #define I8X16(p) _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(p)))
@@ -69,7 +68,6 @@ typedef __m256 FVEC;
 #define ISLL16 _mm256_slli_epi16
 #define IADD32 _mm256_add_epi32
 #define ISUB16 _mm256_sub_epi16
-#define IDPWSSD(acc, a, b) _mm256_add_epi32(acc, _mm256_madd_epi16(a, b))
 #define HALVES(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))             /* 8 half floats */
 #define U8X16(p) _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(p)))         /* 16 bytes -> int16 */
 #define I8X16(p) _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(p)))
@@ -99,38 +97,93 @@ static inline int nearest_int(float f)
     return (bits & 0x007fffff) - 0x00400000;
 }
 
-/* Rows [begin, end) of x [M, K] to Q8_K: qx [M, K] int8, qd [M, K / 256] the scales d, qb [M, K / 16]
- * the sums of 16 codes, qb32 [M, K / 32] the sums of 32 (both int16). ggml's reference, operation for
- * operation (scalar: the few thousand operations of a row are nothing beside its products). */
+/* One block of 256 to Q8_K by ggml's reference (quantize_row_q8_K_ref), operation for operation:
+ * q [256], d, and the codes' sums per 16 (bs). */
+static void q8k_block_reference(const float *v, int8_t *q, float *d, int16_t *bs)
+{
+    float amax = 0.0f, max = 0.0f;
+    for (int j = 0; j < QK_K; j++) {
+        const float a = fabsf(v[j]);
+        if (a > amax) { amax = a; max = v[j]; }
+    }
+    if (amax == 0.0f) {
+        *d = 0.0f;
+        memset(q, 0, QK_K);
+    } else {
+        const float iscale = -127.f / max;
+        for (int j = 0; j < QK_K; j++) {
+            const int r = nearest_int(iscale * v[j]);
+            q[j] = (int8_t)(r < 127 ? r : 127);
+        }
+        *d = 1.0f / iscale;
+    }
+    for (int g = 0; g < QK_K / 16; g++) {
+        int sum = 0;
+        for (int j = 0; j < 16; j++) sum += q[g * 16 + j];
+        bs[g] = (int16_t)sum;
+    }
+}
+
+/* The same block in AVX2, bitwise the reference's: the peak is the first element of the largest
+ * magnitude (the reference's strict >), iscale * v rounded to nearest even by vcvtps2dq as by
+ * nearest_int. A block holding a NaN or an infinity goes to the reference (whatever it makes of them). */
+static void q8k_block(const float *v, int8_t *q, float *d, int16_t *bs)
+{
+    const __m256 sign = _mm256_set1_ps(-0.0f), inf = _mm256_set1_ps(INFINITY);
+    __m256 peak = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
+    for (int j = 0; j < QK_K; j += 8) {
+        const __m256 a = _mm256_andnot_ps(sign, _mm256_loadu_ps(v + j));
+        peak = _mm256_max_ps(peak, a);
+        bad = _mm256_or_ps(bad, _mm256_cmp_ps(a, inf, _CMP_NLT_UQ));  /* NaN or infinite */
+    }
+    if (_mm256_movemask_ps(bad)) {
+        q8k_block_reference(v, q, d, bs);
+        return;
+    }
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(peak), _mm256_extractf128_ps(peak, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    const float amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+    if (amax == 0.0f) {
+        *d = 0.0f;
+        memset(q, 0, QK_K);
+        memset(bs, 0, QK_K / 16 * sizeof(int16_t));
+        return;
+    }
+    int first = 0;
+    for (int j = 0; j < QK_K; j += 8) {
+        const int hits = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(v + j)),
+                                                          _mm256_set1_ps(amax), _CMP_EQ_OQ));
+        if (hits) { first = j + __builtin_ctz((unsigned)hits); break; }
+    }
+    const float iscale = -127.f / v[first];
+    const __m256 scale = _mm256_set1_ps(iscale);
+    const __m256i top = _mm256_set1_epi32(127), order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    const __m256i flip = _mm256_set1_epi8((char)0x80);
+    for (int j = 0; j < QK_K; j += 32) {
+        __m256i r[4];
+        for (int i = 0; i < 4; i++)
+            r[i] = _mm256_min_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(scale, _mm256_loadu_ps(v + j + 8 * i))), top);
+        /* int32 -> int8 (all within [-127, 127]): the packs interleave 128-bit lanes, the permute restores order */
+        const __m256i bytes = _mm256_permutevar8x32_epi32(
+            _mm256_packs_epi16(_mm256_packs_epi32(r[0], r[1]), _mm256_packs_epi32(r[2], r[3])), order);
+        _mm256_storeu_si256((__m256i *)(q + j), bytes);
+        /* sums of 8 codes + 8 * 128 (biased to unsigned for vpsadbw), two per 16 */
+        const __m256i sums = _mm256_sad_epu8(_mm256_xor_si256(bytes, flip), _mm256_setzero_si256());
+        bs[j / 16] = (int16_t)(_mm256_extract_epi64(sums, 0) + _mm256_extract_epi64(sums, 1) - 2048);
+        bs[j / 16 + 1] = (int16_t)(_mm256_extract_epi64(sums, 2) + _mm256_extract_epi64(sums, 3) - 2048);
+    }
+    *d = 1.0f / iscale;
+}
+
+/* Rows of x [M, K] to Q8_K: qx [M, K] int8, qd [M, K / 256] the scales d, qb [M, K / 16] the sums of
+ * 16 codes, qb32 [M, K / 32] the sums of 32 (both int16). Bitwise ggml's quantize_row_q8_K_ref. */
 void KQ(q8k_quantize)(const float *x, int8_t *qx, float *qd, int16_t *qb, int16_t *qb32, int64_t M, int64_t K)
 {
     const int64_t blocks = K / QK_K;
     for (int64_t i = 0; i < M * blocks; i++) {
-        const float *v = x + i * QK_K;
-        int8_t *q = qx + i * QK_K;
-        float amax = 0.0f, max = 0.0f;
-        for (int j = 0; j < QK_K; j++) {
-            const float a = fabsf(v[j]);
-            if (a > amax) { amax = a; max = v[j]; }
-        }
-        if (amax == 0.0f) {
-            qd[i] = 0.0f;
-            memset(q, 0, QK_K);
-        } else {
-            const float iscale = -127.f / max;
-            for (int j = 0; j < QK_K; j++) {
-                const int r = nearest_int(iscale * v[j]);
-                q[j] = (int8_t)(r < 127 ? r : 127);
-            }
-            qd[i] = 1.0f / iscale;
-        }
-        for (int g = 0; g < QK_K / 16; g++) {
-            int sum = 0;
-            for (int j = 0; j < 16; j++) sum += q[g * 16 + j];
-            qb[i * (QK_K / 16) + g] = (int16_t)sum;
-        }
-        for (int g = 0; g < QK_K / 32; g++)
-            qb32[i * (QK_K / 32) + g] = (int16_t)(qb[i * (QK_K / 16) + 2 * g] + qb[i * (QK_K / 16) + 2 * g + 1]);
+        int16_t *bs = qb + i * (QK_K / 16);
+        q8k_block(x + i * QK_K, qx + i * QK_K, qd + i, bs);
+        for (int g = 0; g < QK_K / 32; g++) qb32[i * (QK_K / 32) + g] = (int16_t)(bs[2 * g] + bs[2 * g + 1]);
     }
 }
 
@@ -141,6 +194,26 @@ INLINE IVEC bcast4(const void *p)
     memcpy(&v, p, 4);
     return ISET32(v);
 }
+
+#if VCOLS == 16
+/* acc + w . (the four bytes at x, broadcast) as one vpdpbusd with an embedded broadcast: GCC leaves
+ * _mm512_set1_epi32 of a load as a separate vpbroadcastd, which on Zen 5 cut the dot's throughput by a
+ * quarter. w unsigned bytes, x signed. */
+INLINE __m512i dpbusd_bcast(__m512i acc, __m512i w, const void *x)
+{
+    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*(const int32_t *)x));
+    return acc;
+}
+
+/* acc + pairwise w * (the int16 pair at p, broadcast), int16 -> int32: vpdpwssd, broadcast embedded */
+INLINE __m512i dpwssd_bcast(__m512i acc, __m512i w, const void *p)
+{
+    __asm__("vpdpwssd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*(const int32_t *)p));
+    return acc;
+}
+#else
+#define dpwssd_bcast(acc, w, p) _mm256_add_epi32(acc, _mm256_madd_epi16(w, bcast4(p)))
+#endif
 
 /* ---- Q4_K: a sub-block of 32 weights is 8 steps; its scale multiplies each column's int32 sum ---- */
 
@@ -156,22 +229,19 @@ INLINE IVEC q4k_scales(const uint8_t *p)
 #endif
 }
 
-/* sumi + scale * (w . x) over one sub-block: w[8] its steps' codes (0..15), x the row's 32 activations. */
-INLINE IVEC q4k_dot(IVEC sumi, const IVEC w[8], const int8_t *x, IVEC scale)
-{
+/* One step of a sub-block's dot product for one row: t + w . (the row's four activations at x, broadcast),
+ * and the sub-block's end: sumi + scale * t. VNNI: int32 t, one vpdpbusd a step, the scale an int32
+ * multiply. AVX2: int16 t (vpmaddubsw pair sums; Q4_K's eight steps stay within int16, 8 * 2 * 15 * 127,
+ * Q6_K's two, 2 * 2 * 63 * 127), the scale applied by vpmaddwd. */
 #if VCOLS == 16
-    IVEC t = _mm512_dpbusd_epi32(IZERO(), w[0], bcast4(x));
-    for (int u = 1; u < 4; u++) t = _mm512_dpbusd_epi32(t, w[u], bcast4(x + 4 * u));
-    for (int u = 0; u < 4; u++) t = _mm512_dpbusd_epi32(t, w[4 + u], bcast4(x + 16 + 4 * u));
-    return _mm512_add_epi32(sumi, _mm512_mullo_epi32(t, scale));
+#define DOT_STEP(t, w, x) dpbusd_bcast(t, w, x)
+#define DOT_END(sumi, t, scale) _mm512_add_epi32(sumi, _mm512_mullo_epi32(t, scale))
+#define Q6_SPAN 4                 /* steps a Q6_K t may hold */
 #else
-    /* pairs of 15 * 127 products: eight steps' pair sums stay within int16 (8 * 3810) */
-    __m256i t = _mm256_maddubs_epi16(w[0], bcast4(x));
-    for (int u = 1; u < 4; u++) t = _mm256_add_epi16(t, _mm256_maddubs_epi16(w[u], bcast4(x + 4 * u)));
-    for (int u = 0; u < 4; u++) t = _mm256_add_epi16(t, _mm256_maddubs_epi16(w[4 + u], bcast4(x + 16 + 4 * u)));
-    return _mm256_add_epi32(sumi, _mm256_madd_epi16(t, scale));
+#define DOT_STEP(t, w, x) _mm256_add_epi16(t, _mm256_maddubs_epi16(w, bcast4(x)))
+#define DOT_END(sumi, t, scale) _mm256_add_epi32(sumi, _mm256_madd_epi16(t, scale))
+#define Q6_SPAN 2
 #endif
-}
 
 /* Part `part` (VCOLS columns) of a group's Q4_K blocks against rows m0 .. m0 + R - 1: out[r] = acc - accm. */
 INLINE void q4k_tile(const q8_job *job, const uint8_t *group, int64_t m0, const int R, int part, FVEC *out)
@@ -194,8 +264,16 @@ INLINE void q4k_tile(const q8_job *job, const uint8_t *group, int64_t m0, const 
                 w[4 + u] = IAND(ISRL16(raw, 4), low4);
             }
             const IVEC scale = q4k_scales(blk + 64 + 16 * j + VCOLS * part);
+            /* step-major over the tile's rows: R independent chains in flight, not one at a time */
+            IVEC t[Q8TILE];
+            for (int r = 0; r < R; r++) t[r] = IZERO();
+            for (int u = 0; u < 8; u++) {  /* step 8 j + u: weights 32 j + 4 u (u < 4), 32 j + 16 + 4 (u - 4) */
+                const int64_t at = 32 * j + (u < 4 ? 4 * u : 16 + 4 * (u - 4));
 #pragma GCC unroll 16
-            for (int r = 0; r < R; r++) sumi[r] = q4k_dot(sumi[r], w, x + r * K + 32 * j, scale);
+                for (int r = 0; r < R; r++) t[r] = DOT_STEP(t[r], w[u], x + r * K + at);
+            }
+#pragma GCC unroll 16
+            for (int r = 0; r < R; r++) sumi[r] = DOT_END(sumi[r], t[r], scale);
         }
         const FVEC d = HALVES(blk + 2 * VCOLS * part), dmin = HALVES(blk + 32 + 2 * VCOLS * part);
         IVEC mins[4];
@@ -204,7 +282,7 @@ INLINE void q4k_tile(const q8_job *job, const uint8_t *group, int64_t m0, const 
         for (int r = 0; r < R; r++) {
             const int64_t row = (m0 + r) * blocks + b;
             IVEC summ = IZERO();
-            for (int l = 0; l < 4; l++) summ = IDPWSSD(summ, mins[l], bcast4(job->qb32 + row * 8 + 2 * l));
+            for (int l = 0; l < 4; l++) summ = dpwssd_bcast(summ, mins[l], job->qb32 + row * 8 + 2 * l);
             const FVEC dy = FSET1(job->qd[row]);
             acc[r] = FADD(acc[r], FMUL(FMUL(dy, d), ICVT(sumi[r])));
             accm[r] = FADD(accm[r], FMUL(FMUL(dy, dmin), ICVT(summ)));
@@ -214,22 +292,6 @@ INLINE void q4k_tile(const q8_job *job, const uint8_t *group, int64_t m0, const 
 }
 
 /* ---- Q6_K: a sub-block of 16 weights is 4 steps; codes unsigned (q + 32), the 32 taken off with bsums ---- */
-
-/* sumi + scale * (w . x) over one sub-block: w[4] its steps' codes (0..63), x the row's 16 activations;
- * `scale` as for q4k_dot (int32 per column, or the int16 scale twice per lane). */
-INLINE IVEC q6k_dot(IVEC sumi, const IVEC w[4], const int8_t *x, IVEC scale)
-{
-#if VCOLS == 16
-    IVEC t = _mm512_dpbusd_epi32(IZERO(), w[0], bcast4(x));
-    for (int v = 1; v < 4; v++) t = _mm512_dpbusd_epi32(t, w[v], bcast4(x + 4 * v));
-    return _mm512_add_epi32(sumi, _mm512_mullo_epi32(t, scale));
-#else
-    /* pairs of 63 * 127 products: two steps' pair sums stay within int16 (2 * 16002) */
-    const __m256i t0 = _mm256_add_epi16(_mm256_maddubs_epi16(w[0], bcast4(x)), _mm256_maddubs_epi16(w[1], bcast4(x + 4)));
-    const __m256i t1 = _mm256_add_epi16(_mm256_maddubs_epi16(w[2], bcast4(x + 8)), _mm256_maddubs_epi16(w[3], bcast4(x + 12)));
-    return _mm256_add_epi32(sumi, _mm256_add_epi32(_mm256_madd_epi16(t0, scale), _mm256_madd_epi16(t1, scale)));
-#endif
-}
 
 /* Sub-block 2 l + odd's scales from the pair words of l (column c's int16 sc[2 l], sc[2 l + 1]). */
 INLINE IVEC q6k_scales(IVEC pairs, int odd)
@@ -259,7 +321,7 @@ INLINE void q6k_tile(const q8_job *job, const uint8_t *group, int64_t m0, const 
             const IVEC minus32 = ISLL16(ISUB16(IZERO(), pairs), 5);
 #pragma GCC unroll 16
             for (int r = 0; r < R; r++)
-                sumi[r] = IDPWSSD(sumi[r], minus32, bcast4(job->qb + ((m0 + r) * blocks + b) * 16 + 2 * l));
+                sumi[r] = dpwssd_bcast(sumi[r], minus32, job->qb + ((m0 + r) * blocks + b) * 16 + 2 * l);
             for (int odd = 0; odd < 2; odd++) {
                 const int g = 2 * l + odd;
                 const IVEC lo0 = ILOAD(blk + 288 + 64 * (2 * g) + VBYTES * part);
@@ -270,8 +332,16 @@ INLINE void q6k_tile(const q8_job *job, const uint8_t *group, int64_t m0, const 
                                    IOR(IAND(ISRL16(lo0, 4), low4), IAND(hi, top2)),
                                    IOR(IAND(ISRL16(lo1, 4), low4), IAND(ISRL16(hi, 2), top2))};
                 const IVEC scale = q6k_scales(pairs, odd);
+                IVEC t[Q8TILE];
+                for (int v0 = 0; v0 < 4; v0 += Q6_SPAN) {
+                    for (int r = 0; r < R; r++) t[r] = IZERO();
+                    for (int v = v0; v < v0 + Q6_SPAN; v++) {  /* step 4 g + v: weights 16 g + 4 v */
 #pragma GCC unroll 16
-                for (int r = 0; r < R; r++) sumi[r] = q6k_dot(sumi[r], w, x + r * K + 16 * g, scale);
+                        for (int r = 0; r < R; r++) t[r] = DOT_STEP(t[r], w[v], x + r * K + 16 * g + 4 * v);
+                    }
+#pragma GCC unroll 16
+                    for (int r = 0; r < R; r++) sumi[r] = DOT_END(sumi[r], t[r], scale);
+                }
             }
         }
         const FVEC d = HALVES(blk + 2 * VCOLS * part);
