@@ -13,6 +13,7 @@ with `--threads` threads, widths interleaved pass by pass (fair ratios under loa
 
     PYTHONPATH=src python bench/q8_kernel.py [--isa 512|256] [--widths 1,2,4,8,16] [--repeats 31]
     PYTHONPATH=src python bench/q8_kernel.py --model qwen2.5-coder-1.5b --threads 2 [--widths 1,2,3,4,5,6,7,8]
+    PYTHONPATH=src python bench/q8_kernel.py --model qwen2.5-coder-1.5b --threads 1 --cpu-clock
 """
 
 from __future__ import annotations
@@ -61,14 +62,14 @@ def kernel_costs(shapes: list[tuple[int, int]], widths: list[int], repeats: int,
     return {key: ns / (key[1] * key[2] // 256) for key, ns in best.items()}
 
 
-def model_costs(name: str, widths: list[int], repeats: int, threads: int) -> dict[int, float]:
+def model_costs(name: str, widths: list[int], repeats: int, threads: int, cpu_clock: bool = False) -> dict[int, float]:
     import verispec
     from verispec.costs import measure_width_costs
 
     torch.set_num_threads(threads)
     model = verispec.load(name, numerics="q8")
     with torch.inference_mode():
-        return measure_width_costs(model, widths, repeats=repeats)
+        return measure_width_costs(model, widths, repeats=repeats, clock=time.thread_time if cpu_clock else time.perf_counter)
 
 
 def main() -> None:
@@ -83,14 +84,19 @@ def main() -> None:
     parser.add_argument("--ghz", type=float, default=2.6, help="clock for the cycles column (the TSC's here)")
     parser.add_argument("--model", help="time whole forward passes of this zoo model instead")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--cpu-clock", action="store_true",
+                        help="with --threads 1: count this thread's CPU time (immune to other processes taking the core)")
     args = parser.parse_args()
     widths = [int(w) for w in args.widths.split(",")]
     if args.isa:
         kernel_config._current = dataclasses.replace(kernel_config.current(), isa=args.isa)
     isa = kernels.isa()
     if args.model:
-        costs = model_costs(args.model, widths, args.repeats, args.threads)
-        print(f"{args.model} numerics=q8 isa={isa} threads={args.threads}: median ms per forward")
+        if args.cpu_clock and args.threads != 1:
+            parser.error("--cpu-clock measures one thread: use --threads 1")
+        costs = model_costs(args.model, widths, args.repeats, args.threads, args.cpu_clock)
+        clock = "CPU" if args.cpu_clock else "wall"
+        print(f"{args.model} numerics=q8 isa={isa} threads={args.threads}: median ms ({clock} time) per forward")
         for w in widths:
             print(f"  width {w:2d}: {costs[w] * 1e3:7.2f} ms  ({costs[w] / costs[widths[0]]:.2f}x width {widths[0]})")
         return
