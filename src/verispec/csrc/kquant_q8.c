@@ -264,6 +264,7 @@ INLINE void q4k_tile(const q8_job *job, const uint8_t *group, int64_t m0, const 
                 w[4 + u] = IAND(ISRL16(raw, 4), low4);
             }
             const IVEC scale = q4k_scales(blk + 64 + 16 * j + VCOLS * part);
+#if VCOLS == 16
             /* step-major over the tile's rows: R independent chains in flight, not one at a time */
             IVEC t[Q8TILE];
             for (int r = 0; r < R; r++) t[r] = IZERO();
@@ -274,6 +275,15 @@ INLINE void q4k_tile(const q8_job *job, const uint8_t *group, int64_t m0, const 
             }
 #pragma GCC unroll 16
             for (int r = 0; r < R; r++) sumi[r] = DOT_END(sumi[r], t[r], scale);
+#else
+            /* row by row: AVX2's 16 registers cannot hold a t per row beside w[8] and sumi */
+#pragma GCC unroll 16
+            for (int r = 0; r < R; r++) {
+                IVEC t = IZERO();
+                for (int u = 0; u < 8; u++) t = DOT_STEP(t, w[u], x + r * K + 32 * j + (u < 4 ? 4 * u : 16 + 4 * (u - 4)));
+                sumi[r] = DOT_END(sumi[r], t, scale);
+            }
+#endif
         }
         const FVEC d = HALVES(blk + 2 * VCOLS * part), dmin = HALVES(blk + 32 + 2 * VCOLS * part);
         IVEC mins[4];
@@ -332,16 +342,24 @@ INLINE void q6k_tile(const q8_job *job, const uint8_t *group, int64_t m0, const 
                                    IOR(IAND(ISRL16(lo0, 4), low4), IAND(hi, top2)),
                                    IOR(IAND(ISRL16(lo1, 4), low4), IAND(ISRL16(hi, 2), top2))};
                 const IVEC scale = q6k_scales(pairs, odd);
+#if VCOLS == 16
                 IVEC t[Q8TILE];
-                for (int v0 = 0; v0 < 4; v0 += Q6_SPAN) {
-                    for (int r = 0; r < R; r++) t[r] = IZERO();
-                    for (int v = v0; v < v0 + Q6_SPAN; v++) {  /* step 4 g + v: weights 16 g + 4 v */
+                for (int r = 0; r < R; r++) t[r] = IZERO();
+                for (int v = 0; v < 4; v++) {  /* step 4 g + v: weights 16 g + 4 v */
 #pragma GCC unroll 16
-                        for (int r = 0; r < R; r++) t[r] = DOT_STEP(t[r], w[v], x + r * K + 16 * g + 4 * v);
-                    }
-#pragma GCC unroll 16
-                    for (int r = 0; r < R; r++) sumi[r] = DOT_END(sumi[r], t[r], scale);
+                    for (int r = 0; r < R; r++) t[r] = DOT_STEP(t[r], w[v], x + r * K + 16 * g + 4 * v);
                 }
+#pragma GCC unroll 16
+                for (int r = 0; r < R; r++) sumi[r] = DOT_END(sumi[r], t[r], scale);
+#else
+#pragma GCC unroll 16
+                for (int r = 0; r < R; r++)
+                    for (int v0 = 0; v0 < 4; v0 += Q6_SPAN) {
+                        IVEC t = IZERO();
+                        for (int v = v0; v < v0 + Q6_SPAN; v++) t = DOT_STEP(t, w[v], x + r * K + 16 * g + 4 * v);
+                        sumi[r] = DOT_END(sumi[r], t, scale);
+                    }
+#endif
             }
         }
         const FVEC d = HALVES(blk + 2 * VCOLS * part);
