@@ -27,7 +27,7 @@ def draft_len_arg(value: str) -> int | str:
 def _add_generation_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default=DEFAULT_TARGET, help="zoo name, local directory, .gguf file or hub id (default: %(default)s)")
     p.add_argument("--draft", default=None, help="draft model (same tokenizer as the target); omit to draft with the target's own int4 copy where it can have one (see --drafter), else n-gram")
-    p.add_argument("--drafter", default="auto", help="auto (the draft model when one is given; else self for a native float32 target on verispec's CPU kernels and at least 32 new tokens or a copy made before; else ngram) | model | self (the target's own int4 copy, drafting on its cache) | hybrid (prompt lookup, else the draft model) | ngram | none (plain decoding)")
+    p.add_argument("--drafter", default="auto", help="auto (the draft model when one is given; else self for a native float32 target on verispec's CPU kernels and at least 32 new tokens or a copy made before; else ngram) | model | self (the target's own int4 copy, drafting on its cache) | hybrid (prompt lookup, else the draft model) | ngram | suffix (suffix decoding: the prompt and earlier outputs of this process) | none (plain decoding)")
     p.add_argument("--draft-len", type=draft_len_arg, default=None,
                    help="draft tokens per step, 'auto' (the default: adaptive), or 'tree' (auto plus token-tree alternates)")
     p.add_argument("--draft-dtype", default="fp32", help="the draft's matrices on the native backend: fp32, bf16, int8 or int4 (cheaper drafts; output unchanged)")

@@ -6,5 +6,7 @@ from verispec.drafters.model import ModelDrafter
 from verispec.drafters.ngram import NgramDrafter
 from verispec.drafters.none import NoDrafter
 from verispec.drafters.shared import SharedCacheDrafter
+from verispec.drafters.suffix import SuffixDrafter, SuffixIndex
 
-__all__ = ["Draft", "Drafter", "Verdict", "HybridDrafter", "ModelDrafter", "NgramDrafter", "NoDrafter", "SharedCacheDrafter"]
+__all__ = ["Draft", "Drafter", "Verdict", "HybridDrafter", "ModelDrafter", "NgramDrafter", "NoDrafter", "SharedCacheDrafter", "SuffixDrafter",
+           "SuffixIndex"]
