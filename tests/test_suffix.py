@@ -276,3 +276,26 @@ def test_deterministic_alternates_are_exact(rule):
     lying[..., :] = torch.where(lying > 0, 1e-6, (1 - 1e-6) / (lying.shape[-1] - 1))
     biased, _ = emitted(replace(draft, alternate_probs=lying))
     assert chi2_pvalue(np.array([e[0] for e in biased]), p[0]) < 1e-6
+
+
+@pytest.mark.slow
+def test_server_lanes_share_one_index_and_add_finished_outputs():
+    """A server with drafter="suffix": the first request's output joins the index when it finishes, and the
+    same request again drafts from it (many tokens per pass), with the same text as plain decoding."""
+    from fastapi.testclient import TestClient
+
+    from verispec.server import build_app
+
+    target = verispec.load("smollm2-135m")
+    index = verispec.api.suffix_index(target)
+    index.__init__()
+    prompt = "def is_palindrome(text: str) -> bool:\n    \"\"\"Return whether text reads the same backwards.\"\"\"\n"
+    plain = verispec.generate(target, prompt, drafter="none", max_new_tokens=40).text
+    body = {"prompt": prompt, "max_tokens": 40, "temperature": 0}
+    with TestClient(build_app("smollm2-135m", drafter="suffix", draft_len=8, max_batch=2)) as client:
+        first = client.post("/v1/completions", json=body).json()
+        assert index.num_tokens > 0
+        second = client.post("/v1/completions", json=body).json()
+    assert first["choices"][0]["text"] == second["choices"][0]["text"] == plain
+    passes = [r["usage"]["speculative"]["mean_accepted_tokens"] for r in (first, second)]
+    assert passes[1] > 4 and passes[1] > 2 * passes[0]
