@@ -38,9 +38,17 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 
-from verispec.costs import (  # the shared measurements; re-exported for callers of this script
-    CODE, context_tokens, measure_width_costs, measure_width_costs_interleaved, plain_decode_tokens_per_second,
+import verispec  # noqa: E402
+from verispec.costs import (  # noqa: E402  the shared measurements; re-exported for callers of this script
+    CODE, context_tokens, measure_width_costs, measure_width_costs_interleaved,
 )
+
+
+def plain_decode_tokens_per_second(model, new_tokens: int = 32, context: int = 200) -> float:
+    """Tokens/s of plain greedy decoding (the engine with drafter='none'), prefill excluded."""
+    result = verispec.generate(model, context_tokens(model, context), drafter="none", max_new_tokens=new_tokens)
+    stats = result.stats
+    return len(result.token_ids) / max(stats.total_seconds - stats.prefill_seconds, 1e-9)
 
 
 @torch.inference_mode()

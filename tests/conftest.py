@@ -1,4 +1,10 @@
-"""Tiny random-weight models built from configs: several architectures, one shared vocabulary."""
+"""Shared test fixtures: tiny random-weight models built from configs (several architectures, one shared vocabulary).
+
+The suite is split by kind: `unit/` (contracts, options, policy, CLI, errors; offline and fast),
+`exactness/` (token-for-token and statistical equality with plain decoding, on tiny models and the C kernels;
+offline), `integration/` (real models from the zoo, a real server process and real clients). Every test under
+`integration/`, and any elsewhere that needs a real model, is marked `slow`: `pytest -m "not slow"` runs offline.
+"""
 
 from __future__ import annotations
 
@@ -66,6 +72,13 @@ def prefilled(model, tokens: list[int]):
     cache = model.new_cache(1)
     model.forward(torch.tensor([tokens]), cache)
     return cache
+
+
+def pytest_collection_modifyitems(config, items):
+    """Everything under integration/ needs a real model from the zoo: slow."""
+    for item in items:
+        if "integration" in item.path.parts:
+            item.add_marker(pytest.mark.slow)
 
 
 ARCHITECTURES = {"llama": tiny_llama, "qwen2": tiny_qwen2, "gpt2": tiny_gpt2}

@@ -11,15 +11,17 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
+from transformers import PreTrainedModel
 
 from verispec.drafters import HybridDrafter, ModelDrafter, NgramDrafter, NoDrafter, SharedCacheDrafter, SuffixDrafter
 from verispec.drafters.base import Drafter
 from verispec.engine import Request, SpeculativeEngine, TokenEvent
+from verispec import options
 from verispec.errors import VerispecError
 from verispec.models import stored
 from verispec.models.base import CausalLM
 from verispec.models.hf import HFCausalLM, pick_device
-from verispec.policy import ADAPTIVE_SETTINGS
+from verispec.options import DraftLen
 from verispec.sampling import SamplingParams
 from verispec.stats import SpecStats
 from verispec.text import IncrementalText, StopSequences, encode_prompt, final_text, normalize_stop
@@ -31,7 +33,8 @@ BACKENDS = ("auto", "native", "hf")
 
 
 def load(name_or_path: Any, dtype: torch.dtype | str | None = None, device: str | torch.device | None = None, tokenizer=None,
-         backend: str = "auto", weight_dtype: torch.dtype | str | None = None, gguf_blocks: bool | None = None) -> CausalLM:
+         backend: str = "auto", weight_dtype: torch.dtype | str | None = None, gguf_blocks: bool | None = None,
+         numerics: str = "float32") -> CausalLM:
     """A model ready for `generate`: a zoo name (`smollm2-135m`), a local directory, a `.gguf` file,
     a hub id, or a `transformers` model object. Loaded once per process and reused.
 
@@ -50,17 +53,29 @@ def load(name_or_path: Any, dtype: torch.dtype | str | None = None, device: str 
     bytes read per decode step (plain decoding about twice as fast on a 2-core CPU). Off by default
     (VERISPEC_GGUF_BLOCKS=1 turns it on): with a plain step that fast, a draft model's prompt prefill
     and wider verify passes are no longer hidden, and speculation stops paying on short chat answers.
+
+    numerics: "float32" (the default) runs the float32 model a GGUF file stands for (converted once, as
+    above). "q8" runs a GGUF file (a zoo name or a .gguf path) with llama.cpp's numerics, straight from
+    the file's own Q4_K / Q6_K blocks, memory-mapped: activations rounded to 8 bits per block of 256
+    (ggml's Q8_K) and integer dot products (`verispec.models.gguf_q8`). It loads in seconds at about the
+    file's size and decodes at memory speed; its logits are not the float32 model's but llama.cpp's up
+    to float32 rounding, and speculation is exact with respect to them (every token row is computed
+    alike at any pass width).
     """
+    if numerics not in ("float32", "q8"):
+        raise VerispecError(f"numerics must be 'float32' or 'q8', got {numerics!r}")
+    if numerics == "q8":
+        return _load_q8(name_or_path, tokenizer, backend, weight_dtype, dtype, device)
     if backend not in BACKENDS:
         raise VerispecError(f"unknown backend {backend!r}: use one of {', '.join(BACKENDS)}")
     weight_dtype = _parse_weight_dtype(weight_dtype)
     if weight_dtype is not None and backend == "hf":
         raise VerispecError("weight_dtype needs the native backend: drop backend='hf' or weight_dtype")
-    if hasattr(name_or_path, "new_cache"):  # already a verispec model
+    if isinstance(name_or_path, CausalLM):  # already a verispec model
         return name_or_path
     if gguf_blocks is None:
         gguf_blocks = os.environ.get("VERISPEC_GGUF_BLOCKS", "0") not in ("0", "false", "no", "")
-    if hasattr(name_or_path, "config") and hasattr(name_or_path, "forward"):  # a transformers model object
+    if isinstance(name_or_path, PreTrainedModel):  # a transformers model object
         return _wrap(HFCausalLM(name_or_path, tokenizer), backend, weight_dtype, gguf_blocks)
     if not isinstance(name_or_path, str) or not name_or_path:
         raise VerispecError(f"a model must be a zoo name, a path, a hub id or a loaded model, got {name_or_path!r}")
@@ -69,6 +84,35 @@ def load(name_or_path: Any, dtype: torch.dtype | str | None = None, device: str 
     if key not in _LOADED:
         _LOADED[key] = _load_uncached(name_or_path, dtype, pick_device(device))
     return _wrap(_LOADED[key], backend, weight_dtype, gguf_blocks)
+
+
+def _load_q8(name_or_path, tokenizer, backend: str, weight_dtype, dtype, device) -> CausalLM:
+    """`load(..., numerics="q8")`: a GGUF file's own blocks with llama.cpp's numerics (models.gguf_q8)."""
+    from pathlib import Path
+
+    from verispec import zoo
+    from verispec.models import gguf_q8
+
+    if backend == "hf" or weight_dtype is not None or _parse_dtype(dtype) != torch.float32:
+        raise VerispecError("numerics='q8' runs the GGUF file's own blocks on the native backend: drop backend='hf', "
+                            "weight_dtype and dtype")
+    if device is not None and torch.device(device).type != "cpu":
+        raise VerispecError("numerics='q8' runs on the CPU: drop device")
+    if not isinstance(name_or_path, str) or not name_or_path:
+        raise VerispecError(f"numerics='q8' takes a zoo name or a .gguf file, got {name_or_path!r}")
+    if name_or_path in zoo.ZOO:
+        path = zoo.gguf_path(name_or_path)
+        if not path.is_file():
+            zoo.pull(name_or_path)
+    else:
+        path = Path(name_or_path).expanduser()
+        if path.suffix.lower() != ".gguf" or not path.is_file():
+            raise VerispecError(f"numerics='q8' takes a zoo name ({', '.join(zoo.ZOO)}) or a .gguf file; "
+                                f"{name_or_path!r} is neither")
+    key = (str(path.resolve()), "q8", id(tokenizer) if tokenizer is not None else None)
+    if key not in _LOADED:
+        _LOADED[key] = gguf_q8.load(path, tokenizer=tokenizer, name=name_or_path)
+    return _LOADED[key]
 
 
 # Native forwards built per transformers module and weight dtype. Keyed by the module itself, weakly:
@@ -90,7 +134,7 @@ def _wrap(model: HFCausalLM, backend: str, weight_dtype: torch.dtype | None = No
         return model
     if backend == "native" and not native_ok:
         raise VerispecError(f"{model.name!r} ({model.config.model_type}) has no native forward: use backend='hf'")
-    source = getattr(model, "source_gguf", None) if gguf_blocks and weight_dtype is None else None
+    source = model.source_gguf if gguf_blocks and weight_dtype is None else None
     built = _NATIVE.setdefault(model.model, {})
     key = (weight_dtype, source is not None)
     native = built.get(key)
@@ -188,7 +232,7 @@ def self_draft(target: CausalLM) -> CausalLM:
     drafter="self": made on first use (~0.56 bytes per weight more memory) and reused."""
     draft = _SELF_DRAFTS.get(target)
     if draft is None:
-        if not hasattr(target, "lower_precision_copy") or target.weight_dtype != torch.float32:
+        if not target.makes_lower_precision_copies or target.weight_dtype != torch.float32:
             raise VerispecError(f"drafter='self' drafts with an int4 copy of a native-backend float32 target; "
                                 f"{target.name!r} is not one: load it with backend='native' (no weight_dtype), or "
                                 "use drafter='model' with a draft model")
@@ -238,7 +282,7 @@ def self_draft_possible(target: CausalLM) -> bool:
     target with its full head, on a CPU with the kernels, whose matrix widths are whole int4 groups."""
     if target in _SELF_DRAFTS:
         return True
-    if getattr(target, "max_exact_rows", None) is None or not hasattr(target, "lower_precision_copy"):
+    if target.max_exact_rows is None or not target.makes_lower_precision_copies:
         return False
     if target.weight_dtype != torch.float32 or target.output_ids is not None:
         return False
@@ -267,14 +311,12 @@ def resolve_drafter(target: CausalLM, draft: CausalLM | None, drafter: str, new_
 
 
 def make_drafter(target: CausalLM, draft: CausalLM | None, drafter: str, draft_confidence: float = 0.0) -> Drafter:
-    drafter = resolve_drafter(target, draft, drafter)
-    if drafter not in DRAFTERS:
-        raise VerispecError(f"unknown drafter {drafter!r}: use one of auto, {', '.join(DRAFTERS)}")
+    drafter = resolve_drafter(target, draft, options.drafter_name(drafter))
     if drafter in ("model", "hybrid"):
         if draft is None:
             raise VerispecError(f"drafter={drafter!r} needs a draft model: pass draft=NAME_OR_PATH")
         check_compatible(target, draft)
-    if drafter == "self" and draft is not None and not getattr(target, "same_layer_shapes", lambda _: False)(draft):
+    if drafter == "self" and draft is not None and not target.same_layer_shapes(draft):
         raise VerispecError(f"drafter='self' drafts on the target's cache, so the draft must be a native-backend copy of "
                             f"{target.name!r} (e.g. verispec.load(name, weight_dtype='int8')); {draft.name!r} is not: "
                             "drop draft= to use the target's int4 copy, or use drafter='model'")
@@ -311,13 +353,13 @@ def _normalize_prompts(prompt) -> tuple[list, bool]:
     raise VerispecError(f"prompt must be text, token ids, or a non-empty list of either; got {prompt!r:.80}")
 
 
-def _tokenize(target: CausalLM, prompts: list, chat: bool) -> list[list[int]]:
+def _tokenize(target: CausalLM, prompts: list, chat: bool, system: str | None = None) -> list[list[int]]:
     ids = []
     for i, p in enumerate(prompts):
         if isinstance(p, str):
             if not p:
                 raise VerispecError(f"prompt {i} is empty text: give the model something to continue")
-            p = encode_prompt(target.tokenizer, p, chat=chat)
+            p = encode_prompt(target.tokenizer, p, chat=chat, system=system)
         if not p:
             raise VerispecError(f"prompt {i} has no tokens: give at least one token")
         bad = [t for t in p if not 0 <= t < target.vocab_size]
@@ -332,13 +374,19 @@ class Session:
 
     def __init__(self, target, prompt, *, draft=None, drafter="auto", draft_len="auto", temperature=0.0, top_k=0, top_p=1.0,
                  seed=None, coupled=False, blockwise=True, typical_acceptance=0.0, max_new_tokens=128, chat=False, stop=None,
-                 draft_confidence=0.0):
-        self.target = load(target)
-        draft_model = load(draft) if draft is not None else None
+                 draft_confidence=0.0, system=None):
+        # The options first: a bad value fails before any model loads.
+        draft_len = DraftLen.parse(draft_len)
+        max_new_tokens = options.max_new_tokens(max_new_tokens)
+        options.drafter_name(drafter)
         self.sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, coupled=coupled,
                                        blockwise=blockwise, typical_acceptance=typical_acceptance)
+        if system is not None and not chat:
+            raise VerispecError("system= is a system prompt for the chat template: pass chat=True as well, or drop system=")
+        self.target = load(target)
+        draft_model = load(draft) if draft is not None else None
         prompts, self.batched = _normalize_prompts(prompt)
-        self.prompt_ids = _tokenize(self.target, prompts, chat)
+        self.prompt_ids = _tokenize(self.target, prompts, chat, system)
         self.stop = normalize_stop(stop)
         if self.stop and self.target.tokenizer is None:
             raise VerispecError("stop sequences need a tokenizer: load the model with one, or drop stop=")
@@ -347,8 +395,7 @@ class Session:
         make_drafter(self.target, draft_model, drafter, draft_confidence)  # fail on a bad drafter choice now
         # "auto" with a draft model and adaptive lengths: prompt lookup instead where the draft's prompt
         # prefill would not pay (a fixed draft_len keeps its drafter, so a seed reproduces its sample).
-        adaptive = draft_len is None or draft_len in ADAPTIVE_SETTINGS
-        fallback = (lambda: make_drafter(self.target, None, "ngram")) if auto and draft_model is not None and adaptive else None
+        fallback = (lambda: make_drafter(self.target, None, "ngram")) if auto and draft_model is not None and draft_len.adaptive else None
         self.engine = SpeculativeEngine(self.target, lambda: make_drafter(self.target, draft_model, drafter, draft_confidence), draft_len,
                                         fallback=fallback)
         checker = StopSequences(self.target.tokenizer, self.stop) if self.stop else None
@@ -364,11 +411,11 @@ class Session:
         return self.engine.stream(self.requests, stats=self.stats)
 
 
-def generate(target, prompt, *, draft=None, drafter: str = "auto", draft_len: int | str = "auto", temperature: float = 0.0,
+def generate(target, prompt, *, draft=None, drafter: str = "auto", draft_len: DraftLen | int | str = "auto", temperature: float = 0.0,
              top_k: int = 0, top_p: float = 1.0, seed: int | None = None, coupled: bool = False, blockwise: bool = True,
              typical_acceptance: float = 0.0, max_new_tokens: int = 128,
              chat: bool = False, stop: str | Sequence[str] | None = None,
-             draft_confidence: float = 0.0) -> GenerationResult | list[GenerationResult]:
+             draft_confidence: float = 0.0, system: str | None = None) -> GenerationResult | list[GenerationResult]:
     """Generate from `prompt` with speculative decoding; the output is what the target alone would give.
 
     target / draft: zoo name, path, hub id or loaded model. prompt: text, token ids, or a list of
@@ -397,11 +444,13 @@ def generate(target, prompt, *, draft=None, drafter: str = "auto", draft_len: in
     rule; e.g. 0.09): a draft token is kept while the target gives it more than
     min(eps, sqrt(eps) * exp(-entropy)). LOSSY: the text is plausible to the target but no longer a sample
     of its distribution. Greedy decoding is unaffected (exact either way).
+    chat: each text prompt is one user turn in the model's chat template; system: a system turn before
+    it (with chat=True).
     """
     session = Session(target, prompt, draft=draft, drafter=drafter, draft_len=draft_len, temperature=temperature,
                       top_k=top_k, top_p=top_p, seed=seed, coupled=coupled, blockwise=blockwise,
                       typical_acceptance=typical_acceptance, max_new_tokens=max_new_tokens, chat=chat,
-                      stop=stop, draft_confidence=draft_confidence)
+                      stop=stop, draft_confidence=draft_confidence, system=system)
     generated = [[] for _ in session.prompt_ids]
     finish = ["length"] * len(generated)
     for event in session.events():

@@ -22,8 +22,9 @@ from pathlib import Path
 
 import torch
 
-from verispec.cli import draft_len_arg
+from verispec import zoo
 from verispec.errors import VerispecError
+from verispec.options import DRAFTER_NAMES, DraftLen, flag
 
 # Prompt sets shipped in the package (src/verispec/data/, licences in LICENSES.md there): the first 10
 # HumanEval dev problems, and the first 2 Spec-Bench dev questions of each of its 13 categories.
@@ -35,13 +36,15 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("prompts", nargs="?", default=DEFAULT_PROMPTS,
                    help=f"a bundled prompt set ({', '.join(BUNDLED_PROMPTS)}; default: %(default)s) or a JSONL file in "
                         "Spec-Bench ({category, turns}) or HumanEval ({task_id, prompt}) form")
-    p.add_argument("--target", default="qwen2.5-coder-1.5b")
-    p.add_argument("--draft", default="qwen2.5-coder-0.5b", help="draft model; 'none' for n-gram only")
-    p.add_argument("--drafter", default="auto", help="auto (model with a draft; with --draft none, self where the target allows, else ngram) | model | self (the target's int4 copy on its cache; use with --draft none) | hybrid | ngram")
-    p.add_argument("--draft-len", type=draft_len_arg, default="auto", help="int, 'auto' (adaptive) or 'tree' (auto plus token-tree alternates)")
+    p.add_argument("--target", default=zoo.DEFAULT_TARGET)
+    p.add_argument("--draft", default=zoo.DEFAULT_DRAFT, help="draft model; 'none' for n-gram only")
+    p.add_argument("--drafter", default="auto", choices=DRAFTER_NAMES, help="auto (model with a draft; with --draft none, self where the target allows, else ngram) | model | self (the target's int4 copy on its cache; use with --draft none) | hybrid | ngram")
+    p.add_argument("--draft-len", type=flag(DraftLen.parse), default=DraftLen("auto"), help="int, 'auto' (adaptive) or 'tree' (auto plus token-tree alternates)")
     p.add_argument("--draft-dtype", default="int4", help="matrix dtype of a native-backend draft: fp32, bf16 (half the bytes), int8 (weight-only, a quarter) or int4 (grouped, ~1/7) (default: %(default)s)")
     p.add_argument("--gguf-blocks", action="store_true",
                    help="the target keeps its GGUF's Q4_K/Q6_K blocks, rebuilt exactly, instead of float32 matrices (same output)")
+    p.add_argument("--numerics", choices=("float32", "q8"), default="float32",
+                   help="the target's numbers: float32, or q8 (llama.cpp's: the GGUF's own blocks, 8-bit activations)")
     p.add_argument("--draft-int8", action="store_true", help="PyTorch dynamic int8 for the draft model (transformers backend; see --draft-dtype int8 for the native one)")
     p.add_argument("--draft-vocab", type=int, default=None, help="the draft scores only the first N token ids (+ specials)")
     p.add_argument("--draft-confidence", type=float, default=0.0, help="stop drafting at a token the draft gives less than this")
@@ -169,7 +172,7 @@ def run_bench(args) -> dict:
         prompts = [p for p in prompts if p.category in keep]
         if not prompts:
             raise SystemExit(f"no prompts in categories {sorted(keep)} of {args.prompts}")
-    target = verispec.load(args.target, gguf_blocks=True if args.gguf_blocks else None)
+    target = verispec.load(args.target, gguf_blocks=True if args.gguf_blocks else None, numerics=args.numerics)
     # The cheap draft variants rewrite transformers modules, so such a draft runs on that backend.
     draft = None
     if args.draft and args.draft != "none":
@@ -415,7 +418,7 @@ def summarize(results: list[Measurement], args, verify_ratio: dict[int, float]) 
             "identical": None if any(m.identical is None for m in ms) else sum(m.identical for m in ms),
         }
     return {
-        "settings": {k: v for k, v in vars(args).items() if k not in ("run",)},
+        "settings": {k: v.setting if isinstance(v, DraftLen) else v for k, v in vars(args).items() if k not in ("run",)},
         "machine": {"platform": platform.platform(), "processor": _cpu_name(),
                     "cpus": torch.get_num_threads(), "torch": torch.__version__, "cuda": torch.cuda.is_available()},
         "categories": rows,
@@ -498,7 +501,7 @@ def write_reports(report: dict, results: list[Measurement], args) -> None:
     try:
         plot(report, out / f"{stem}.png")
     except ImportError:
-        print("[bench] matplotlib not installed: no plot", file=sys.stderr)
+        print("[bench] no plot: matplotlib is not installed (pip install 'verispec[plot]')", file=sys.stderr)
 
 
 def plot(report: dict, path: Path) -> None:

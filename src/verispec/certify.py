@@ -118,8 +118,9 @@ def exact_first_two(target, prompt: list[int], params: SamplingParams) -> dict[t
 
 def _decode(target, make_drafter, draft_len, requests, stats=None) -> dict:
     from verispec.engine import DecodeBatch
+    from verispec.policy import make_policy
 
-    batch = DecodeBatch(target, make_drafter(), draft_len, stats)
+    batch = DecodeBatch(target, make_drafter(), make_policy(draft_len), stats)
     batch.add(requests)
     outputs = {r.id: [] for r in requests}
     while len(batch):
@@ -241,6 +242,7 @@ def certify(target, draft=None, drafter: str = "auto", draft_lens: tuple = (4,),
         raise VerispecError(f"unknown sampling mode {unknown[0]!r}: use {', '.join(MODES)}")
     if temperature <= 0:
         raise VerispecError("the sampling check needs temperature > 0 (greedy decoding is checked by identity)")
+    draft_lens = [getattr(d, "setting", d) for d in draft_lens]  # DraftLens as the CLI parses them, or as typed
     target = verispec.load(target)
     draft = verispec.load(draft) if draft is not None else None
     drafter = resolve_drafter(target, draft, drafter)

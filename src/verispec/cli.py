@@ -1,36 +1,43 @@
-"""The `verispec` command: pull, generate, bench, demo, certify, serve. A thin layer over the Python API."""
+"""The `verispec` command: pull, list, rm, generate, chat, bench, demo, certify, serve. A thin layer over the Python API.
+
+Every flag is checked (`options`, `SamplingParams`) before a model loads, so a typo fails at once.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
+import re
 import sys
 
+import verispec
+from verispec import options, zoo
 from verispec.errors import VerispecError
+from verispec.options import DRAFTER_NAMES, WEIGHT_DTYPES, DraftLen, flag
 
-DEFAULT_TARGET = "qwen2.5-coder-1.5b"
-DEFAULT_DRAFT = "qwen2.5-coder-0.5b"
+# Escape sequences a flag's text may carry, as in C and llama.cpp (`--stop '\n'` stops at a newline).
+_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "0": "\0", "\\": "\\", "'": "'", '"': '"'}
 
 
-def draft_len_arg(value: str) -> int | str:
-    """--draft-len as typed (for `verispec generate`, `bench` and `serve`): an int, "auto" or "tree"."""
-    from verispec.policy import ADAPTIVE_SETTINGS
+def unescape(text: str) -> str:
+    r"""`text` with \n, \t, \r, \0, \\, \', \" and \xHH replaced by the characters they stand for;
+    any other backslash is kept as it is."""
+    def one(match: re.Match) -> str:
+        code = match.group(1)
+        return chr(int(code[1:], 16)) if code[0] == "x" else _ESCAPES.get(code, match.group(0))
 
-    if value in ADAPTIVE_SETTINGS:
-        return value
-    try:
-        return int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, {' or '.join(map(repr, ADAPTIVE_SETTINGS))}, got {value!r}") from None
+    return re.sub(r"\\(x[0-9a-fA-F]{2}|.)", one, text, flags=re.DOTALL)
 
 
 def _add_generation_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", default=DEFAULT_TARGET, help="zoo name, local directory, .gguf file or hub id (default: %(default)s)")
+    p.add_argument("--target", default=zoo.DEFAULT_TARGET, help="zoo name, local directory, .gguf file or hub id (default: %(default)s)")
     p.add_argument("--draft", default=None, help="draft model (same tokenizer as the target); omit to draft with the target's own int4 copy where it can have one (see --drafter), else n-gram")
-    p.add_argument("--drafter", default="auto", help="auto (the draft model when one is given; else self for a native float32 target on verispec's CPU kernels and at least 32 new tokens or a copy made before; else ngram) | model | self (the target's own int4 copy, drafting on its cache) | hybrid (prompt lookup, else the draft model) | ngram | suffix (suffix decoding: the prompt and earlier outputs of this process) | none (plain decoding)")
-    p.add_argument("--draft-len", type=draft_len_arg, default=None,
+    p.add_argument("--drafter", default="auto", choices=DRAFTER_NAMES, help="auto (the draft model when one is given; else self for a native float32 target on verispec's CPU kernels and at least 32 new tokens or a copy made before; else ngram) | model | self (the target's own int4 copy, drafting on its cache) | hybrid (prompt lookup, else the draft model) | ngram | suffix (suffix decoding: the prompt and earlier outputs of this process) | none (plain decoding)")
+    p.add_argument("--draft-len", type=flag(DraftLen.parse), default=DraftLen("auto"),
                    help="draft tokens per step, 'auto' (the default: adaptive), or 'tree' (auto plus token-tree alternates)")
-    p.add_argument("--draft-dtype", default="fp32", help="the draft's matrices on the native backend: fp32, bf16, int8 or int4 (cheaper drafts; output unchanged)")
+    p.add_argument("--draft-dtype", default="fp32", choices=WEIGHT_DTYPES, help="the draft's matrices on the native backend (cheaper drafts; output unchanged)")
+    p.add_argument("--max-new-tokens", type=flag(options.max_new_tokens), default=128)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -42,44 +49,157 @@ def _add_generation_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--typical-acceptance", type=float, default=0.0, metavar="EPS",
                    help="LOSSY, sampling only: keep draft tokens the target finds typical (Medusa's rule, e.g. 0.09) "
                         "instead of exact speculative sampling")
-    p.add_argument("--dtype", default=None, help="float32 (default), bfloat16, float16")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="the models' dtype (default: float32)")
     p.add_argument("--gguf-blocks", action="store_true",
                    help="the target keeps its GGUF's Q4_K/Q6_K blocks, rebuilt exactly (same output; plain decoding ~2x faster)")
+    p.add_argument("--numerics", choices=("float32", "q8"), default="float32",
+                   help="the target's numbers: float32 (the model a GGUF stands for) or q8 (llama.cpp's: the GGUF's own "
+                        "Q4_K/Q6_K blocks times 8-bit activations, memory-mapped; speculation exact w.r.t. it)")
+    p.add_argument("--system", default=None, help="a system prompt (with --chat, and in `verispec chat`)")
+    _add_run_options(p)
+
+
+def _add_run_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--threads", type=flag(lambda text: options.positive_int("--threads", text)), default=None,
+                   help="CPU threads for PyTorch and verispec's kernels (default: PyTorch's choice)")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress lines or statistics on stderr: only the text")
+
+
+def _generation_options(args, chat: bool) -> dict:
+    """The keyword arguments of `verispec.generate` the flags ask for, checked now (before any model loads)."""
+    from verispec.sampling import SamplingParams
+
+    if args.system is not None and not chat:
+        raise VerispecError("--system is a system prompt for the chat template: add --chat, or drop --system")
+    if args.draft is None and args.draft_dtype != "fp32":
+        raise VerispecError("--draft-dtype applies to a draft model: give one with --draft, or drop --draft-dtype")
+    sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                              coupled=args.coupled, blockwise=not args.token_verification,
+                              typical_acceptance=args.typical_acceptance)
+    return dict(drafter=args.drafter, draft_len=args.draft_len, temperature=sampling.temperature, top_k=sampling.top_k,
+                top_p=sampling.top_p, seed=sampling.seed, coupled=sampling.coupled, blockwise=sampling.blockwise,
+                typical_acceptance=sampling.typical_acceptance, max_new_tokens=args.max_new_tokens)
+
+
+def _load_models(args):
+    """(target, draft model or None), as the flags name them."""
+    target = verispec.load(args.target, dtype=args.dtype, gguf_blocks=True if args.gguf_blocks else None,
+                           numerics=args.numerics)
+    draft = verispec.load(args.draft, dtype=args.dtype, weight_dtype=args.draft_dtype) if args.draft else None
+    return target, draft
+
+
+def _read_prompt(prompt: str) -> str:
+    """The prompt as given, or all of stdin for "-"."""
+    return sys.stdin.read() if prompt == "-" else prompt
+
+
+def peak_memory_bytes() -> int:
+    """The most memory this process has held: resident set size on the CPU, plus what CUDA allocated."""
+    import resource
+
+    import torch
+
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    rss *= 1 if sys.platform == "darwin" else 1024  # bytes on macOS, kilobytes on Linux
+    return rss + (torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0)
+
+
+def _report(stats, quiet: bool) -> None:
+    if stats is not None and not quiet:
+        print(f"[verispec] {stats.summary()}, peak memory {peak_memory_bytes() / 1e9:.2f} GB", file=sys.stderr)
 
 
 def cmd_pull(args) -> int:
-    from verispec import zoo
-
     for name in args.names:
         path = zoo.pull(name)
         print(f"{name}: {path}")
     return 0
 
 
-def cmd_generate(args) -> int:
-    import verispec
+def cmd_list(args) -> int:
+    rows = [("NAME", "SIZE", "CACHED", "DESCRIPTION")]
+    for name, entry in zoo.ZOO.items():
+        on_disk = zoo.disk_bytes(name)
+        cached = f"yes, {on_disk / 1e6:,.0f} MB" if zoo.is_pulled(name) else (f"partly, {on_disk / 1e6:,.0f} MB" if on_disk else "no")
+        rows.append((name, f"{entry.size / 1e6:,.0f} MB", cached, entry.description))
+    widths = [max(len(row[i]) for row in rows) for i in range(3)]
+    for row in rows:
+        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)) + "  " + row[3])
+    return 0
 
-    target = verispec.load(args.target, dtype=args.dtype, gguf_blocks=True if args.gguf_blocks else None)
-    draft = verispec.load(args.draft, dtype=args.dtype, weight_dtype=args.draft_dtype) if args.draft else None
-    options = dict(draft=draft, drafter=args.drafter, draft_len=args.draft_len, temperature=args.temperature,
-                   top_k=args.top_k, top_p=args.top_p, seed=args.seed, coupled=args.coupled,
-                   blockwise=not args.token_verification, typical_acceptance=args.typical_acceptance,
-                   max_new_tokens=args.max_new_tokens,
-                   chat=args.chat, stop=args.stop or None)
+
+def cmd_rm(args) -> int:
+    for name in args.names:
+        freed = zoo.remove(name)
+        print(f"removed {name} ({freed / 1e6:,.0f} MB)")
+    return 0
+
+
+def cmd_generate(args) -> int:
+    settings = _generation_options(args, chat=args.chat)
+    stop = [unescape(s) for s in args.stop] if args.stop else None
+    prompt = _read_prompt(args.prompt)
+    target, draft = _load_models(args)
+    settings.update(draft=draft, chat=args.chat, system=args.system, stop=stop)
     if args.json:
-        result = verispec.generate(target, args.prompt, **options)
+        result = verispec.generate(target, prompt, **settings)
         print(json.dumps({"text": result.text, "token_ids": result.token_ids, "finish_reason": result.finish_reason,
                           "stats": result.stats.to_dict()}))
         return 0
     stats = None
-    for chunk in verispec.stream(target, args.prompt, **options):
+    for chunk in verispec.stream(target, prompt, **settings):
         sys.stdout.write(chunk.text)
         sys.stdout.flush()
         stats = chunk.stats
     print()
-    if stats is not None:
-        print(f"[verispec] {stats.summary()}", file=sys.stderr)
+    _report(stats, args.quiet)
     return 0
+
+
+def cmd_chat(args) -> int:
+    """A conversation on the chat template: each turn sees the whole history. /exit or end of input leaves,
+    /clear forgets the conversation."""
+    from verispec.text import encode_chat
+
+    settings = _generation_options(args, chat=True)
+    target, draft = _load_models(args)
+    settings.update(draft=draft)
+    if target.tokenizer is None or not target.tokenizer.chat_template:
+        raise VerispecError(f"{target.name} has no chat template: use `verispec generate` instead")
+    opening = [{"role": "system", "content": args.system}] if args.system is not None else []
+    messages = list(opening)
+    if not args.quiet:
+        print(f"[verispec] chatting with {target.name}: /exit or Ctrl-D to leave, /clear to start over", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            print()
+            return 0
+        text = line.strip()
+        if text in ("/exit", "/quit"):
+            return 0
+        if text == "/clear":
+            messages = list(opening)
+            continue
+        if not text:
+            continue
+        messages.append({"role": "user", "content": line})
+        reply, stats = [], None
+        try:
+            for chunk in verispec.stream(target, encode_chat(target.tokenizer, messages), **settings):
+                sys.stdout.write(chunk.text)
+                sys.stdout.flush()
+                reply.append(chunk.text)
+                stats = chunk.stats
+        except VerispecError as exc:  # e.g. the conversation outgrew the context: this turn is dropped
+            messages.pop()
+            print(f"verispec: error: {exc}", file=sys.stderr)
+            continue
+        print()
+        messages.append({"role": "assistant", "content": "".join(reply)})
+        _report(stats, args.quiet)
 
 
 def cmd_bench(args) -> int:
@@ -112,41 +232,54 @@ def cmd_certify(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="verispec", description="Lossless speculative decoding: faster generation, the same output.")
+    parser.add_argument("--version", action="version", version=f"verispec {verispec.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("pull", help="download, verify and convert zoo models")
-    p.add_argument("names", nargs="+", help="zoo names: smollm2-135m, qwen2.5-coder-0.5b, qwen2.5-coder-1.5b")
+    p.add_argument("names", nargs="+", choices=list(zoo.ZOO), metavar="NAME", help=f"zoo names: {', '.join(zoo.ZOO)}")
     p.set_defaults(run=cmd_pull)
 
+    p = sub.add_parser("list", help="the zoo's models: size, and whether they are in the cache")
+    p.set_defaults(run=cmd_list)
+
+    p = sub.add_parser("rm", help="delete zoo models from the cache")
+    p.add_argument("names", nargs="+", choices=list(zoo.ZOO), metavar="NAME", help=f"zoo names: {', '.join(zoo.ZOO)}")
+    p.set_defaults(run=cmd_rm)
+
     p = sub.add_parser("generate", help="generate text from a prompt")
-    p.add_argument("prompt")
+    p.add_argument("prompt", help="the prompt; - reads it from stdin")
     _add_generation_options(p)
-    p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    p.add_argument("--stop", action="append", help="stop sequence (repeatable)")
+    p.add_argument("--stop", action="append", help=r"stop sequence (repeatable; escapes such as \n are understood)")
     p.add_argument("--json", action="store_true", help='print {"text", "token_ids", "finish_reason", "stats"}')
     p.set_defaults(run=cmd_generate)
+
+    p = sub.add_parser("chat", help="talk with a model on its chat template (history kept; /exit or Ctrl-D ends)")
+    _add_generation_options(p)
+    p.set_defaults(run=cmd_chat)
 
     p = sub.add_parser("bench", help="speedup over plain decoding and Hugging Face, per category")
     from verispec.bench import add_bench_arguments
 
     add_bench_arguments(p)
+    _add_run_options(p)
     p.set_defaults(run=cmd_bench)
 
     p = sub.add_parser("demo", help="plain vs speculative on the default pair: same text, faster")
-    p.add_argument("--target", default=DEFAULT_TARGET)
-    p.add_argument("--draft", default=DEFAULT_DRAFT)
-    p.add_argument("--draft-dtype", default="int4", help="the draft's matrices: fp32, bf16, int8 or int4 (default: %(default)s)")
-    p.add_argument("--max-new-tokens", type=int, default=96)
+    p.add_argument("--target", default=zoo.DEFAULT_TARGET)
+    p.add_argument("--draft", default=zoo.DEFAULT_DRAFT)
+    p.add_argument("--draft-dtype", default="int4", choices=WEIGHT_DTYPES, help="the draft's matrices (default: %(default)s)")
+    p.add_argument("--max-new-tokens", type=flag(options.max_new_tokens), default=96)
     p.add_argument("--prompt", default=None)
+    _add_run_options(p)
     p.set_defaults(run=cmd_demo)
 
     p = sub.add_parser("certify", help="check that speculation gives the target's own output: greedy identity and "
                                        "a chi-square test of sampling, per lossless mode; exit 1 if any check fails")
     p.add_argument("target", help="zoo name, local directory, .gguf file or hub id")
     p.add_argument("--draft", default=None, help="draft model (same tokenizer as the target)")
-    p.add_argument("--drafter", default="auto", help="as for generate: auto | model | self | hybrid | ngram | suffix")
-    p.add_argument("--draft-len", type=draft_len_arg, action="append",
+    p.add_argument("--drafter", default="auto", choices=DRAFTER_NAMES, help="as for generate")
+    p.add_argument("--draft-len", type=flag(DraftLen.parse), action="append",
                    help="draft length to certify, repeatable: an int, 'auto' or 'tree' (default: 4)")
     p.add_argument("--mode", action="append", choices=["speculative_sampling", "block", "coupled", "typical"],
                    help="sampling rule to test, repeatable (default: the three lossless ones; typical is lossy and should fail)")
@@ -164,6 +297,35 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever sys.stderr is when a record comes (tests and tools replace it)."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _):
+        pass
+
+
+# Progress lines of the library's own loggers (e.g. an int4 self copy being made) go to stderr.
+_LOG_HANDLER = _StderrHandler()
+_LOG_HANDLER.setFormatter(logging.Formatter("verispec: %(message)s"))
+
+
+def _set_up(args) -> None:
+    """What every command shares: threads, and progress lines unless --quiet."""
+    if args.threads is not None:
+        import torch
+
+        torch.set_num_threads(args.threads)  # the C kernels run on torch.get_num_threads() threads too
+    logger = logging.getLogger("verispec")
+    if _LOG_HANDLER not in logger.handlers:
+        logger.addHandler(_LOG_HANDLER)
+    logger.setLevel(logging.WARNING if args.quiet else logging.INFO)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["serve"]:
@@ -173,6 +335,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     args = build_parser().parse_args(argv)
     try:
+        if "threads" in args:
+            _set_up(args)
         return args.run(args)
     except VerispecError as exc:
         print(f"verispec: error: {exc}", file=sys.stderr)

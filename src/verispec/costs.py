@@ -134,12 +134,3 @@ def measure_width_costs_interleaved(models: list, widths: list[int], repeats: in
                 if repeat:
                     times[m][w].append(elapsed)
     return [{w: statistics.median(t) for w, t in per_model.items()} for per_model in times]
-
-
-def plain_decode_tokens_per_second(model, new_tokens: int = 32, context: int = 200) -> float:
-    """Tokens/s of plain greedy decoding (the engine with drafter='none'), prefill excluded."""
-    import verispec
-
-    result = verispec.generate(model, context_tokens(model, context), drafter="none", max_new_tokens=new_tokens)
-    stats = result.stats
-    return len(result.token_ids) / max(stats.total_seconds - stats.prefill_seconds, 1e-9)

@@ -18,15 +18,18 @@ from typing import Callable, Hashable, Iterator
 
 import torch
 
+from verispec import options
 from verispec.costs import BOOK
 from verispec.drafters.base import Draft, Drafter, Verdict
 from verispec.errors import VerispecError
 from verispec.models.base import CausalLM
+from verispec.options import DraftLen
 from verispec.policy import DraftPolicy, make_policy, start_pays
 from verispec.prefill import prefill
 from verispec.sampling import SamplingParams, make_generator
-from verispec.stats import SpecStats
+from verispec.stats import AlternateOutcome, SpecStats, StepRecord
 from verispec.verifiers import verifier_for
+from verispec.verifiers.base import Verifier
 
 # generated token ids so far -> how many to keep if a stop sequence has ended, else None
 StopChecker = Callable[[list[int]], "int | None"]
@@ -77,31 +80,30 @@ class DecodeBatch:
     The target cache holds every token of a row but the last one, which opens the next step.
     """
 
-    def __init__(self, target: CausalLM, drafter: Drafter, draft_len: int | str | DraftPolicy = 4, stats: SpecStats | None = None,
+    def __init__(self, target: CausalLM, drafter: Drafter, policy: DraftPolicy, stats: SpecStats | None = None,
                  fallback: Drafter | None = None):
         self.target = target
         self.drafter = drafter
         # Decided at the first `add`: `drafter` if its prompt prefill can pay for itself, else this one.
         self.fallback = fallback
-        self.policy = draft_len if hasattr(draft_len, "choose") else make_policy(draft_len)
+        self.policy = policy  # how many tokens to draft each step (`policy.make_policy`)
+        self.last_step: StepRecord | None = None  # what the latest step did
         self.stats = stats if stats is not None else SpecStats()
         self.rows: list[_Row] = []
         self._new_cache()
 
     def _new_cache(self) -> None:
-        """An empty target cache, handed to a drafter that drafts on it (`SharedCacheDrafter.share_cache`)."""
+        """An empty target cache, handed to a drafter that drafts on it (`Drafter.shares_cache`)."""
         self.cache = self.target.new_cache(0)
-        share = getattr(self.drafter, "share_cache", None)
-        if share is not None:
-            share(self.cache)
+        if self.drafter.shares_cache:
+            self.drafter.share_cache(self.cache)
 
     def __len__(self) -> int:
         return len(self.rows)
 
     def check(self, request: Request) -> None:
         """Raise VerispecError if the request cannot run on this target."""
-        if not isinstance(request.max_new_tokens, int) or isinstance(request.max_new_tokens, bool) or request.max_new_tokens < 1:
-            raise VerispecError(f"max_new_tokens must be an integer >= 1, got {request.max_new_tokens!r}")
+        options.max_new_tokens(request.max_new_tokens)
         if len(request.prompt) == 0:
             raise VerispecError("the prompt is empty: give at least one token")
         if len(request.prompt) >= self.target.max_context:
@@ -128,7 +130,7 @@ class DecodeBatch:
         self.stats.drafter = type(self.drafter).__name__
         drafting = time.perf_counter()
         self.drafter.add([list(r.prompt) for r in requests])
-        draft_model = getattr(self.drafter, "prefill_model", None)
+        draft_model = self.drafter.prefill_model
         if draft_model is not None and target_seconds > 0:
             BOOK.record_relative_prefill(self.target, draft_model, tokens, (time.perf_counter() - drafting) / target_seconds)
         for r in requests:
@@ -138,13 +140,14 @@ class DecodeBatch:
                 sampling = replace(sampling, seed=int(torch.randint(2**62, (1,), generator=generator)))
             self.rows.append(_Row(request=r, sequence=list(r.prompt), limit=limit, generator=generator, sampling=sampling))
         self.stats.prefill_seconds += time.perf_counter() - started
+        self.stats.prompt_tokens += sum(len(r.prompt) for r in requests)
 
     def _start_or_fall_back(self, requests: list[Request], tokens: int, target_seconds: float) -> Drafter:
         """The drafter if its prompt prefill is expected to pay for itself over the requests' tokens
         (`policy.start_pays`), priced as the target's prefill of these prompts (`tokens` in all), just
         measured, times what the draft's prefill has cost relative to the target's on earlier calls; else
         the fallback."""
-        draft_model = getattr(self.drafter, "prefill_model", None)
+        draft_model = self.drafter.prefill_model
         if draft_model is None:
             return self.drafter
         ratio = BOOK.relative_prefill(self.target, draft_model, tokens)
@@ -176,7 +179,7 @@ class DecodeBatch:
         # A target whose passes are row-exact only up to some number of token rows (the native CPU
         # kernels) must verify within that many, or a verify pass could round differently from the
         # plain steps it stands for. Plain decoding of a batch already past the limit is not capped.
-        exact_rows = getattr(self.target, "max_exact_rows", None)
+        exact_rows = self.target.max_exact_rows
         if exact_rows and len(self.rows) <= exact_rows:
             limits.append(exact_rows // len(self.rows) - 1)
         return max(0, min(limits))
@@ -189,70 +192,76 @@ class DecodeBatch:
         k = self.next_draft_len()
         sampling = [row.sampling for row in self.rows]
         generators = [row.generator for row in self.rows]
-        t0 = time.perf_counter()
-        stop = self.policy.stop_rule(len(self.rows)) if k else None
         verifier = verifier_for(sampling)
-        # Alternates need a target that verifies token trees, and a rule that judges them (not coupled or lossy rows).
-        trees = stop is not None and getattr(self.target, "supports_trees", False) and verifier.takes_alternates
-        branch = self.policy.branch_rule(stop) if trees else None
-        draft = self.drafter.propose([row.sequence for row in self.rows], k, sampling, generators, stop, branch)
-        width = int(draft.num_drafted.max()) if k else 0
-        draft = draft.narrow(width)  # rows that stopped early need no verify slots
-        if draft.has_alternates:
-            draft = self._fit_alternates(draft)
+        t0 = time.perf_counter()
+        # 0. The drafter proposes up to k tokens per row (perhaps with alternates beside them).
+        draft = self._propose(k, sampling, generators, verifier)
         t1 = time.perf_counter()
-        # 1. One target pass scores the last token and every drafted one.
-        last = torch.tensor([[row.sequence[-1]] for row in self.rows], dtype=torch.long)
+        # 1. One target pass scores the last token and every drafted one (a token tree with alternates).
         start = self.cache.slots.length
-        if draft.has_alternates:
-            extra, tree, _ = draft.tree
-            logits = self.target.forward(torch.cat([last, draft.tokens, extra], 1), self.cache, tree=tree)
-        else:
-            extra = None
-            logits = self.target.forward(torch.cat([last, draft.tokens], 1), self.cache)
+        logits = self._score(draft)
         t2 = time.perf_counter()
         # 2. Accept a prefix (and perhaps the alternate where it broke off), add the target's own token.
-        positions = [len(row.sequence) for row in self.rows]
-        verdict = verifier.verify(draft, logits, sampling, generators, positions)
-        # 3. Roll back: the target keeps the last token and the accepted draft tokens; the drafter its own.
+        verdict = verifier.verify(draft, logits, sampling, generators, [len(row.sequence) for row in self.rows])
+        # 3. Roll back: the target keeps the last token and the accepted path; the drafter its own state.
+        self._roll_back(start, draft, verdict)
+        self.drafter.commit(verdict)
+        t3 = time.perf_counter()
+        # 4. Hand out the new tokens; cut at max_new_tokens, EOS and stop sequences.
+        taken = verdict.tokens_from_draft()
+        events = [self._emit(row, verdict.emitted(draft, b), int(taken[b])) for b, row in enumerate(self.rows)]
+        # 5. Whoever learns from the step (the policy, the stats, the server) sees one record of it.
+        trees = draft.has_alternates
+        self._observe(StepRecord(
+            len(self.rows), k, 1 + draft.draft_len, draft.num_drafted, verdict.num_accepted,
+            draft_seconds=t1 - t0, target_seconds=t3 - t1, verify_seconds=t3 - t2, confidence=draft.confidence,
+            extra_rows=draft.tree[0].shape[1] if trees else 0,
+            alternates=AlternateOutcome(draft.alternates >= 0, draft.alternate_confidence, verdict.alternate) if trees else None,
+            emitted=torch.tensor([len(event.tokens) for event in events]), lossy=torch.tensor([s.lossy for s in sampling])))
+        self._keep([b for b, event in enumerate(events) if event.finish_reason is None])
+        return events
+
+    def _propose(self, k: int, sampling: list[SamplingParams], generators: list[torch.Generator],
+                 verifier: Verifier) -> Draft:
+        """The drafter's proposal for every row, narrowed to the longest chain any row drafted, with
+        alternates only where the target verifies trees and the rule judges them (not coupled or lossy rows),
+        and only as many as the target's exact rows allow."""
+        stop = self.policy.stop_rule(len(self.rows)) if k else None
+        trees = stop is not None and self.target.supports_trees and verifier.takes_alternates
+        branch = self.policy.branch_rule(stop) if trees else None
+        draft = self.drafter.propose([row.sequence for row in self.rows], k, sampling, generators, stop, branch)
+        draft = draft.narrow(int(draft.num_drafted.max()) if k else 0)  # rows that stopped early need no verify slots
+        return self._fit_alternates(draft) if draft.has_alternates else draft
+
+    def _score(self, draft: Draft) -> torch.Tensor:
+        """The target's logits [batch, 1 + k (+ alternates), vocab] over [last token, chain, alternates],
+        appended to its cache."""
+        last = torch.tensor([[row.sequence[-1]] for row in self.rows], dtype=torch.long)
+        if draft.has_alternates:
+            extra, tree, _ = draft.tree
+            return self.target.forward(torch.cat([last, draft.tokens, extra], 1), self.cache, tree=tree)
+        return self.target.forward(torch.cat([last, draft.tokens], 1), self.cache)
+
+    def _roll_back(self, start: int, draft: Draft, verdict: Verdict) -> None:
+        """The target's cache forgets what the pass that began at slot `start` wrote and was not accepted."""
         if verdict.alternate is not None and bool(verdict.alternate.any()):
             self.cache.retain(start, self._accepted_path(draft, verdict))
         else:
             self.cache.truncate(start + 1 + verdict.num_accepted)
-        self.drafter.commit(verdict)
-        t3 = time.perf_counter()
-        # The target's share of a step is its pass plus verification and rollback: what a wider pass adds to.
-        if width == 0 and len(self.rows) == 1:
-            BOOK.record_step(self.target, t3 - t1)  # a plain step, the price of what a drafter saves
-        alternates = None
-        if extra is not None:
-            alternates = (draft.alternates >= 0, draft.alternate_confidence, verdict.alternate)
-        self.policy.observe(len(self.rows), k, width + 1, draft.num_drafted, verdict.num_accepted, t1 - t0, t3 - t1,
-                            draft.confidence, extra_rows=0 if extra is None else extra.shape[1], alternates=alternates)
 
-        # 4. Hand out the new tokens; cut at max_new_tokens, EOS and stop sequences.
-        events, running = [], []
-        for b, row in enumerate(self.rows):
-            event = self._emit(row, verdict.emitted(draft, b), int(verdict.tokens_from_draft()[b]))
-            events.append(event)
-            if event.finish_reason is None:
-                running.append(b)
+    def _observe(self, step: StepRecord) -> None:
+        """The policy learns from the step, the stats count it, and the server can read it (`last_step`)."""
+        if step.width == 1 and step.batch_size == 1:
+            BOOK.record_step(self.target, step.target_seconds)  # a plain step, the price of what a drafter saves
+        self.policy.observe(step)
         for stats, rows in self._stat_sinks():
-            stats.lossy = stats.lossy or any(sampling[b].lossy for b in rows.tolist())
-            stats.draft_seconds += t1 - t0
-            stats.target_seconds += t2 - t1
-            stats.overhead_seconds += t3 - t2
-            stats.observe(draft.num_drafted[rows], verdict.num_accepted[rows], width,
-                          alternates_drafted=int(alternates[0][rows].sum()) if alternates else 0,
-                          alternates_accepted=int(alternates[2][rows].sum()) if alternates else 0)
-            stats.emitted_tokens += sum(len(events[b].tokens) for b in rows.tolist())
-        self._keep(running)
-        return events
+            stats.observe(step.rows(rows))
+        self.last_step = step
 
     def _fit_alternates(self, draft: Draft) -> Draft:
         """Keep a tree pass within the rows the target computes exactly (see next_draft_len): drop the
         alternates of the deepest positions first, they are the least likely to be reached."""
-        exact_rows = getattr(self.target, "max_exact_rows", None)
+        exact_rows = self.target.max_exact_rows
         if not exact_rows:
             return draft
         room = exact_rows // len(self.rows) - 1 - draft.draft_len  # alternate columns a pass may still carry
@@ -306,17 +315,17 @@ class SpeculativeEngine:
     otherwise the call drafts with the fallback (prompt lookup). The output is the same either way.
     """
 
-    def __init__(self, target: CausalLM, make_drafter: Callable[[], Drafter], draft_len: int | str = 4,
+    def __init__(self, target: CausalLM, make_drafter: Callable[[], Drafter], draft_len: DraftLen | int | str = 4,
                  fallback: Callable[[], Drafter] | None = None):
-        make_policy(draft_len)  # validates the setting now, not at the first call
-        self.target, self.make_drafter, self.draft_len, self.fallback = target, make_drafter, draft_len, fallback
+        self.draft_len = DraftLen.parse(draft_len)  # checked now, not at the first call
+        self.target, self.make_drafter, self.fallback = target, make_drafter, fallback
 
     def stream(self, requests: list[Request], stats: SpecStats | None = None) -> Iterator[TokenEvent]:
         """Yield TokenEvents until every request has finished."""
         if not requests:
             raise VerispecError("no prompts given: pass at least one prompt")
         started = time.perf_counter()
-        batch = DecodeBatch(self.target, self.make_drafter(), self.draft_len, stats,
+        batch = DecodeBatch(self.target, self.make_drafter(), make_policy(self.draft_len), stats,
                             fallback=self.fallback() if self.fallback is not None else None)
         try:
             batch.add(requests)

@@ -46,6 +46,8 @@ from typing import Protocol
 import torch
 
 from verispec.drafters.base import BranchRule, StopRule
+from verispec.options import DraftLen
+from verispec.stats import StepRecord
 
 
 class DraftPolicy(Protocol):
@@ -61,13 +63,8 @@ class DraftPolicy(Protocol):
         """Where this step's draft (judged by `stop`) may add alternates; None: nowhere."""
         ...
 
-    def observe(self, batch_size: int, draft_len: int, width: int, num_drafted: torch.Tensor, num_accepted: torch.Tensor,
-                draft_seconds: float, target_seconds: float, confidence: torch.Tensor | None = None,
-                extra_rows: int = 0, alternates: tuple | None = None) -> None:
-        """Learn from one step: num_drafted, num_accepted [batch] long (the chain's tokens); width = 1 + the
-        chain's positions in the target pass, extra_rows = alternate columns after them; confidence
-        [batch, width - 1] the draft's probabilities for its tokens, when it reports them; alternates
-        (present [batch, width - 1] bool, their confidence [batch, width - 1], taken [batch] bool)."""
+    def observe(self, step: StepRecord) -> None:
+        """Learn from one step of the whole batch (see `StepRecord`)."""
         ...
 
 
@@ -84,7 +81,7 @@ class FixedDraftLen:
     def branch_rule(self, stop: StopRule) -> None:
         return None
 
-    def observe(self, *args, **kwargs) -> None:
+    def observe(self, step: StepRecord) -> None:
         pass
 
 
@@ -338,13 +335,13 @@ class AdaptiveDraftLen:
     def branch_rule(self, stop: StopRule) -> BranchRule | None:
         return stop.branch if self.alternates and isinstance(stop, ConfidenceStop) else None
 
-    def observe(self, batch_size: int, draft_len: int, width: int, num_drafted: torch.Tensor, num_accepted: torch.Tensor,
-                draft_seconds: float, target_seconds: float, confidence: torch.Tensor | None = None,
-                extra_rows: int = 0, alternates: tuple | None = None) -> None:
-        self.target_cost.observe(batch_size * (width + extra_rows), target_seconds)
+    def observe(self, step: StepRecord) -> None:
+        batch_size, draft_len, width = step.batch_size, step.draft_len, step.width
+        num_drafted, num_accepted, draft_seconds, target_seconds = step.num_drafted, step.num_accepted, step.draft_seconds, step.target_seconds
+        self.target_cost.observe(batch_size * (width + step.extra_rows), target_seconds)
         gained = num_accepted + 1
-        if alternates is not None:
-            present, alternate_confidence, taken = alternates
+        if step.alternates is not None:
+            present, alternate_confidence, taken = step.alternates
             positions = torch.arange(present.shape[1])
             reached = present & (positions <= num_accepted[:, None])
             self.alternate_calibration.count(alternate_confidence, reached, reached & taken[:, None] & (positions == num_accepted[:, None]))
@@ -362,8 +359,8 @@ class AdaptiveDraftLen:
         self.idle = draft_len == 0
         if width <= 1:
             return  # nothing was drafted (k = 0, or every row stopped at once): no acceptance to learn
-        if confidence is not None:
-            self.calibration.observe(confidence[:, : width - 1], num_drafted, num_accepted)
+        if step.confidence is not None:
+            self.calibration.observe(step.confidence[:, : width - 1], num_drafted, num_accepted)
         positions = torch.arange(1, width)
         # Position j counts for every row whose earlier positions were all accepted, drafted or not: a
         # row with no proposal there (an n-gram miss, an early stop) still rode the wider pass and
@@ -392,16 +389,11 @@ def start_pays(startup_seconds: float | None, step_seconds: float | None, new_to
     return startup_seconds <= new_tokens * step_seconds * max(0.0, 1.0 - 1.0 / speedup)
 
 
-ADAPTIVE_SETTINGS = ("auto", "tree")  # the draft_len values that name an adaptive policy rather than a k
-
-
-def make_policy(draft_len: int | str | None) -> DraftPolicy:
-    """An int gives a fixed draft length; "auto" or None the adaptive policy; "tree" the adaptive policy that
-    also places alternates (token-tree leaves) where they pay, on targets that verify trees."""
-    from verispec.errors import VerispecError
-
-    if draft_len is None or draft_len in ADAPTIVE_SETTINGS:
-        return AdaptiveDraftLen(alternates=draft_len == "tree")
-    if isinstance(draft_len, bool) or not isinstance(draft_len, int) or draft_len < 1:
-        raise VerispecError(f"draft_len must be an integer >= 1, 'auto' or 'tree', got {draft_len!r}")
-    return FixedDraftLen(draft_len)
+def make_policy(draft_len: DraftLen | int | str | None) -> DraftPolicy:
+    """A fresh policy for a draft length (anything `DraftLen.parse` takes): a fixed k, or the adaptive
+    policy ("auto"), which with "tree" also places alternates (token-tree leaves) where they pay, on
+    targets that verify trees."""
+    draft_len = DraftLen.parse(draft_len)
+    if draft_len.adaptive:
+        return AdaptiveDraftLen(alternates=draft_len.alternates)
+    return FixedDraftLen(draft_len.fixed)

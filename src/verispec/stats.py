@@ -9,7 +9,8 @@ the cost of one draft step relative to one target pass (Leviathan et al. 2023, T
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
 import torch
 
@@ -31,6 +32,42 @@ def acceptance_rate_from_distributions(p: torch.Tensor, q: torch.Tensor) -> torc
     return torch.minimum(p, q).sum(-1)
 
 
+class AlternateOutcome(NamedTuple):
+    """The alternates of a step whose target pass carried a token tree."""
+
+    present: torch.Tensor  # [batch, width - 1] bool: chain positions that had an alternate beside them
+    confidence: torch.Tensor  # [batch, width - 1] float32: the draft's probability of each alternate
+    taken: torch.Tensor  # [batch] bool: the row took the alternate where its chain broke off
+
+
+@dataclass
+class StepRecord:
+    """What one decoding step did, as the engine reports it to whoever learns from it: the draft-length
+    policy, the stats, the server. Positional order: batch_size, draft_len, width, num_drafted,
+    num_accepted, draft_seconds, target_seconds."""
+
+    batch_size: int
+    draft_len: int  # k the policy chose (0: a plain step)
+    width: int  # 1 + the chain's positions in the target pass (1: nothing was drafted)
+    num_drafted: torch.Tensor  # [batch] long: chain tokens each row proposed
+    num_accepted: torch.Tensor  # [batch] long: ... and had accepted
+    draft_seconds: float
+    target_seconds: float  # the target's pass plus verification and rollback: what a wider pass adds to
+    confidence: torch.Tensor | None = None  # [batch, width - 1] float32: the draft's probability of its tokens, if it reports them
+    extra_rows: int = 0  # alternate columns after the chain in the target pass
+    alternates: AlternateOutcome | None = None  # when the pass carried alternates
+    verify_seconds: float = 0.0  # the part of target_seconds spent verifying and rolling back
+    emitted: torch.Tensor | None = None  # [batch] long: tokens handed out (after max_new_tokens, EOS and stop cuts)
+    lossy: torch.Tensor | None = None  # [batch] bool: the row was judged by a lossy rule it asked for
+
+    def rows(self, index: torch.Tensor) -> "StepRecord":
+        """The record of these rows only (index [n] long): the same pass, its seconds shared."""
+        pick = lambda t: None if t is None else t[index]  # noqa: E731
+        alternates = None if self.alternates is None else AlternateOutcome(*(t[index] for t in self.alternates))
+        return replace(self, batch_size=len(index), num_drafted=self.num_drafted[index], num_accepted=self.num_accepted[index],
+                       confidence=pick(self.confidence), alternates=alternates, emitted=pick(self.emitted), lossy=pick(self.lossy))
+
+
 @dataclass
 class SpecStats:
     """Counters for one generate call (all rows together)."""
@@ -40,6 +77,7 @@ class SpecStats:
     drafted_tokens: int = 0
     accepted_tokens: int = 0
     emitted_tokens: int = 0  # tokens returned to the caller (after max_new_tokens / stop cuts)
+    prompt_tokens: int = 0  # prompt tokens admitted (prompt evaluation: the prefill)
     draft_seconds: float = 0.0
     target_seconds: float = 0.0
     overhead_seconds: float = 0.0  # verification and rollback
@@ -54,23 +92,30 @@ class SpecStats:
     drafter: str = ""  # which drafter the call ran (a draft model whose start did not pay gives way to prompt lookup)
     lossy: bool = False  # some row was verified by a lossy rule it asked for (typical acceptance): not exact samples
 
-    def observe(self, num_drafted: torch.Tensor, num_accepted: torch.Tensor, draft_len: int,
-                alternates_drafted: int = 0, alternates_accepted: int = 0) -> None:
-        """Record one verification step. num_drafted, num_accepted: [batch] long (the chain's tokens)."""
-        self.alternates_drafted += alternates_drafted
-        self.alternates_accepted += alternates_accepted
+    def observe(self, step: StepRecord) -> None:
+        """Record one verification step (of the rows these stats count)."""
+        drafted_positions = step.width - 1  # the chain's positions in the pass
         self.target_passes += 1
-        self.sequence_steps += int(num_drafted.numel())
-        self.drafted_tokens += int(num_drafted.sum())
-        self.accepted_tokens += int(num_accepted.sum())
-        self.draft_len_sum += draft_len
-        self.max_draft_len = max(self.max_draft_len, draft_len)
-        while len(self.drafted_at) < draft_len:
+        self.sequence_steps += step.batch_size
+        self.drafted_tokens += int(step.num_drafted.sum())
+        self.accepted_tokens += int(step.num_accepted.sum())
+        self.draft_len_sum += drafted_positions
+        self.max_draft_len = max(self.max_draft_len, drafted_positions)
+        while len(self.drafted_at) < drafted_positions:
             self.drafted_at.append(0)
             self.accepted_at.append(0)
-        for i in range(draft_len):
-            self.drafted_at[i] += int((num_drafted > i).sum())
-            self.accepted_at[i] += int((num_accepted > i).sum())
+        for i in range(drafted_positions):
+            self.drafted_at[i] += int((step.num_drafted > i).sum())
+            self.accepted_at[i] += int((step.num_accepted > i).sum())
+        if step.alternates is not None:
+            self.alternates_drafted += int(step.alternates.present.sum())
+            self.alternates_accepted += int(step.alternates.taken.sum())
+        self.draft_seconds += step.draft_seconds
+        self.target_seconds += step.target_seconds - step.verify_seconds
+        self.overhead_seconds += step.verify_seconds
+        if step.emitted is not None:
+            self.emitted_tokens += int(step.emitted.sum())
+        self.lossy = self.lossy or (step.lossy is not None and bool(step.lossy.any()))
 
     @property
     def acceptance_rate(self) -> float:
@@ -114,7 +159,19 @@ class SpecStats:
 
     @property
     def tokens_per_second(self) -> float:
+        """Emitted tokens over the whole call, prompt evaluation included."""
         return self.emitted_tokens / self.total_seconds if self.total_seconds else 0.0
+
+    @property
+    def prompt_tokens_per_second(self) -> float:
+        """Prompt evaluation: prompt tokens per second of prefill."""
+        return self.prompt_tokens / self.prefill_seconds if self.prefill_seconds else 0.0
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        """Evaluation: emitted tokens per second of decoding, after the prefill."""
+        decoding = self.total_seconds - self.prefill_seconds
+        return self.emitted_tokens / decoding if decoding > 0 else 0.0
 
     def to_dict(self) -> dict:
         return {
@@ -131,6 +188,9 @@ class SpecStats:
             "mean_accepted_tokens": round(self.mean_accepted_tokens, 4),
             "mean_draft_len": round(self.mean_draft_len, 4),
             "tokens_per_second": round(self.tokens_per_second, 3),
+            "prompt_tokens": self.prompt_tokens,
+            "prompt_tokens_per_second": round(self.prompt_tokens_per_second, 3),
+            "decode_tokens_per_second": round(self.decode_tokens_per_second, 3),
             "draft_seconds": round(self.draft_seconds, 4),
             "target_seconds": round(self.target_seconds, 4),
             "overhead_seconds": round(self.overhead_seconds, 4),
@@ -144,7 +204,9 @@ class SpecStats:
         d = self.to_dict()
         return (
             (f"{d['drafter']}: " if d["drafter"] else "")
-            + f"{d['emitted_tokens']} tokens in {d['total_seconds']:.2f}s ({d['tokens_per_second']:.2f} tok/s), "
+            + f"prompt eval {d['prompt_tokens']} tokens in {d['prefill_seconds']:.2f}s ({d['prompt_tokens_per_second']:.2f} tok/s), "
+            f"eval {d['emitted_tokens']} tokens in {d['total_seconds'] - d['prefill_seconds']:.2f}s "
+            f"({d['decode_tokens_per_second']:.2f} tok/s), "
             f"{d['target_passes']} target passes, {d['mean_accepted_tokens']:.2f} tokens/pass, "
             f"acceptance {d['acceptance_rate']:.2%} ({d['accepted_tokens']}/{d['drafted_tokens']}), "
             f"cost ratio c={d['cost_ratio']:.3f}, predicted speedup {d['predicted_speedup']:.2f}x"

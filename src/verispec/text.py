@@ -10,14 +10,16 @@ from typing import Sequence
 from verispec.errors import VerispecError
 
 
-def encode_prompt(tokenizer, prompt: str, *, chat: bool) -> list[int]:
-    """Text -> token ids; with chat=True the text is one user turn in the model's chat template."""
+def encode_prompt(tokenizer, prompt: str, *, chat: bool, system: str | None = None) -> list[int]:
+    """Text -> token ids; with chat=True the text is one user turn in the model's chat template, after
+    a system turn when `system` is given."""
     if tokenizer is None:
         raise VerispecError("this model has no tokenizer: pass token ids instead of text, or load it with a tokenizer")
     if chat:
         if not getattr(tokenizer, "chat_template", None):
             raise VerispecError("this tokenizer has no chat template: call with chat=False and format the prompt yourself")
-        return encode_chat(tokenizer, [{"role": "user", "content": prompt}])
+        turns = [{"role": "system", "content": system}] if system is not None else []
+        return encode_chat(tokenizer, turns + [{"role": "user", "content": prompt}])
     return list(tokenizer(prompt)["input_ids"])
 
 

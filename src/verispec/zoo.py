@@ -80,6 +80,10 @@ ZOO: dict[str, ZooEntry] = {
     )
 }
 
+# The pair the CLI, the server and `verispec bench` use when no model is named.
+DEFAULT_TARGET = "qwen2.5-coder-1.5b"
+DEFAULT_DRAFT = "qwen2.5-coder-0.5b"
+
 
 def home() -> Path:
     """The cache root: `$VERISPEC_HOME`, or `~/.cache/verispec`. Read on every call so tests can move it."""
@@ -121,6 +125,23 @@ def is_pulled(name: str) -> bool:
         return False
     # a marker for another checksum means the zoo entry changed since: convert again
     return marker.get("name") == entry.name and marker.get("sha256") == entry.sha256
+
+
+def disk_bytes(name: str) -> int:
+    """Bytes zoo model `name` takes in the cache (its GGUF, converted directory and any leftovers); 0 if none."""
+    root = home() / _entry(name).name
+    return sum(f.stat().st_size for f in root.rglob("*") if f.is_file()) if root.is_dir() else 0
+
+
+def remove(name: str) -> int:
+    """Delete zoo model `name` from the cache (everything under its directory); return the bytes freed.
+    Raises VerispecError if it is not cached."""
+    root = home() / _entry(name).name
+    if not root.is_dir():
+        raise VerispecError(f"{name} is not in the cache ({home()}): nothing to remove")
+    freed = disk_bytes(name)
+    shutil.rmtree(root)
+    return freed
 
 
 def pull(name: str, *, progress: bool = True) -> Path:

@@ -25,6 +25,11 @@
 #define MAX_GROUP 4    /* matrices per grouped product (a layer's q, k, v; gate and up) */
 #define PNR 16         /* output rows per panel (PanelMatrix) */
 #define PKC 256        /* k per panel block: a panel's block is 16 KB; the blocked GEMM's GKC, for the same sums */
+#define QK_K 256       /* weights per GGUF k-quant block (and per Q8_K activation block) */
+#define Q4K_BYTES 144  /* a block_q4_K */
+#define Q6K_BYTES 210  /* a block_q6_K */
+#define GGML_Q4_K 12   /* ggml type ids (vs_product.kind of VS_GGUF_Q8) */
+#define GGML_Q6_K 14
 
 /* ======== the thread pool (pool.c) ======== */
 typedef void (*range_fn)(const void *job, int64_t begin, int64_t end);
@@ -38,6 +43,11 @@ void run_group(range_fn fn, const void *const *jobs, const int64_t *tiles, int c
 /* One linear product. s: one scale per weight row for int8 weights (w[n, k] = q[n, k] * s[n]), the
  * group scales for int4 and k-quant weights, else unused. */
 typedef struct { const float *x; const void *w; const float *s; const float *b; float *y; int64_t M, N, K; } linear_job;
+
+/* A GGUF matrix's blocks as in the file (kind: GGML_Q4_K or GGML_Q6_K) times Q8_K activations
+ * (kquant_q8.c): qx [M, K] int8, qd [M, K / 256], qb [M, K / 16], qb32 [M, K / 32]. */
+typedef struct { const int8_t *qx; const float *qd; const int16_t *qb, *qb32; const uint8_t *w; int kind;
+                 const float *b; float *y; int64_t M, N, K; } q8_job;
 
 /* Int4 quantization of rows of w (see int4_quantize_rows in int4.c). */
 typedef struct { const float *w; uint8_t *packed; float *scale; const float *shrinks; int64_t K; int count; } quantize_job;
@@ -73,6 +83,12 @@ VS_PER_ISA(void, rms_norm_isa, (float *x, const float *delta, const float *w, fl
 /* attention.c: (batch row, kv head) pairs [begin, end) of an attention_job */
 VS_PER_ISA(void, attention_range, (const void *job, int64_t begin, int64_t end))
 #undef VS_PER_ISA
+/* kquant_q8.c, compiled for AVX-512 BW + VNNI (_512) and AVX2 (_256): Q8_K rounding of rows, and
+ * columns [begin, end) of a q8_job */
+void q8k_quantize_512(const float *x, int8_t *qx, float *qd, int16_t *qb, int16_t *qb32, int64_t M, int64_t K);
+void q8k_quantize_256(const float *x, int8_t *qx, float *qd, int16_t *qb, int16_t *qb32, int64_t M, int64_t K);
+void q8_range_512(const void *job, int64_t begin, int64_t end);
+void q8_range_256(const void *job, int64_t begin, int64_t end);
 
 /* ======== one ISA whatever the caller's ======== */
 /* kquant.c (AVX2+FMA): exact k-quant rows widened to float32 */

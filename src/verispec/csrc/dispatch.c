@@ -52,6 +52,37 @@ static int linear_edge_row(const vs_product *p, int i, int64_t n, const float *x
     }
 }
 
+/* A VS_GGUF_Q8 product: x rounded to Q8_K once (every row, on the calling thread), then all the
+ * matrices' columns as one job of the pool (threads split columns; see kquant_q8.c). The AVX-512 kernels
+ * need BW and VNNI; without them the AVX2 ones run. */
+static int gguf_q8_product(const vs_product *p, const float *x, float *const *y, int64_t M, int isa, int threads)
+{
+    static int vnni = -1;
+    if (vnni < 0) vnni = kernels_vnni();
+    const int wide = isa == 512 && vnni;
+    const int64_t K = p->K;
+    if (K % QK_K) return -1;
+    const size_t bytes = (size_t)(M * K + M * (K / QK_K) * 4 + M * (K / 16) * 2 + M * (K / 32) * 2);
+    int8_t *qx = aligned_alloc(64, (bytes + 63) / 64 * 64 + 64);
+    if (!qx) return -1;
+    float *qd = (float *)(qx + M * K);
+    int16_t *qb = (int16_t *)(qd + M * (K / QK_K)), *qb32 = qb + M * (K / 16);
+    (wide ? q8k_quantize_512 : q8k_quantize_256)(x, qx, qd, qb, qb32, M, K);
+    q8_job jobs[MAX_GROUP];
+    const void *job_ptrs[MAX_GROUP];
+    int64_t columns[MAX_GROUP], work = 0;
+    for (int i = 0; i < p->count; i++) {
+        if (p->kind[i] != GGML_Q4_K && p->kind[i] != GGML_Q6_K) { free(qx); return -1; }
+        jobs[i] = (q8_job){qx, qd, qb, qb32, p->w[i], p->kind[i], p->b[i], y[i], M, p->N[i], K};
+        job_ptrs[i] = &jobs[i];
+        columns[i] = p->N[i];
+        work += M * p->N[i] * K;
+    }
+    run_group(wide ? q8_range_512 : q8_range_256, job_ptrs, columns, p->count, work, threads);
+    free(qx);
+    return 0;
+}
+
 /* y[i] = x w[i]^T (+ b[i]) for the product's matrices (see vs_product), x [M, K], as one job of the
  * pool over all their weight tiles. Every output is bitwise what its matrix alone gives, whatever M. */
 int linear_product(const vs_product *p, const float *x, float *const *y, int64_t M, int isa, int threads)
@@ -63,6 +94,7 @@ int linear_product(const vs_product *p, const float *x, float *const *y, int64_t
     if (p->format == VS_INT4_VNNI) return linear_vnni_group(x, count, codes, p->s, p->b, y, p->N, M, K, threads) ? 0 : -1;
     if (p->format == VS_INT4_AVX2) return linear_q8avx2(x, count, codes, p->s, p->b, y, p->N, M, K, threads) ? 0 : -1;
     if (p->format == VS_PANELS) return panel_linear_group(x, count, p->w, p->b, y, p->N, M, K, threads);
+    if (p->format == VS_GGUF_Q8) return gguf_q8_product(p, x, y, M, isa, threads);
     const range_fn ranges[2][VS_Q6K + 1] = {
         {[VS_F32] = linear_range_f32_256, [VS_BF16] = linear_range_bf16_256, [VS_INT8] = linear_range_i8_256,
          [VS_INT4] = linear_range_i4_256, [VS_Q4K] = linear_range_q4k_256, [VS_Q6K] = linear_range_q6k_256},

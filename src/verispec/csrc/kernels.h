@@ -22,6 +22,7 @@ typedef struct {
     const void *w[VS_MAX_GROUP];
     const float *s[VS_MAX_GROUP], *b[VS_MAX_GROUP];
     int64_t N[VS_MAX_GROUP];
+    int kind[VS_MAX_GROUP];  /* VS_GGUF_Q8 only: each matrix's ggml block type */
 } vs_product;
 
 /* A decoder layer: its two RMSNorm weights and its four products. */

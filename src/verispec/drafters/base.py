@@ -13,11 +13,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from verispec.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from verispec.models.base import CausalLM, ModelCache
 
 
 @dataclass
@@ -138,11 +141,20 @@ class BranchRule(Protocol):
 class Drafter(Protocol):
     """Proposes tokens; learns the outcome. Chosen once, when the engine is built.
 
-    A drafter whose `add` prefills the prompts on a model of its own names it as `prefill_model`: a
-    start-up cost the engine may price before choosing it (see `DecodeBatch`). Others need not have it.
-    A drafter that drafts on the target's own cache has `share_cache(cache)`: the engine hands it every
-    cache it makes, and `propose` must leave that cache as it found it (`SharedCacheDrafter`).
+    Drafters subclass it, so they inherit the capability defaults below and set the ones they have.
     """
+
+    # --- capabilities -------------------------------------------------------------------------------
+    # The model `add` prefills the prompts on, if the drafter keeps one of its own: a start-up cost the
+    # engine may price before choosing this drafter (see `DecodeBatch`). None: no such cost.
+    prefill_model: "CausalLM | None" = None
+    # Drafts on the target's own cache: the engine hands it every cache it makes (`share_cache`), and
+    # `propose` must leave that cache as it found it (`SharedCacheDrafter`).
+    shares_cache: bool = False
+
+    def share_cache(self, cache: "ModelCache") -> None:
+        """Draft on this target cache from now on (called only when `shares_cache`)."""
+        raise NotImplementedError(f"{type(self).__name__} does not draft on the target's cache")
 
     def add(self, prompts: list[list[int]]) -> None:
         """New sequences join the batch, after the current rows."""

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import torch
 
-from verispec.drafters.base import BranchRule, Draft, StopRule, Verdict
+from verispec.drafters.base import BranchRule, Draft, Drafter, StopRule, Verdict
 from verispec.drafters.model import ModelDrafter
 from verispec.drafters.ngram import NgramDrafter
 from verispec.sampling import SamplingParams
 
 
-class HybridDrafter:
+class HybridDrafter(Drafter):
     def __init__(self, model: ModelDrafter, lookup: NgramDrafter | None = None, max_lag: int = 16):
         self.model = model
         # Matches of two or more tokens only: a single repeated token says little about what follows.

@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import torch
 
-from verispec.drafters.base import BranchRule, Draft, StopRule, Verdict, empty_draft
+from verispec.drafters.base import BranchRule, Draft, Drafter, StopRule, Verdict, empty_draft
 from verispec.models.base import CausalLM
 from verispec.prefill import left_pad, prefill
 from verispec.sampling import SamplingParams, coupled_choice, sample, warp_rows
 
 
-class ModelDrafter:
+class ModelDrafter(Drafter):
     def __init__(self, model: CausalLM, target_vocab_size: int, min_confidence: float = 0.0):
         self.model = model
         self.min_confidence = min_confidence  # stop drafting a row when q(token) falls below this

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from verispec.drafters.base import BranchRule, Draft, StopRule, Verdict
+from verispec.drafters.base import BranchRule, Draft, Drafter, StopRule, Verdict
 from verispec.errors import VerispecError
 from verispec.sampling import SamplingParams
 
@@ -40,7 +40,7 @@ class _RowIndex:
         return []
 
 
-class NgramDrafter:
+class NgramDrafter(Drafter):
     def __init__(self, min_ngram: int = 1, max_ngram: int = 4):
         if not 1 <= min_ngram <= max_ngram:
             raise VerispecError(f"n-gram sizes need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from verispec.drafters.base import BranchRule, Draft, StopRule, Verdict, empty_draft
+from verispec.drafters.base import BranchRule, Draft, Drafter, StopRule, Verdict, empty_draft
 from verispec.sampling import SamplingParams
 
 
-class NoDrafter:
+class NoDrafter(Drafter):
     def add(self, prompts: list[list[int]]) -> None:
         pass
 

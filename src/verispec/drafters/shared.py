@@ -26,16 +26,16 @@ from verispec.sampling import SamplingParams
 
 class SharedCacheDrafter(ModelDrafter):
     prefill_model = None  # no prompt prefill of its own: nothing for the engine to price at the start
+    shares_cache = True
 
     def __init__(self, model: CausalLM, target: CausalLM, min_confidence: float = 0.0):
-        same = getattr(target, "same_layer_shapes", None)
-        if same is None or not same(model):
-            raise ValueError(f"{getattr(model, 'name', model)!r} cannot draft on the cache of {getattr(target, 'name', target)!r}: "
+        if not target.same_layer_shapes(model):
+            raise ValueError(f"{model.name!r} cannot draft on the cache of {target.name!r}: "
                              "it needs a native-backend copy of the target (the same layers, heads and head size)")
         super().__init__(model, target.vocab_size, min_confidence)
         # Rows a draft pass may carry on the model's exact small-pass kernels; a bigger pass would
         # widen every matrix to float32 for one draft token.
-        self.max_rows = getattr(model, "max_exact_rows", None)
+        self.max_rows = model.max_exact_rows
 
     def share_cache(self, cache: ModelCache) -> None:
         """The engine's target cache, which this drafter reads and, while drafting, extends."""

@@ -38,7 +38,7 @@ from typing import Hashable
 
 import torch
 
-from verispec.drafters.base import BranchRule, Draft, StopRule, Verdict
+from verispec.drafters.base import BranchRule, Draft, Drafter, StopRule, Verdict
 from verispec.errors import VerispecError
 from verispec.sampling import SamplingParams
 
@@ -167,7 +167,7 @@ class SuffixIndex:
         return sum(len(p) for c in self.corpora.values() for p in c.postings.values())
 
 
-class SuffixDrafter:
+class SuffixDrafter(Drafter):
     """Drafts the most frequent continuation of the longest matching suffix (see the module docstring).
 
     index: earlier requests' outputs (None: this drafter's own, not shared). tenant: the partition of

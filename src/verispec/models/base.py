@@ -9,7 +9,7 @@ in a backend-owned `KVStore`. The engine rolls back with `truncate`, drops finis
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -67,8 +67,13 @@ class ModelCache:
         self.store.concat(other.store, rows, other.slots.batch_size)
 
 
+@runtime_checkable
 class CausalLM(Protocol):
-    """What the engine needs from a target or draft model."""
+    """What the engine needs from a target or draft model.
+
+    Backends subclass it, so they inherit the capability defaults below (a backend that can do more
+    says so by setting them); the engine and the drafters read these, never probe for methods.
+    """
 
     vocab_size: int  # logits width
     max_context: int  # positions the model supports
@@ -77,9 +82,21 @@ class CausalLM(Protocol):
     device: torch.device
     name: str
 
-    def new_cache(self, batch_size: int) -> ModelCache: ...
+    # --- capabilities -------------------------------------------------------------------------------
+    supports_trees: bool = False  # forward takes `tree`: several candidate continuations in one pass
+    # A pass of up to this many token rows (batch x width) gives each row the numbers it would get alone
+    # (the native CPU kernels); verify passes stay within it so they round like the plain steps they
+    # stand for. None: no such limit to keep.
+    max_exact_rows: int | None = None
+    # `lower_precision_copy(weight_dtype)` makes a cheaper copy with this model's layer shapes, which can
+    # draft on this model's own cache (drafter="self").
+    makes_lower_precision_copies: bool = False
 
-    supports_trees: bool  # forward takes `tree`: several candidate continuations in one pass
+    def same_layer_shapes(self, other: "CausalLM") -> bool:
+        """Whether `other` can run on this model's cache (the same layers, key/value heads and head size)."""
+        return False
+
+    def new_cache(self, batch_size: int) -> ModelCache: ...
 
     def forward(self, tokens: torch.Tensor, cache: ModelCache, visible: torch.Tensor | None = None, last_only: bool = False,
                 tree: torch.Tensor | None = None) -> torch.Tensor:

@@ -12,14 +12,25 @@ import torch
 from transformers import DynamicCache
 
 from verispec.cache import SlotCache
-from verispec.models.base import ModelCache
+from verispec.errors import VerispecError
+from verispec.models.base import CausalLM, ModelCache
 
 
 def pick_device(device: str | torch.device | None = None) -> torch.device:
-    """The given device, else CUDA when present, else CPU."""
-    if device is not None:
-        return torch.device(device)
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    """The given device, else CUDA when present, else CPU. Raises VerispecError for a device this build
+    of PyTorch cannot use (an unknown name, CUDA on a CPU-only build or machine)."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise VerispecError(f"unknown device {device!r}: use 'cpu', 'cuda' or 'cuda:N'") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise VerispecError(f"device {str(device)!r} needs CUDA, which this PyTorch build or machine does not have: "
+                            "use device='cpu' (or leave device unset)")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise VerispecError("device 'mps' is not available here: use device='cpu' (or leave device unset)")
+    return device
 
 
 def _eos_ids(model, tokenizer) -> frozenset[int]:
@@ -78,7 +89,7 @@ def _pad_slots(x: torch.Tensor, length: int) -> torch.Tensor:
     return torch.nn.functional.pad(x, (0, 0, 0, length - x.shape[-2]))
 
 
-class HFCausalLM:
+class HFCausalLM(CausalLM):
     """Wraps a `transformers` PreTrainedModel (and optionally its tokenizer)."""
 
     source_gguf = None  # the GGUF file the weights were converted from, when known (see verispec.load)

@@ -41,9 +41,10 @@ import torch
 import torch.nn.functional as F
 
 from verispec.cache import SlotCache
+from verispec.errors import VerispecError
 from verispec.models import kernels
+from verispec.models.base import CausalLM, ModelCache
 from verispec.models.kernels import config as kernel_config
-from verispec.models.base import ModelCache
 from verispec.models.hf import _eos_ids
 
 log = logging.getLogger(__name__)
@@ -227,8 +228,10 @@ def _widened_dtype() -> torch.dtype:
     return torch.bfloat16 if _fast_bfloat16_matmul() else torch.float32
 
 
-class NativeCausalLM:
+class NativeCausalLM(CausalLM):
     """A Llama/Qwen2-family causal LM behind the verispec `CausalLM` contract; see the module docstring."""
+
+    makes_lower_precision_copies = True  # `lower_precision_copy`, for drafter="self"
 
     def __init__(self, hf_model, tokenizer=None, name: str | None = None, weight_dtype: torch.dtype | None = None,
                  panels: bool | None = None):
@@ -268,15 +271,23 @@ class NativeCausalLM:
                 *_borrow(mlp.gate_proj), *_borrow(mlp.up_proj), *_borrow(mlp.down_proj),
             ))
 
+        # RoPE frequencies as the HF model computed them (handles rope_theta and static scalings).
+        rotary = decoder.rotary_emb
+        self.numerics = "float32"  # the float32 model's numbers (see models.gguf_q8 for "q8")
+        self._finish_init(weight_dtype, panels, rotary.inv_freq.detach().float(),
+                          float(getattr(rotary, "attention_scaling", 1.0)))
+
+    def _finish_init(self, weight_dtype: torch.dtype | None, panels: bool | None, inv_freq: torch.Tensor,
+                     rope_scaling: float) -> None:
+        """The part of construction that needs only the weights gathered above (also run by
+        `models.gguf_q8`, which gathers them from a GGUF file instead of a transformers model)."""
         self.output_ids: torch.Tensor | None = None  # set when the LM head scores only these token ids
         if weight_dtype is not None and weight_dtype != self.dtype:
             self._store_matrices_as(weight_dtype)
         self.weight_dtype = self.lm_head.dtype
 
-        # RoPE frequencies as the HF model computed them (handles rope_theta and static scalings).
-        rotary = decoder.rotary_emb
-        self._inv_freq = rotary.inv_freq.detach().float().to(self.device)
-        self._rope_scaling = float(getattr(rotary, "attention_scaling", 1.0))
+        self._inv_freq = inv_freq.to(self.device)
+        self._rope_scaling = rope_scaling
         self._cos = self._sin = torch.empty(0, self.head_dim, device=self.device)
         self._rope_tables(min(self.max_context, 4096))
 
@@ -437,6 +448,8 @@ class NativeCausalLM:
         def row_major(matrix):  # the float32 numbers, whatever layout this model keeps them in
             if isinstance(matrix, kernels.ExactBlocks):
                 return matrix.dense
+            if isinstance(matrix, kernels.GGUFMatrix):
+                return matrix.dequantize()  # the file's weights; the copy rounds them again for itself
             return matrix.dequantize() if isinstance(matrix, kernels.PanelMatrix) else matrix
 
         if matrices is None:
@@ -446,6 +459,7 @@ class NativeCausalLM:
             given = iter(matrices)
             clone._convert_matrices(lambda _: next(given))
         clone.weight_dtype = clone.lm_head.dtype
+        clone.numerics = "float32"  # a draft's own rounded weights, float32 activations
         clone.name = f"{self.name}-self-{'int4' if weight_dtype == torch.quint4x2 else str(weight_dtype).removeprefix('torch.')}"
         clone._buffers = None  # activation buffers are per model object
         return clone
@@ -489,11 +503,15 @@ class NativeCausalLM:
         batch, width = tokens.shape
         if visible is None:
             visible = torch.ones_like(tokens, dtype=torch.bool)
-        if last_only and tree is None and batch * width > kernels.MAX_ROWS and self._prefills_in_chunks(batch, width):
+        if ((last_only or self.numerics == "q8") and tree is None and batch * width > kernels.MAX_ROWS
+                and self._prefills_in_chunks(batch, width)):
             rows = kernels.MAX_ROWS // batch
-            for begin in range(0, width, rows):
-                logits = self.forward(tokens[:, begin : begin + rows], cache, visible[:, begin : begin + rows], last_only=True)
-            return logits
+            chunks = [self.forward(tokens[:, begin : begin + rows], cache, visible[:, begin : begin + rows], last_only=last_only)
+                      for begin in range(0, width, rows)]
+            return chunks[-1] if last_only else torch.cat(chunks, dim=1)
+        if self.numerics == "q8" and batch * width > kernels.MAX_ROWS:
+            raise VerispecError(f"{self.name}: a pass of {batch} x {width} token rows is wider than the q8 kernels take "
+                                f"({kernels.MAX_ROWS} rows{' with a tree' if tree is not None else ''})")
         store: NativeStore = cache.store
         start = cache.slots.length
         if store.length != start:
@@ -541,6 +559,8 @@ class NativeCausalLM:
         against 2.92), so chunks run there only if `KernelConfig.chunked_prefill` asks for them.
         `KernelConfig.wide_prefill` turns chunks off everywhere."""
         settings = kernel_config.current()
+        if self.numerics == "q8":  # llama.cpp's numerics exist only in the small-pass kernels
+            return self._kernels and batch <= kernels.MAX_ROWS
         if not (self._kernels and batch <= kernels.MAX_ROWS and self.weight_dtype == torch.quint4x2
                 and kernels._int4_code() in (kernels.Format.INT4_VNNI, kernels.Format.INT4_AVX2)
                 and not settings.wide_prefill):
@@ -611,7 +631,7 @@ class NativeCausalLM:
         rows = batch * width
         buf = self._buffers_for(rows)
         positions = position_ids.reshape(-1).contiguous()
-        x = F.embedding(tokens.reshape(-1), self.embed)  # the residual stream [rows, hidden], a fresh copy
+        x = self._embed(tokens.reshape(-1))  # the residual stream [rows, hidden], a fresh copy
         stack = self._layer_stack() if self.fused_layers else None
         if stack is not None:
             stack(x, buf, batch, width, self.num_heads, self.num_kv_heads, self.head_dim, positions, self._cos, self._sin,
@@ -641,6 +661,12 @@ class NativeCausalLM:
         return out.view(batch, width, self.hidden_size)
 
     # --- big passes (prefill) and other devices: PyTorch ops ---------------------------------------
+
+    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Embedding rows of tokens [...] -> [..., hidden], fresh tensors (a quantized table dequantizes its rows)."""
+        if isinstance(self.embed, kernels.GGUFMatrix):
+            return self.embed.rows(tokens)
+        return F.embedding(tokens, self.embed)
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         # Same op sequence as transformers' LlamaRMSNorm / Qwen2RMSNorm: statistics in float32.
@@ -696,7 +722,7 @@ class NativeCausalLM:
         if tree is not None:  # new slots: only the token's own path
             allowed[:, :, start:end] &= tree | torch.eye(width, dtype=torch.bool, device=self.device)
         allowed = allowed[:, None]
-        x = F.embedding(tokens, self.embed)
+        x = self._embed(tokens)
         for index, layer in enumerate(self.layers):
             h = self._rms_norm(x, layer.attn_norm)
             final = last_only and index == len(self.layers) - 1  # keys and values for every row, the rest for the last

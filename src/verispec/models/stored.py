@@ -47,6 +47,9 @@ def _float32_values(matrix) -> torch.Tensor:
         return matrix.dense
     if isinstance(matrix, kernels.PanelMatrix):
         return matrix.values
+    if isinstance(matrix, kernels.GGUFMatrix):  # the file's bytes stand for its weights: read them as float32 bit patterns
+        flat = matrix.values.reshape(-1)
+        return flat[: flat.numel() // 4 * 4].view(torch.float32)
     return matrix
 
 
@@ -171,6 +174,7 @@ def int4_copy(model):
     """`model.lower_precision_copy(torch.quint4x2)`, read from disk when a stored copy of these very weights
     exists, else made (and stored, for models of `STORE_MIN_WEIGHTS` weights or more)."""
     if not _worth_storing(model):
+        log.info("making an int4 copy of %s to draft with", model.name)
         return model.lower_precision_copy(torch.quint4x2)
     started = time.perf_counter()
     path = path_for(model, _fingerprint_of(model))
@@ -179,6 +183,7 @@ def int4_copy(model):
         copy = model.lower_precision_copy(torch.quint4x2, matrices=stored)
         log.info("int4 copy of %s read from %s in %.1f s", model.name, path, time.perf_counter() - started)
         return copy
+    log.info("making an int4 copy of %s to draft with (once: it is stored for the next runs)", model.name)
     copy = model.lower_precision_copy(torch.quint4x2)
     made = time.perf_counter()
     _write(copy, path, model)

@@ -27,15 +27,16 @@ from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import verispec
+from verispec import zoo
 from verispec.api import load, make_drafter, resolve_drafter
 from verispec.engine import Request as EngineRequest
 from verispec.errors import VerispecError
-from verispec.policy import make_policy
-from verispec.server.metrics import Metrics
+from verispec.options import DRAFTER_NAMES, WEIGHT_DTYPES, DraftLen, flag, positive_int
+from verispec.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, Metrics
 from verispec.server.protocol import (ApiError, ServerConfig, Spec, chat_messages, check_text_fits, parse_chat, parse_completion,
                                       show)
 from verispec.server.scheduler import Job, JobFailed, QueueFull, Scheduler
@@ -90,8 +91,12 @@ _job_ids = itertools.count()
 class Generation:
     """The choices of one HTTP request; events reach it through an asyncio queue fed by the worker."""
 
-    def __init__(self, spec: Spec, tokenizer: LockedTokenizer, loop: asyncio.AbstractEventLoop):
+    def __init__(self, spec: Spec, tokenizer: LockedTokenizer, loop: asyncio.AbstractEventLoop,
+                 on_gap: Callable[[float], None] | None = None):
+        """on_gap: called with the seconds between two deliveries of tokens (inter-token latency)."""
         self.spec = spec
+        self.on_gap = on_gap
+        self.last_tokens_at = 0.0
         self.events: asyncio.Queue = asyncio.Queue()
         self.started = time.perf_counter()
         self.first_token_at: float | None = None
@@ -137,12 +142,21 @@ class Generation:
             choice = self.choices[index]
             if isinstance(item, JobFailed):
                 raise ApiError(item.status, item.message, code="engine_error" if item.status >= 500 else "invalid_request")
-            if item.tokens and self.first_token_at is None:
-                self.first_token_at = time.perf_counter()
+            if item.tokens:
+                now = time.perf_counter()
+                if self.first_token_at is None:
+                    self.first_token_at = now
+                elif self.on_gap is not None:
+                    self.on_gap(now - self.last_tokens_at)
+                self.last_tokens_at = now
             choice.tokens.extend(item.tokens)
             choice.finish_reason = item.finish_reason
             delta = choice.text.push(item.tokens, item.finish_reason is not None)
             yield choice, delta
+
+    def outcome(self) -> tuple[int, list[str]]:
+        """(tokens generated in all, each choice's finish reason)."""
+        return sum(len(c.tokens) for c in self.choices), [c.finish_reason or "abort" for c in self.choices]
 
     def timings(self) -> tuple[float, float | None]:
         """(seconds from request to now, seconds from request to the first token or None)."""
@@ -222,12 +236,13 @@ class Endpoint:
         return {"index": choice.index, "text": delta or "", "logprobs": None, "finish_reason": finish_reason}
 
 
-DRAFT_DTYPES = ("fp32", "bf16", "int8", "int4")
+DRAFT_DTYPES = WEIGHT_DTYPES
 
 
-def build_app(target, draft=None, drafter: str = "auto", draft_len: int | str = "auto", api_key: str | None = None,
+def build_app(target, draft=None, drafter: str = "auto", draft_len: DraftLen | int | str = "auto", api_key: str | None = None,
               max_batch: int = 8, max_queue: int = 256, draft_dtype: str = "fp32", model_name: str | None = None,
-              max_body_bytes: int = MAX_BODY_BYTES):
+              max_body_bytes: int = MAX_BODY_BYTES, max_model_len: int | None = None, chat_template: str | None = None,
+              numerics: str = "float32"):
     """A FastAPI app serving `target` (a zoo name, path or loaded model) with OpenAI's API.
 
     draft / drafter / draft_len: as for `verispec.generate` (drafter "none" serves plain decoding);
@@ -235,17 +250,21 @@ def build_app(target, draft=None, drafter: str = "auto", draft_len: int | str = 
     max_batch: most sequences decoded at once; max_queue: most sequences waiting for a row (a request
     beyond it gets a 503). draft_dtype: "fp32", "bf16", "int8" or "int4" (weight-only), the draft model's
     matrices on the native backend. max_body_bytes: largest request body read (larger ones get a 413).
-    The models load now; the worker starts with the app.
+    model_name: the name clients send and see (default: the target's). max_model_len: most tokens of prompt
+    plus answer a request may ask for (default and upper bound: the model's context). chat_template: a Jinja
+    chat template (text, or a path to a file holding it) in place of the tokenizer's. numerics: the target's,
+    as for `verispec.load` ("float32" or "q8"). The models load now; the worker starts with the app.
     """
-    for option, value, low in (("max_batch", max_batch, 1), ("max_queue", max_queue, 0), ("max_body_bytes", max_body_bytes, 1)):
+    for option, value, low in (("max_batch", max_batch, 1), ("max_queue", max_queue, 0), ("max_body_bytes", max_body_bytes, 1),
+                               ("max_model_len", 2 if max_model_len is None else max_model_len, 2)):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise VerispecError(f"{option} must be an integer >= {low}, got {value!r}")
     if draft_dtype not in DRAFT_DTYPES:
         raise VerispecError(f"draft_dtype must be one of {', '.join(DRAFT_DTYPES)}, got {draft_dtype!r}")
     if draft is None and draft_dtype != "fp32":
         raise VerispecError("draft_dtype applies to a draft model: give one with --draft, or drop --draft-dtype")
-    make_policy(draft_len)  # validates it now
-    target_model = load(target)
+    draft_len = DraftLen.parse(draft_len)
+    target_model = load(target, numerics=numerics) if isinstance(target, str) else load(target)
     draft_model = load(draft, weight_dtype=draft_dtype) if draft is not None else None
     if target_model.tokenizer is None:
         raise VerispecError(f"{target_model.name} has no tokenizer: the server needs one to read and write text")
@@ -254,9 +273,11 @@ def build_app(target, draft=None, drafter: str = "auto", draft_len: int | str = 
     log.info("drafter: %s", drafter)
     speculative = drafter != "none"
     name = model_name or (target if isinstance(target, str) else target_model.name)
-    config = ServerConfig(target_model, name, draft_len if speculative else None)
+    context = min(target_model.max_context, max_model_len or target_model.max_context)
+    config = ServerConfig(target_model, name, draft_len if speculative else None, context)
+    if chat_template is not None:
+        target_model.tokenizer.chat_template = read_chat_template(chat_template)
     tokenizer = LockedTokenizer(target_model.tokenizer)
-    metrics = Metrics()
     stats = SpecStats()
     scheduler = Scheduler(
         target_model,
@@ -266,6 +287,7 @@ def build_app(target, draft=None, drafter: str = "auto", draft_len: int | str = 
         stats=stats,
         on_admit=lambda job: metrics.count_admitted(len(job.request.prompt), job.request.sampling.lossy),
     )
+    metrics = Metrics(name, stats, scheduler)  # on_admit above reaches it once the worker starts
     created = int(time.time())
 
     @asynccontextmanager
@@ -310,7 +332,7 @@ def build_app(target, draft=None, drafter: str = "auto", draft_len: int | str = 
 
     @app.get("/metrics")
     async def prometheus():
-        return PlainTextResponse(metrics.render(stats, scheduler), media_type="text/plain; version=0.0.4; charset=utf-8")
+        return Response(metrics.render(), media_type=METRICS_CONTENT_TYPE)
 
     @app.get("/v1/models")
     async def models(request: Request):
@@ -321,7 +343,7 @@ def build_app(target, draft=None, drafter: str = "auto", draft_len: int | str = 
         return {"object": "list", "data": [model_card()]}
 
     def model_card() -> dict:
-        return {"id": name, "object": "model", "created": created, "owned_by": "verispec", "max_model_len": target_model.max_context}
+        return {"id": name, "object": "model", "created": created, "owned_by": "verispec", "max_model_len": context}
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str, request: Request):
@@ -358,11 +380,11 @@ def build_app(target, draft=None, drafter: str = "auto", draft_len: int | str = 
         if "messages" in body:
             ids = encode_chat(tokenizer, chat_messages(body["messages"]))
         elif isinstance(body.get("prompt"), str):
-            check_text_fits(tokenizer, body["prompt"], 2 * target_model.max_context, "prompt")
+            check_text_fits(tokenizer, body["prompt"], 2 * context, "prompt")
             ids = list(tokenizer(body["prompt"], add_special_tokens=body.get("add_special_tokens", True) is not False)["input_ids"])
         else:
             raise ApiError(400, "give prompt (text) or messages", param="prompt", code="missing_parameter")
-        return {"tokens": ids, "count": len(ids), "max_model_len": target_model.max_context}
+        return {"tokens": ids, "count": len(ids), "max_model_len": context}
 
     def detokenize_body(body: dict) -> dict:
         ids = body.get("tokens")
@@ -424,7 +446,7 @@ def build_app(target, draft=None, drafter: str = "auto", draft_len: int | str = 
             if spec.ignored:
                 log.warning("%s: ignored fields this server does not know: %s", endpoint.path, ", ".join(spec.ignored[:10]))
             headers = {"X-Verispec-Ignored-Fields": ",".join(spec.ignored[:10])[:200]} if spec.ignored else None
-            generation = Generation(spec, tokenizer, asyncio.get_running_loop())
+            generation = Generation(spec, tokenizer, asyncio.get_running_loop(), metrics.observe_delivery_gap)
             jobs = [c.job for c in generation.choices]
             capacity = scheduler.max_batch + scheduler.max_queue
             if len(jobs) > capacity:  # would get a 503 for ever: retrying cannot help
@@ -458,7 +480,7 @@ def build_app(target, draft=None, drafter: str = "auto", draft_len: int | str = 
     async def complete(generation: Generation, endpoint: Endpoint, request: Request) -> dict:
         async for _ in generation.updates(is_disconnected=request.is_disconnected):
             pass
-        metrics.observe(endpoint.path, *generation.timings())
+        metrics.observe(endpoint.path, *generation.timings(), *generation.outcome())
         choices = [endpoint.choice(c, final_text(tokenizer, c.tokens, generation.spec.stop)) for c in generation.choices]
         return {"id": endpoint.id_prefix + uuid.uuid4().hex, "object": endpoint.object, "created": int(time.time()),
                 "model": name, "choices": choices, "usage": generation.usage()}
@@ -478,7 +500,7 @@ def build_app(target, draft=None, drafter: str = "auto", draft_len: int | str = 
                 yield sse({**head, "choices": [], "usage": generation.usage()})
             status = 200
             yield "data: [DONE]\n\n"
-            metrics.observe(endpoint.path, *generation.timings())
+            metrics.observe(endpoint.path, *generation.timings(), *generation.outcome())
         except ApiError as error:
             status = error.status
             yield sse(error.body())
@@ -514,6 +536,17 @@ def build_app(target, draft=None, drafter: str = "auto", draft_len: int | str = 
     return app
 
 
+def read_chat_template(template: str) -> str:
+    """A chat template given as text, or as the path of a file holding it (vLLM's --chat-template)."""
+    if "{" not in template:
+        try:
+            with open(template, encoding="utf-8") as f:
+                return f.read()
+        except OSError as exc:
+            raise VerispecError(f"--chat-template {template!r} is neither a Jinja template nor a readable file: {exc}") from exc
+    return template
+
+
 def serve(target, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info", **options) -> None:
     """Load the models and serve until interrupted; options are build_app's."""
     import uvicorn
@@ -522,15 +555,13 @@ def serve(target, host: str = "127.0.0.1", port: int = 8000, log_level: str = "i
 
 
 def main(argv: list[str] | None = None) -> None:
-    from verispec.cli import DEFAULT_TARGET, draft_len_arg
-
     parser = argparse.ArgumentParser(prog="verispec serve", description="OpenAI-compatible server with speculative decoding.")
-    parser.add_argument("--target", default=DEFAULT_TARGET, help="zoo name, local directory, .gguf file or hub id (default: %(default)s)")
+    parser.add_argument("--target", default=zoo.DEFAULT_TARGET, help="zoo name, local directory, .gguf file or hub id (default: %(default)s)")
     parser.add_argument("--draft", default=None, help="draft model (same tokenizer as the target); omit to draft with the target's own int4 copy (or n-gram where it cannot have one)")
     parser.add_argument("--draft-dtype", default="fp32", choices=DRAFT_DTYPES,
                         help="the draft model's matrices on the native backend: bf16 halves their bytes, int8 quarters them, int4 leaves ~1/7 (default: %(default)s)")
-    parser.add_argument("--drafter", default="auto", choices=["auto", "model", "self", "hybrid", "ngram", "suffix", "none"], help="auto = model with --draft, else self where the target allows (a native float32 target on verispec's CPU kernels), else ngram; self = the target's int4 copy drafting on its cache; suffix = suffix decoding over the prompt and earlier requests' outputs (one index per server); none = plain decoding")
-    parser.add_argument("--draft-len", type=draft_len_arg, default="auto", help="draft tokens per step, 'auto', or 'tree' (auto plus token-tree alternates) (default: %(default)s)")
+    parser.add_argument("--drafter", default="auto", choices=DRAFTER_NAMES, help="auto = model with --draft, else self where the target allows (a native float32 target on verispec's CPU kernels), else ngram; self = the target's int4 copy drafting on its cache; suffix = suffix decoding over the prompt and earlier requests' outputs (one index per server); none = plain decoding")
+    parser.add_argument("--draft-len", type=flag(DraftLen.parse), default=DraftLen("auto"), help="draft tokens per step, 'auto', or 'tree' (auto plus token-tree alternates) (default: %(default)s)")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s, this machine only)")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--api-key", default=os.environ.get("VERISPEC_API_KEY"),
@@ -540,12 +571,27 @@ def main(argv: list[str] | None = None) -> None:
                         help="most sequences waiting for a free row; beyond it requests get 503 (default: %(default)s)")
     parser.add_argument("--max-body-mb", type=float, default=MAX_BODY_BYTES / 2**20,
                         help="largest request body read, in MiB; larger ones get 413 (default: %(default)s)")
+    parser.add_argument("--served-model-name", default=None, help="the model name clients send and see (default: --target)")
+    parser.add_argument("--max-model-len", type=flag(lambda text: positive_int("--max-model-len", text)), default=None,
+                        help="most tokens of prompt plus answer per request (default: the model's context window)")
+    parser.add_argument("--chat-template", default=None, help="a Jinja chat template, or a file holding one, instead of the tokenizer's")
+    parser.add_argument("--numerics", choices=("float32", "q8"), default="float32",
+                        help="the target's numbers, as for `verispec generate` (default: %(default)s)")
+    parser.add_argument("--threads", type=flag(lambda text: positive_int("--threads", text)), default=None,
+                        help="CPU threads for PyTorch and verispec's kernels (default: PyTorch's choice)")
+    parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                        help="the server's and uvicorn's log level (default: %(default)s)")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(name)s: %(message)s")
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s: %(name)s: %(message)s")
+    if args.threads is not None:
+        import torch
+
+        torch.set_num_threads(args.threads)
     try:
-        serve(args.target, host=args.host, port=args.port, draft=args.draft, draft_dtype=args.draft_dtype, drafter=args.drafter,
-              draft_len=args.draft_len, api_key=args.api_key, max_batch=args.max_batch, max_queue=args.max_queue,
-              max_body_bytes=max(1, int(args.max_body_mb * 2**20)))
+        serve(args.target, host=args.host, port=args.port, log_level=args.log_level, draft=args.draft, draft_dtype=args.draft_dtype,
+              drafter=args.drafter, draft_len=args.draft_len, api_key=args.api_key, max_batch=args.max_batch,
+              max_queue=args.max_queue, max_body_bytes=max(1, int(args.max_body_mb * 2**20)), model_name=args.served_model_name,
+              max_model_len=args.max_model_len, chat_template=args.chat_template, numerics=args.numerics)
     except VerispecError as exc:
         parser.exit(2, f"verispec serve: error: {exc}\n")
 

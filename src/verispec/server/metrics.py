@@ -1,138 +1,166 @@
-"""/metrics: counters of the HTTP layer and the worker, rendered in Prometheus' text format.
+"""/metrics: what the HTTP layer and the worker count, in Prometheus' text format through `prometheus_client`.
 
-Knows nothing about decoding: it reads the engine's `SpecStats` and the scheduler's counters.
+Two families of names. `verispec_*` are verispec's own (the worker's phases, pass widths, the queue).
+`verispec:*` carry vLLM's names and meanings (`vllm:spec_decode_num_drafts`, `vllm:time_to_first_token_seconds`,
+...), with a `model_name` label, so a dashboard built for vLLM reads them by swapping the prefix.
+Request-level figures (latencies, status codes) are observed as they happen; engine-level ones are read
+from the engine's `SpecStats` and the scheduler at scrape time (a custom collector), so there is one
+source for each number. Knows nothing about decoding.
 """
 
 from __future__ import annotations
 
-import threading
-from bisect import bisect_left
-from collections import defaultdict
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from verispec.server.scheduler import Scheduler
 from verispec.stats import SpecStats
 
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+TOKEN_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
-
-class Histogram:
-    def __init__(self, buckets: tuple[float, ...]):
-        self.buckets = buckets
-        self.counts = [0] * (len(buckets) + 1)  # the last one is +Inf
-        self.sum = 0.0
-
-    def observe(self, value: float) -> None:
-        self.counts[bisect_left(self.buckets, value)] += 1
-        self.sum += value
-
-    def lines(self, name: str, labels: str) -> list[str]:
-        out, total = [], 0
-        for bound, count in zip([*map(_number, self.buckets), "+Inf"], self.counts):
-            total += count
-            out.append(f'{name}_bucket{{{labels}{"," if labels else ""}le="{bound}"}} {total}')
-        out.append(f"{name}_sum{{{labels}}} {_number(self.sum)}")
-        out.append(f"{name}_count{{{labels}}} {total}")
-        return out
-
-
-def _number(x: float) -> str:
-    return repr(float(x)) if isinstance(x, float) else str(x)
+disable_created_metrics()  # no `_created` sample beside every counter (vLLM turns them off too)
 
 
 class Metrics:
-    """Counters updated by both threads (under one lock), rendered with the engine's own stats."""
+    """The server's metrics registry. Observed from the event loop (requests) and the worker (admissions);
+    prometheus_client's metrics are thread-safe."""
 
-    def __init__(self):
-        self.lock = threading.Lock()
-        self.requests: dict[tuple[str, int], int] = defaultdict(int)  # (endpoint, status) -> count
-        self.prompt_tokens = 0  # tokens prefilled (a prompt with n choices counts n times)
-        self.lossy_sequences = 0  # sequences that asked for a lossy acceptance rule (typical acceptance)
-        self.latency: dict[str, Histogram] = {}
-        self.ttft: dict[str, Histogram] = {}
+    def __init__(self, model_name: str, stats: SpecStats, scheduler: Scheduler):
+        self.registry = CollectorRegistry(auto_describe=True)
+        model = [model_name]
+        self._requests = Counter("verispec_requests", "HTTP requests by endpoint and the status they ended with "
+                                 "(499: the client left).", ["endpoint", "status"], registry=self.registry)
+        self._latency = Histogram("verispec_request_latency_seconds", "Time from request to last token.", ["endpoint"],
+                                  buckets=LATENCY_BUCKETS, registry=self.registry)
+        self._ttft = Histogram("verispec_time_to_first_token_seconds", "Time from request to first generated token.",
+                               ["endpoint"], buckets=TTFT_BUCKETS, registry=self.registry)
+        self._prompt_tokens = Counter("verispec_prompt_tokens", "Prompt tokens prefilled (a prompt with n choices counts n times).",
+                                      registry=self.registry)
+        self._lossy = Counter("verispec_lossy_sequences", "Sequences decoded with typical acceptance (asked for; lossy: "
+                              "not exact samples of the target).", registry=self.registry)
+        # vLLM's request-level names.
+        self._e2e = Histogram("verispec:e2e_request_latency_seconds", "End to end request latency in seconds.",
+                              ["model_name"], buckets=LATENCY_BUCKETS, registry=self.registry).labels(*model)
+        self._vllm_ttft = Histogram("verispec:time_to_first_token_seconds", "Time to first token in seconds.",
+                                    ["model_name"], buckets=TTFT_BUCKETS, registry=self.registry).labels(*model)
+        self._itl = Histogram("verispec:inter_token_latency_seconds", "Time between two deliveries of tokens to a request "
+                              "(a speculative step delivers several tokens at once).", ["model_name"],
+                              buckets=TOKEN_BUCKETS, registry=self.registry).labels(*model)
+        self._tpot = Histogram("verispec:request_time_per_output_token_seconds", "Per request: (latency - time to first "
+                               "token) / (output tokens - 1).", ["model_name"], buckets=TOKEN_BUCKETS,
+                               registry=self.registry).labels(*model)
+        self._success = Counter("verispec:request_success", "Requests finished, by finish reason.",
+                                ["model_name", "finished_reason"], registry=self.registry)
+        self._model_name = model_name
+        self.registry.register(_EngineCollector(model_name, stats, scheduler, self))
 
     def count_request(self, endpoint: str, status: int) -> None:
-        with self.lock:
-            self.requests[(endpoint, status)] += 1
+        self._requests.labels(endpoint, str(status)).inc()
 
     def count_admitted(self, prompt_tokens: int, lossy: bool) -> None:
-        with self.lock:
-            self.prompt_tokens += prompt_tokens
-            self.lossy_sequences += lossy
+        self._prompt_tokens.inc(prompt_tokens)
+        if lossy:
+            self._lossy.inc()
 
-    def observe(self, endpoint: str, latency: float | None = None, ttft: float | None = None) -> None:
-        with self.lock:
-            if latency is not None:
-                self.latency.setdefault(endpoint, Histogram(LATENCY_BUCKETS)).observe(latency)
-            if ttft is not None:
-                self.ttft.setdefault(endpoint, Histogram(TTFT_BUCKETS)).observe(ttft)
+    def observe(self, endpoint: str, latency: float, ttft: float | None, output_tokens: int,
+                finish_reasons: list[str]) -> None:
+        """A request that finished: its latency, time to first token, tokens and each choice's finish reason."""
+        self._latency.labels(endpoint).observe(latency)
+        self._e2e.observe(latency)
+        if ttft is not None:
+            self._ttft.labels(endpoint).observe(ttft)
+            self._vllm_ttft.observe(ttft)
+            if output_tokens > 1:
+                self._tpot.observe((latency - ttft) / (output_tokens - 1))
+        for reason in finish_reasons:
+            self._success.labels(self._model_name, reason).inc()
 
-    def render(self, stats: SpecStats, scheduler: Scheduler) -> str:
-        out: list[str] = []
+    def observe_delivery_gap(self, seconds: float) -> None:
+        self._itl.observe(seconds)
 
-        def metric(name: str, kind: str, help_text: str, samples: list[tuple[str, float]] | float) -> None:
-            out.append(f"# HELP {name} {help_text}")
-            out.append(f"# TYPE {name} {kind}")
-            for labels, value in samples if isinstance(samples, list) else [("", samples)]:
-                out.append(f"{name}{{{labels}}} {_number(value)}" if labels else f"{name} {_number(value)}")
+    @property
+    def prompt_tokens(self) -> int:
+        return int(self._prompt_tokens._value.get())
 
-        with self.lock:
-            requests = sorted(self.requests.items())
-            prompt_tokens = self.prompt_tokens
-            lossy_sequences = self.lossy_sequences
-            latency = {k: (h.buckets, list(h.counts), h.sum) for k, h in self.latency.items()}
-            ttft = {k: (h.buckets, list(h.counts), h.sum) for k, h in self.ttft.items()}
-        metric("verispec_requests_total", "counter", "HTTP requests by endpoint and status code.",
-               [(f'endpoint="{e}",status="{s}"', n) for (e, s), n in requests])
-        metric("verispec_prompt_tokens_total", "counter", "Prompt tokens prefilled.", prompt_tokens)
-        metric("verispec_lossy_sequences_total", "counter",
-               "Sequences decoded with typical acceptance (asked for; lossy: not exact samples of the target).", lossy_sequences)
-        metric("verispec_generation_tokens_total", "counter", "Tokens generated and handed out.", stats.emitted_tokens)
-        metric("verispec_target_passes_total", "counter", "Target forward passes (decoding steps, all batches).", stats.target_passes)
-        metric("verispec_drafted_tokens_total", "counter", "Draft tokens proposed.", stats.drafted_tokens)
-        metric("verispec_accepted_tokens_total", "counter", "Draft tokens accepted by verification.", stats.accepted_tokens)
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _EngineCollector(Collector):
+    """Engine and scheduler figures, read when /metrics is scraped."""
+
+    def __init__(self, model_name: str, stats: SpecStats, scheduler: Scheduler, metrics: Metrics):
+        self.model_name, self.stats, self.scheduler, self.metrics = model_name, stats, scheduler, metrics
+
+    def describe(self):
+        return []  # read at scrape time: nothing to check at registration
+
+    def collect(self):
+        stats, scheduler, model = self.stats, self.scheduler, [self.model_name]
+
+        def counter(name, help_text, value, labels=(), label_values=()):
+            family = CounterMetricFamily(name, help_text, labels=list(labels))
+            family.add_metric(list(label_values), value)
+            return family
+
+        def gauge(name, help_text, value, labels=(), label_values=()):
+            family = GaugeMetricFamily(name, help_text, labels=list(labels))
+            family.add_metric(list(label_values), value)
+            return family
+
+        def by(kind, name, help_text, label, pairs, extra=()):
+            family = kind(name, help_text, labels=[*(l for l, _ in extra), label])
+            for key, value in pairs:
+                family.add_metric([*(v for _, v in extra), str(key)], value)
+            return family
+
         drafted_at, accepted_at = list(stats.drafted_at), list(stats.accepted_at)
         positions = range(min(len(drafted_at), len(accepted_at)))
-        metric("verispec_draft_position_proposed_total", "counter", "Draft tokens proposed, by position in the draft (1 = first).",
-               [(f'position="{i + 1}"', drafted_at[i]) for i in positions])
-        metric("verispec_draft_position_accepted_total", "counter", "Draft tokens accepted, by position in the draft (1 = first).",
-               [(f'position="{i + 1}"', accepted_at[i]) for i in positions])
-        metric("verispec_acceptance_by_position", "gauge", "Acceptance rate by draft position since start.",
-               [(f'position="{i + 1}"', accepted_at[i] / drafted_at[i] if drafted_at[i] else 0.0) for i in positions])
-        metric("verispec_mean_accepted_tokens", "gauge", "Tokens gained per target pass per sequence since start (1.0 = plain decoding).",
-               stats.mean_accepted_tokens)
-        metric("verispec_batch_size", "gauge", "Sequences being decoded now.", scheduler.running)
-        metric("verispec_queue_depth", "gauge", "Sequences waiting to be admitted.", scheduler.queue_depth)
-        metric("verispec_batches", "gauge", "Decode batches (lanes) in flight.", len(scheduler.lanes))
-        metric("verispec_queue_limit", "gauge", "Most sequences that may wait for a row (--max-queue); more get 503.",
-               scheduler.max_queue)
-        metric("verispec_queue_rejected_total", "counter", "Sequences refused because the queue was full.", scheduler.rejected)
-        metric("verispec_step_failures_total", "counter", "Decoding steps or admissions that failed (their batch was failed with 500).",
-               scheduler.step_failures)
-        metric("verispec_sequence_failures_total", "counter",
-               "Sequences the worker could not finish, by the status their request got (400 refused by the engine, "
-               "500 failed in it, 503 the server stopping).", [(f'status="{s}"', n) for s, n in sorted(dict(scheduler.failed).items())])
+        yield counter("verispec_generation_tokens", "Tokens generated and handed out.", stats.emitted_tokens)
+        yield counter("verispec_target_passes", "Target forward passes (decoding steps, all batches).", stats.target_passes)
+        yield counter("verispec_drafted_tokens", "Draft tokens proposed.", stats.drafted_tokens)
+        yield counter("verispec_accepted_tokens", "Draft tokens accepted by verification.", stats.accepted_tokens)
+        yield by(CounterMetricFamily, "verispec_draft_position_proposed", "Draft tokens proposed, by position in the draft (1 = first).",
+                 "position", [(i + 1, drafted_at[i]) for i in positions])
+        yield by(CounterMetricFamily, "verispec_draft_position_accepted", "Draft tokens accepted, by position in the draft (1 = first).",
+                 "position", [(i + 1, accepted_at[i]) for i in positions])
+        yield by(GaugeMetricFamily, "verispec_acceptance_by_position", "Acceptance rate by draft position since start.",
+                 "position", [(i + 1, accepted_at[i] / drafted_at[i] if drafted_at[i] else 0.0) for i in positions])
+        yield gauge("verispec_mean_accepted_tokens", "Tokens gained per target pass per sequence since start (1.0 = plain decoding).",
+                    stats.mean_accepted_tokens)
+        yield gauge("verispec_batch_size", "Sequences being decoded now.", scheduler.running)
+        yield gauge("verispec_queue_depth", "Sequences waiting to be admitted.", scheduler.queue_depth)
+        yield gauge("verispec_batches", "Decode batches (lanes) in flight.", len(scheduler.lanes))
+        yield gauge("verispec_queue_limit", "Most sequences that may wait for a row (--max-queue); more get 503.", scheduler.max_queue)
+        yield counter("verispec_queue_rejected", "Sequences refused because the queue was full.", scheduler.rejected)
+        yield counter("verispec_step_failures", "Decoding steps or admissions that failed (their batch was failed with 500).",
+                      scheduler.step_failures)
+        yield by(CounterMetricFamily, "verispec_sequence_failures", "Sequences the worker could not finish, by the status their "
+                 "request got (400 refused by the engine, 500 failed in it, 503 the server stopping).", "status",
+                 sorted(dict(scheduler.failed).items()))
         phases, widths = scheduler.clock.snapshot()
-        metric("verispec_worker_seconds_total", "counter",
-               "Worker time by phase: prefill (admitting prompts), draft, target (forward pass), verify (acceptance and "
-               "rollback), other (the rest of a step: stop checks, per-request stats, handing out tokens).",
-               [(f'phase="{phase}"', seconds) for phase, seconds in phases.items()])
-        metric("verispec_target_passes_by_width_total", "counter", "Target passes by width (1 + draft tokens per row).",
-               [(f'width="{w}"', n) for w, (n, _, _) in sorted(widths.items())])
-        metric("verispec_target_pass_seconds_total", "counter", "Seconds in target passes, by width.",
-               [(f'width="{w}"', s) for w, (_, s, _) in sorted(widths.items())])
-        metric("verispec_target_pass_rows_total", "counter", "Rows (sequences) in target passes, by width: rows / passes = mean batch size.",
-               [(f'width="{w}"', r) for w, (_, _, r) in sorted(widths.items())])
-        for name, help_text, histograms in (
-            ("verispec_request_latency_seconds", "Time from request to last token.", latency),
-            ("verispec_time_to_first_token_seconds", "Time from request to first generated token.", ttft),
-        ):
-            out.append(f"# HELP {name} {help_text}")
-            out.append(f"# TYPE {name} histogram")
-            for endpoint, (buckets, counts, total) in sorted(histograms.items()):
-                h = Histogram(buckets)
-                h.counts, h.sum = counts, total
-                out.extend(h.lines(name, f'endpoint="{endpoint}"'))
-        return "\n".join(out) + "\n"
-
-
+        yield by(CounterMetricFamily, "verispec_worker_seconds", "Worker time by phase: prefill (admitting prompts), draft, target "
+                 "(forward pass), verify (acceptance and rollback), other (the rest of a step: stop checks, per-request stats, "
+                 "handing out tokens).", "phase", phases.items())
+        yield by(CounterMetricFamily, "verispec_target_passes_by_width", "Target passes by width (1 + draft tokens per row).",
+                 "width", [(w, n) for w, (n, _, _) in sorted(widths.items())])
+        yield by(CounterMetricFamily, "verispec_target_pass_seconds", "Seconds in target passes, by width.",
+                 "width", [(w, s) for w, (_, s, _) in sorted(widths.items())])
+        yield by(CounterMetricFamily, "verispec_target_pass_rows", "Rows (sequences) in target passes, by width: rows / passes = "
+                 "mean batch size.", "width", [(w, r) for w, (_, _, r) in sorted(widths.items())])
+        # vLLM's names and meanings.
+        labels, values = ["model_name"], model
+        yield gauge("verispec:num_requests_running", "Sequences being decoded.", scheduler.running, labels, values)
+        yield gauge("verispec:num_requests_waiting", "Sequences waiting to be admitted.", scheduler.queue_depth, labels, values)
+        yield counter("verispec:prompt_tokens", "Prefill tokens processed.", self.metrics.prompt_tokens, labels, values)
+        yield counter("verispec:generation_tokens", "Generation tokens processed.", stats.emitted_tokens, labels, values)
+        yield counter("verispec:spec_decode_num_drafts", "Drafts proposed (sequence steps with at least one draft token).",
+                      drafted_at[0] if drafted_at else 0, labels, values)
+        yield counter("verispec:spec_decode_num_draft_tokens", "Draft tokens proposed.", stats.drafted_tokens, labels, values)
+        yield counter("verispec:spec_decode_num_accepted_tokens", "Draft tokens accepted.", stats.accepted_tokens, labels, values)
+        yield by(CounterMetricFamily, "verispec:spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by position "
+                 "(0 = first).", "position", [(i, accepted_at[i]) for i in positions], extra=[("model_name", self.model_name)])

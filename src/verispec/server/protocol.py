@@ -15,7 +15,7 @@ from typing import Any
 
 from verispec.errors import VerispecError
 from verispec.models.base import CausalLM
-from verispec.policy import ADAPTIVE_SETTINGS
+from verispec.options import DraftLen
 from verispec.sampling import SamplingParams
 from verispec.server.scheduler import DraftSetting
 from verispec.text import encode_chat
@@ -128,6 +128,7 @@ class ServerConfig:
     target: CausalLM
     model_name: str
     draft_len: DraftSetting  # the server's own setting; None when it was started without a drafter
+    max_model_len: int  # most tokens of prompt plus answer per request: the model's context, or less if the server says
 
 
 def parse_common(fields: Fields, config: ServerConfig, prompts: list[list[int]], prompt_param: str,
@@ -184,7 +185,7 @@ def parse_common(fields: Fields, config: ServerConfig, prompts: list[list[int]],
     if stop is not None and len(stop) > MAX_STOP:
         raise ApiError(400, f"stop takes at most {MAX_STOP} sequences, got {len(stop)}", param="stop", code="invalid_value")
 
-    context = config.target.max_context
+    context = config.max_model_len
     for ids in prompts:
         if not ids:
             raise ApiError(400, "the prompt is empty: give at least one token", param=prompt_param, code="invalid_value")
@@ -212,11 +213,12 @@ def parse_draft(fields: Fields, config: ServerConfig) -> DraftSetting:
     adapts, "tree" adapts with token-tree alternates."""
     speculate = fields.boolean("speculate", True)
     draft_len = fields.body.get("draft_len")
-    if draft_len is not None and draft_len not in ADAPTIVE_SETTINGS:
-        if isinstance(draft_len, str):
+    if draft_len is not None:
+        try:
+            draft_len = DraftLen.parse(draft_len, most=MAX_DRAFT_LEN)
+        except VerispecError:
             raise ApiError(400, f"draft_len must be an integer 1-{MAX_DRAFT_LEN}, 'auto' or 'tree', got {show(draft_len)}",
-                           param="draft_len", code="invalid_value")
-        draft_len = fields.integer("draft_len", None, 1, MAX_DRAFT_LEN)
+                           param="draft_len", code="invalid_value") from None
     if config.draft_len is None:
         if fields.body.get("speculate") is True or draft_len is not None:
             param = "draft_len" if draft_len is not None else "speculate"
@@ -235,7 +237,7 @@ def parse_completion(body: Any, config: ServerConfig, tokenizer) -> Spec:
     fields.only_default("echo", False)
     fields.only_default("suffix", "")
     fields.only_default("best_of", 1)
-    prompts = completion_prompts(fields.body.get("prompt"), tokenizer, config.target.max_context)
+    prompts = completion_prompts(fields.body.get("prompt"), tokenizer, config.max_model_len)
     max_tokens = fields.integer("max_tokens", None, 1)
     return parse_common(fields, config, prompts, "prompt", max_tokens, default_max_tokens=16)
 
@@ -292,7 +294,7 @@ def parse_chat(body: Any, config: ServerConfig, tokenizer) -> Spec:
     if not getattr(tokenizer, "chat_template", None):
         raise ApiError(400, f"{config.model_name} has no chat template: use /v1/completions", param="messages", code="unsupported_model")
     messages = chat_messages(fields.body.get("messages"))
-    check_text_fits(tokenizer, "".join(m["content"] for m in messages), config.target.max_context, "messages")
+    check_text_fits(tokenizer, "".join(m["content"] for m in messages), config.max_model_len, "messages")
     ids = encode_chat(tokenizer, messages)
     return parse_common(fields, config, [ids], "messages", max_tokens, default_max_tokens=None)
 

@@ -31,7 +31,8 @@ from verispec.drafters.base import Drafter
 from verispec.engine import DecodeBatch, Request as EngineRequest, TokenEvent
 from verispec.errors import VerispecError
 from verispec.models.base import CausalLM
-from verispec.policy import DraftPolicy, make_policy
+from verispec.options import DraftLen
+from verispec.policy import DraftPolicy, FixedDraftLen, make_policy
 from verispec.stats import SpecStats
 
 log = logging.getLogger("verispec.server")
@@ -39,8 +40,8 @@ log = logging.getLogger("verispec.server")
 MAX_WASTED_SLOTS = 256  # a lane stops admitting rows once its slot axis is this much longer than its longest row
 PREFILL_TOKENS_PER_STEP = 512  # prompt tokens admitted between two steps while rows are decoding
 
-# How a lane decodes: None = plain decoding, an int = fixed draft length, "auto" = adaptive draft length.
-DraftSetting = int | str | None
+# How a lane decodes: None = plain decoding, else its draft length (a DraftLen, or anything DraftLen.parse takes).
+DraftSetting = DraftLen | int | str | None
 
 
 @dataclass
@@ -300,7 +301,7 @@ class Scheduler:
             if lane.open and lane.draft == setting and len(lane.batch):
                 return lane
         if setting is None:
-            drafter, policy = self.new_drafter(False), 1  # no drafter: k is never used
+            drafter, policy = self.new_drafter(False), FixedDraftLen(1)  # no drafter: k is never used
         else:
             drafter = self.new_drafter(True)
             policy = self.policies.setdefault(setting, make_policy(setting))

@@ -33,6 +33,13 @@ rows the weights are rebuilt in registers; for more, a tile's rows are widened o
 into an L1 scratch that the float32 tiles then read. Qwen2.5-Coder 1.5B reads 1.4 GB per step
 instead of 7.1; the step becomes bound by the rebuilding arithmetic (~3 cycles per 8 weights).
 
+`GGUFMatrix` is the other way to run a GGUF file: its Q4_K / Q6_K blocks exactly as the file stores
+them (memory-mapped, `models.gguf_q8`), with llama.cpp's numerics instead of the float32 model's: each
+activation row rounded to 8 bits per block of 256 as ggml's Q8_K, integer dot products against the
+blocks' codes (AVX-512 VNNI, or AVX2 byte products), the blocks' scales applied in float32 (csrc/
+kquant_q8.c). Rows stay independent (threads split output columns; each output's sums run in one
+fixed order), so a target in this mode (`numerics="q8"`) is speculated on exactly.
+
 Prefill is the other regime: hundreds of rows, compute-bound. `blocked_linear` is a classic blocked
 GEMM for it (packed panels, 6x16 register tiles, AVX2+FMA), used where PyTorch's GEMM is slow: on
 2 AVX2 Zen 3 cores ~130-145 GFLOPS where MKL's path gave 75-120. Its rows are independent too,
@@ -63,7 +70,7 @@ and the ISA in use), `matrices` (weight formats), `ops` (the operations).
 
 from verispec.models.kernels.abi import SLOT_BLOCK, Format
 from verispec.models.kernels.config import KernelConfig
-from verispec.models.kernels.matrices import (ExactBlocks, Int4Matrix, Int8Matrix, PanelMatrix, Q4KMatrix, Q6KMatrix,
+from verispec.models.kernels.matrices import (ExactBlocks, GGUFMatrix, Int4Matrix, Int8Matrix, PanelMatrix, Q4KMatrix, Q6KMatrix,
                                               QuantizedMatrix)
 from verispec.models.kernels.ops import (MAX_ROWS, LayerStack, Linear, LinearGroup, _int4_code, blocked_linear,
                                          blocked_preferred, blocked_takes, cache_write, panels_preferred, rms_norm, rope_,
@@ -72,7 +79,7 @@ from verispec.models.kernels.runtime import available, isa, lanes, runtime, vnni
 
 __all__ = [
     "SLOT_BLOCK", "MAX_ROWS", "Format", "KernelConfig", "QuantizedMatrix", "Int8Matrix", "Int4Matrix", "ExactBlocks",
-    "Q4KMatrix", "Q6KMatrix", "PanelMatrix", "Linear", "LinearGroup", "LayerStack", "rowwise_linear", "blocked_linear",
+    "Q4KMatrix", "Q6KMatrix", "GGUFMatrix", "PanelMatrix", "Linear", "LinearGroup", "LayerStack", "rowwise_linear", "blocked_linear",
     "blocked_preferred", "blocked_takes", "panels_preferred", "rms_norm", "rope_", "silu_mul_", "cache_write",
     "slot_attention", "available", "isa", "lanes", "vnni", "runtime",
 ]

@@ -43,7 +43,8 @@ class Product(ctypes.Structure):
     """C `vs_product`: one kernel call's matrices (a `LinearGroup` of one weight format)."""
 
     _fields_ = [("count", ctypes.c_int), ("format", ctypes.c_int), ("K", ctypes.c_int64),
-                ("w", _group), ("s", _group), ("b", _group), ("N", ctypes.c_int64 * MAX_GROUP)]
+                ("w", _group), ("s", _group), ("b", _group), ("N", ctypes.c_int64 * MAX_GROUP),
+                ("kind", ctypes.c_int * MAX_GROUP)]
 
 
 class Layer(ctypes.Structure):

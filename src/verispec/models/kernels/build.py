@@ -25,6 +25,8 @@ AVX512 = ("-DVS_ISA_AVX512", "-mavx512f")
 AVX2 = ("-DVS_ISA_AVX2", "-mavx2", "-mfma")
 AVX2_ONLY = ("-mavx2", "-mfma")
 VNNI_ONLY = ("-mavx512f", "-mavx512bw", "-mavx512vnni")
+Q8_512 = ("-DVS_Q8_512", "-mavx512f", "-mavx512bw", "-mavx512vnni", "-mf16c")
+Q8_256 = ("-DVS_Q8_256", "-mavx2", "-mfma", "-mf16c")
 
 # Each source with the instruction-set flags of each object made from it. Baseline code (no flags)
 # runs before anything has checked the CPU; the rest runs only once kernels_isa() allowed it.
@@ -37,6 +39,7 @@ UNITS: dict[str, tuple[tuple[str, ...], ...]] = {
     "panels.c": (AVX2_ONLY,),
     "int4_avx2.c": (AVX2_ONLY,),
     "int4_vnni.c": (VNNI_ONLY,),
+    "kquant_q8.c": (Q8_512, Q8_256),
     **{vector: (AVX512, AVX2) for vector in ("linear.c", "int4.c", "exact.c", "norms.c", "attention.c")},
 }
 
@@ -57,7 +60,7 @@ def _objects() -> list[tuple[Path, tuple[str, ...], str]]:
     objects = []
     for name, variants in UNITS.items():
         for flags in variants:
-            isa = "_512" if flags == AVX512 else "_256" if flags == AVX2 else ""
+            isa = "_512" if flags in (AVX512, Q8_512) else "_256" if flags in (AVX2, Q8_256) else ""
             objects.append((CSRC / name, flags, f"{Path(name).stem}{isa}.o"))
     return objects
 

@@ -5,6 +5,7 @@ back to a dense tensor; the products live in `ops`."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from verispec.models.kernels import abi
@@ -192,6 +193,52 @@ class Q6KMatrix(ExactBlocks):
         n = self.values.shape[0]
         q = self.values.reshape(n, -1, 16).to(torch.float32)
         return (self.scale.reshape(n, -1, 1) * q).reshape(n, -1).to(dtype)
+
+
+class GGUFMatrix(QuantizedMatrix):
+    """A GGUF file's Q4_K or Q6_K matrix [N, K] exactly as the file stores it, multiplied with llama.cpp's
+    numerics: each activation row rounded to 8 bits per block of 256 as ggml's Q8_K, integer dot products
+    against the blocks' codes, the blocks' scales applied in float32 (see csrc/kquant_q8.c for the exact
+    recipe). The integer parts are ggml's to the bit; the float parts are summed in another order than
+    llama.cpp's SIMD kernels, so outputs agree with llama.cpp's to float32 rounding, not bitwise. These are
+    not the float32 model's numbers: a target in this mode is its own target (`numerics="q8"`), and every
+    row's result is bitwise the same at any pass width, so speculation is exact with respect to it.
+
+    values [N, K / 256 * block bytes] uint8: the rows' blocks (144 bytes per 256 weights for Q4_K, 210 for
+    Q6_K), typically a view of the memory-mapped file; `kind` the ggml type id (12 Q4_K, 14 Q6_K)."""
+
+    dtype = torch.float32  # activations in and outputs out are float32
+    KINDS = {12: ("Q4_K", 144), 14: ("Q6_K", 210)}
+
+    def __init__(self, values: torch.Tensor, kind: int, scale: torch.Tensor | None = None):
+        if kind not in self.KINDS:
+            raise ValueError(f"GGUFMatrix holds Q4_K (12) or Q6_K (14) blocks, not ggml type {kind}")
+        super().__init__(values, torch.empty(0) if scale is None else scale)
+        self.kind = kind
+
+    @property
+    def block_bytes(self) -> int:
+        return self.KINDS[self.kind][1]
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.values.shape[0], self.values.shape[1] // self.block_bytes * 256))
+
+    def __getitem__(self, rows) -> "GGUFMatrix":
+        return GGUFMatrix(self.values[rows].contiguous(), self.kind)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The float32 weights ggml's dequantizer makes of the blocks (what a float32 conversion holds)."""
+        return self.rows(torch.arange(self.values.shape[0])).to(dtype)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` (long [n]) dequantized to float32 [n, K]: an embedding lookup on a quantized table."""
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize
+
+        raw = self.values[ids.reshape(-1)].numpy()
+        dense = dequantize(raw, getattr(GGMLQuantizationType, self.KINDS[self.kind][0]))
+        return torch.from_numpy(np.ascontiguousarray(dense, dtype=np.float32)).reshape(*ids.shape, -1)
 
 
 class PanelMatrix(QuantizedMatrix):

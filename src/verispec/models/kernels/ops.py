@@ -11,7 +11,8 @@ import torch
 
 from verispec.models.kernels import abi
 from verispec.models.kernels.abi import Format
-from verispec.models.kernels.matrices import (ExactBlocks, Int4Matrix, Int8Matrix, PanelMatrix, QuantizedMatrix)
+from verispec.models.kernels.matrices import (ExactBlocks, GGUFMatrix, Int4Matrix, Int8Matrix, PanelMatrix,
+                                              QuantizedMatrix)
 from verispec.models.kernels.runtime import check, isa, runtime
 
 # Rows one small pass may hold. Above this (prefill), a blocked GEMM is faster, and exactness
@@ -53,13 +54,16 @@ class Linear:
     `rowwise_linear(x, weight, bias, out)` does without re-checking the weight on every call.
     x [M, K] and out [M, N] must be contiguous float32 CPU tensors (the caller's own buffers)."""
 
-    __slots__ = ("weight", "bias", "n", "k", "_matrix", "_scale", "_bias", "_format", "_product", "_out")
+    __slots__ = ("weight", "bias", "n", "k", "_matrix", "_scale", "_bias", "_format", "_kind", "_product", "_out")
 
     def __init__(self, weight, bias: torch.Tensor | None = None):
         self.n, self.k = weight.shape
+        self._kind = 0  # the ggml block type of a GGUFMatrix
         if bias is not None:
             check(bias)
-        if isinstance(weight, QuantizedMatrix):
+        if isinstance(weight, GGUFMatrix):
+            matrix, self._scale, self._format, self._kind = weight.values, None, Format.GGUF_Q8, weight.kind
+        elif isinstance(weight, QuantizedMatrix):
             check(weight.scale)
             matrix, self._scale = weight.values, weight.scale.data_ptr()
             if isinstance(weight, ExactBlocks):
@@ -96,6 +100,7 @@ def _product(members: list[Linear]) -> abi.Product:
     product = abi.Product(count=len(members), format=members[0]._format, K=members[0].k)
     for i, lin in enumerate(members):
         product.w[i], product.s[i], product.b[i], product.N[i] = lin._matrix, lin._scale, lin._bias, lin.n
+        product.kind[i] = lin._kind
     return product
 
 

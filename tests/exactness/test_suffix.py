@@ -12,7 +12,7 @@ import torch
 import verispec
 from verispec.drafters.suffix import NGRAM_SIZES, SuffixDrafter, SuffixIndex
 from verispec.engine import DecodeBatch, Request
-from verispec.policy import FixedDraftLen
+from verispec.policy import FixedDraftLen, make_policy
 from verispec.sampling import SamplingParams
 
 
@@ -106,7 +106,7 @@ def test_greedy_output_is_the_targets(tiny_pair, draft_len):
     for prompt in prompts:  # the third repeats the first: it drafts from the first's output
         plain = verispec.generate(target, prompt, drafter="none", max_new_tokens=40).token_ids
         drafter = SuffixDrafter(index, target.vocab_size)
-        batch = DecodeBatch(target, drafter, draft_len)
+        batch = DecodeBatch(target, drafter, make_policy(draft_len))
         batch.add([Request(prompt, max_new_tokens=40, id=0)])
         out = []
         while len(batch):

@@ -35,6 +35,7 @@ def test_draft_with_a_different_vocabulary(target):
     expect_error("same vocabulary|share one vocabulary", target=target, prompt=[1, 2], draft=other, drafter="model")
 
 
+@pytest.mark.slow
 def test_draft_with_a_different_tokenizer():
     import copy
 
@@ -112,9 +113,24 @@ def test_unknown_drafter(target):
     expect_error("unknown drafter", target=target, prompt=[1, 2], drafter="medusa-9000")
 
 
-@pytest.mark.parametrize("max_new_tokens", [0, -5, 1.5])
+@pytest.mark.parametrize("max_new_tokens", [0, -5, 1.5, None, "many"])
 def test_bad_max_new_tokens(target, max_new_tokens):
     expect_error("max_new_tokens", target=target, prompt=[1, 2], max_new_tokens=max_new_tokens)
+
+
+def test_a_device_this_build_cannot_use():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+    with pytest.raises(VerispecError, match="needs CUDA.*device='cpu'"):
+        verispec.load("smollm2-135m", device="cuda")
+    with pytest.raises(VerispecError, match="unknown device"):
+        verispec.load("smollm2-135m", device="gpu-please")
+
+
+def test_system_prompt_needs_chat(target):
+    expect_error("chat=True", target=target, prompt=[1, 2], system="be brief")
 
 
 def test_bad_stop(target):

@@ -65,6 +65,7 @@ def report(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_bench_writes_reports_with_identical_outputs(report):
     data = json.loads((report / "t.json").read_text())
     assert len(data["prompts"]) == 2
@@ -80,6 +81,7 @@ def test_bench_writes_reports_with_identical_outputs(report):
     assert (report / "t.png").stat().st_size > 10_000
 
 
+@pytest.mark.slow
 def test_bench_labels_a_lossy_run(tmp_path):
     """A run with typical acceptance (lossy) says so in its report."""
     run_small_bench(tmp_path, "lossy", "--per-category", "1", "--max-new-tokens", "8", "--sweep", "", "--widths", "1,2",

@@ -345,6 +345,28 @@ def test_a_request_that_can_never_fit_gets_a_400_not_a_503():
         assert client.post("/v1/completions", json={"prompt": PROMPT, "n": 2, "max_tokens": 2}).status_code == 200
 
 
+def test_served_model_name_max_model_len_and_chat_template(tmp_path):
+    from fastapi.testclient import TestClient
+
+    template = tmp_path / "template.jinja"
+    template.write_text("{% for m in messages %}<<{{ m['role'] }}>> {{ m['content'] }}\n{% endfor %}<<assistant>>")
+    app = build_app("smollm2-135m", drafter="ngram", model_name="tiny", max_model_len=64, chat_template=str(template))
+    with TestClient(app) as client:
+        assert [m["id"] for m in client.get("/v1/models").json()["data"]] == ["tiny"]
+        assert client.get("/v1/models/tiny").json()["max_model_len"] == 64
+        ok = client.post("/v1/completions", json={"model": "tiny", "prompt": PROMPT, "max_tokens": 8, "temperature": 0})
+        assert ok.status_code == 200, ok.text
+        too_long = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 60})
+        assert too_long.status_code == 400 and too_long.json()["error"]["code"] == "context_length_exceeded"
+        ids = client.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()["tokens"]
+        tokenizer = verispec.load("smollm2-135m").tokenizer
+        assert tokenizer.decode(ids) == "<<user>> hi\n<<assistant>>"
+    with pytest.raises(VerispecError, match="chat-template"):
+        build_app("smollm2-135m", drafter="ngram", chat_template=str(tmp_path / "missing.jinja"))
+    with pytest.raises(VerispecError, match="max_model_len"):
+        build_app("smollm2-135m", drafter="ngram", max_model_len=1)
+
+
 def test_server_options_are_checked_before_loading():
     with pytest.raises(VerispecError, match="max_queue"):
         build_app("smollm2-135m", max_queue=-1)
@@ -581,6 +603,17 @@ def test_metrics_count_requests_and_speculation(server):
     assert after[latency] == before.get(latency, 0) + 1
     assert after['verispec_request_latency_seconds_bucket{endpoint="/v1/completions",le="+Inf"}'] == after[latency]
     assert {"verispec_batch_size", "verispec_queue_depth", "verispec_step_failures_total"} <= set(after)
+    # vLLM's names and meanings, with the model's name as a label.
+    label = f'model_name="{MODEL}"'
+    drafts, accepted = f"verispec:spec_decode_num_drafts_total{{{label}}}", f"verispec:spec_decode_num_accepted_tokens_total{{{label}}}"
+    assert after[drafts] > before.get(drafts, 0) and after[accepted] == after["verispec_accepted_tokens_total"]
+    assert after[f"verispec:spec_decode_num_draft_tokens_total{{{label}}}"] == after["verispec_drafted_tokens_total"]
+    assert after[f'verispec:spec_decode_num_accepted_tokens_per_pos_total{{{label},position="0"}}'] == \
+        after['verispec_draft_position_accepted_total{position="1"}']
+    assert after[f"verispec:e2e_request_latency_seconds_count{{{label}}}"] >= 1
+    assert after[f"verispec:inter_token_latency_seconds_count{{{label}}}"] >= 1
+    assert after[f'verispec:request_success_total{{finished_reason="length",{label}}}'] >= 1
+    assert after[f"verispec:num_requests_running{{{label}}}"] == 0
 
 
 def test_no_step_failed_and_the_log_is_clean(server):

@@ -137,9 +137,10 @@ def test_batch_reused_after_it_emptied(tiny_pair, drafter):
     """Rows join a DecodeBatch whose earlier rows all left: they must decode as if alone."""
     from verispec.api import make_drafter
     from verispec.engine import DecodeBatch, Request
+    from verispec.policy import FixedDraftLen
 
     target, draft = tiny_pair
-    batch = DecodeBatch(target, make_drafter(target, draft, drafter), 3)
+    batch = DecodeBatch(target, make_drafter(target, draft, drafter), FixedDraftLen(3))
     batch.add([Request(PROMPTS[0], max_new_tokens=20, id="first")])
     batch.step()
     batch.remove("first")

@@ -22,6 +22,7 @@ from verispec.drafters import ModelDrafter
 from verispec.engine import DecodeBatch, Request
 from verispec.errors import VerispecError
 from verispec.policy import AdaptiveDraftLen, Calibration, CostCurve, FixedDraftLen, make_policy, start_pays
+from verispec.stats import StepRecord
 
 
 def true_rate(k: int, alpha: float, draft: float, target) -> float:
@@ -43,8 +44,8 @@ def simulate(policy, alpha: float, draft: float, target, steps: int = 400, batch
                 n += 1
             accepted.append(n)
         jitter = lambda: 1 + rng.uniform(-noise, noise)
-        policy.observe(batch_size, k, k + 1, torch.full((batch_size,), k), torch.tensor(accepted),
-                       k * draft * jitter(), target(batch_size * (k + 1)) * jitter())
+        policy.observe(StepRecord(batch_size, k, k + 1, torch.full((batch_size,), k), torch.tensor(accepted),
+                                  k * draft * jitter(), target(batch_size * (k + 1)) * jitter()))
     return chosen
 
 
@@ -141,7 +142,7 @@ def test_rows_without_a_draft_count_against_acceptance():
     and gain nothing, so E(k) must not count only the rows that drafted."""
     policy = AdaptiveDraftLen()
     for _ in range(50):
-        policy.observe(4, 1, 2, torch.tensor([1, 1, 0, 0]), torch.tensor([1, 0, 0, 0]), 0.001, 0.1)
+        policy.observe(StepRecord(4, 1, 2, torch.tensor([1, 1, 0, 0]), torch.tensor([1, 0, 0, 0]), 0.001, 0.1))
     assert policy.acceptance()[0] == pytest.approx(0.25, abs=0.03)
     # A position never reached is priced like the last one measured, not like the optimistic prior.
     assert policy.acceptance()[1] == pytest.approx(0.25, abs=0.03)
@@ -191,8 +192,8 @@ def confident_steps(policy, draft: float, target, steps: int = 3000, seed: int =
             accepted += 1
         forwards = drafted if drafted == k else drafted + 1  # a stop still paid for the token it judged
         draft_seconds, target_seconds = forwards * draft, target(drafted + 1)
-        policy.observe(1, k, drafted + 1, torch.tensor([drafted]), torch.tensor([accepted]), draft_seconds,
-                       target_seconds, torch.tensor([confidence[:drafted]]) if drafted else None)
+        policy.observe(StepRecord(1, k, drafted + 1, torch.tensor([drafted]), torch.tensor([accepted]), draft_seconds,
+                                  target_seconds, torch.tensor([confidence[:drafted]]) if drafted else None))
         tokens += accepted + 1
         seconds += draft_seconds + target_seconds
     return tokens / seconds

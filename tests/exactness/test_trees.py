@@ -10,6 +10,8 @@ Three claims:
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -20,6 +22,7 @@ from verispec.drafters.base import Draft
 from verispec.engine import DecodeBatch, Request
 from verispec.models.native import NativeCausalLM
 from verispec.policy import AdaptiveDraftLen, ConfidenceStop
+from verispec.stats import AlternateOutcome, StepRecord
 from verispec.verifiers import GreedyVerifier
 
 PREFIX = [1, 5, 6, 7, 8, 9, 5, 6, 7, 10, 11]
@@ -159,10 +162,9 @@ class _PricedLikeAPair(AdaptiveDraftLen):
     """The adaptive policy fed the costs of a real pair (a draft token 0.1 of a step, a verify row 0.02),
     not the tiny models' own: their draft costs as much as their target, so speculation would not pay."""
 
-    def observe(self, batch_size, draft_len, width, num_drafted, num_accepted, draft_seconds, target_seconds, *args, **kwargs):
-        rows = batch_size * (width + kwargs.get("extra_rows", 0))
-        super().observe(batch_size, draft_len, width, num_drafted, num_accepted, 0.01 * (width - 1), 0.1 + 0.002 * rows,
-                        *args, **kwargs)
+    def observe(self, step):
+        rows = step.batch_size * (step.width + step.extra_rows)
+        super().observe(replace(step, draft_seconds=0.01 * (step.width - 1), target_seconds=0.1 + 0.002 * rows))
 
 
 def test_adaptive_policy_places_alternates_and_stays_exact(pair):
@@ -196,6 +198,6 @@ def test_alternate_calibration_learns_from_taken_alternates():
     before = float(policy.alternate_calibration(torch.tensor([0.35])))
     present = torch.tensor([[True, False]])
     for _ in range(30):  # the chain breaks at position 0 and the alternate (confidence 0.35) is the target's token
-        policy.observe(1, 2, 3, torch.tensor([2]), torch.tensor([0]), 0.01, 0.1, torch.tensor([[0.9, 0.9]]),
-                       extra_rows=1, alternates=(present, torch.tensor([[0.35, 0.0]]), torch.tensor([True])))
+        policy.observe(StepRecord(1, 2, 3, torch.tensor([2]), torch.tensor([0]), 0.01, 0.1, torch.tensor([[0.9, 0.9]]), extra_rows=1,
+                                  alternates=AlternateOutcome(present, torch.tensor([[0.35, 0.0]]), torch.tensor([True]))))
     assert before < 0.4 < float(policy.alternate_calibration(torch.tensor([0.35])))

@@ -13,7 +13,7 @@ from scipy.stats import chisquare
 
 import verispec
 from verispec.drafters import ModelDrafter
-from verispec.drafters.base import Draft
+from verispec.drafters.base import Draft, Drafter
 from verispec.engine import DecodeBatch, Request
 from verispec.policy import FixedDraftLen
 from verispec.sampling import SamplingParams, make_generators, sample, warp, warp_rows
@@ -244,7 +244,7 @@ class StopsOnConfidence(FixedDraftLen):
         return ThresholdStop(self.threshold)
 
 
-class DropsUnlikelyDraws:
+class DropsUnlikelyDraws(Drafter):
     """The bug a confidence stop must avoid: judging a sampled token by q of the token drawn. The
     drafts it keeps no longer follow q, so min(1, p/q) is applied to the wrong proposal."""
 

@@ -1,0 +1,325 @@
+"""llama.cpp's numerics on a GGUF file's own blocks (`numerics="q8"`): activations rounded as ggml's Q8_K,
+integer dot products against Q4_K / Q6_K blocks. The references below are plain numpy transcriptions of
+ggml's formulas (quantize_row_q8_K_ref, the k-quant block layouts), with the float part in the kernel's
+documented order (csrc/kquant_q8.c), so the kernels must match them bit for bit on either ISA."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, GGUFWriter
+from gguf.quants import dequantize
+
+import verispec
+from verispec.errors import VerispecError
+from verispec.models import gguf_q8, kernels
+from verispec.models.kernels import config as kernel_config
+
+from conftest import EOS, VOCAB
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="kernels unavailable here")
+
+BYTES = {"Q4_K": 144, "Q6_K": 210}
+KIND = {"Q4_K": 12, "Q6_K": 14}
+ISAS = [512, 256] if kernels.isa() == 512 else [256]
+
+
+@pytest.fixture(params=ISAS)
+def isa(request, monkeypatch):
+    """Each test once per ISA this CPU runs (the AVX-512 kernels need VNNI: else AVX2 runs under both)."""
+    monkeypatch.setattr(kernel_config, "_current", dataclasses.replace(kernel_config.current(), isa=request.param))
+    return 16 if request.param == 512 and kernels.runtime().lib.kernels_vnni() else 8  # float lanes of the kernel
+
+
+def random_blocks(kind: str, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """Random well-formed blocks of an [n, k] matrix: random codes, finite half-precision scales."""
+    raw = rng.integers(0, 256, size=(n * k // 256, BYTES[kind]), dtype=np.uint8)
+    scales = (rng.standard_normal((raw.shape[0], 2 if kind == "Q4_K" else 1)) * 0.02).astype(np.float16)
+    where = slice(0, 4) if kind == "Q4_K" else slice(208, 210)
+    raw[:, where] = scales.view(np.uint8).reshape(raw.shape[0], -1)
+    return raw.reshape(n, -1)
+
+
+# ---- the references: ggml's formulas in numpy -------------------------------------------------------
+
+def q8k_reference(x: np.ndarray):
+    """ggml's quantize_row_q8_K_ref on rows x [M, K] float32 -> (q [M, K] int8, d [M, K/256] float32, bsums [M, K/16])."""
+    m, k = x.shape
+    blocks = x.reshape(m, k // 256, 256).astype(np.float32)
+    first = np.abs(blocks).argmax(axis=2)  # the first of the largest magnitudes, as the strict > of the C loop
+    peak = np.take_along_axis(blocks, first[..., None], axis=2)[..., 0]
+    zero = peak == 0
+    iscale = np.float32(-127.0) / np.where(zero, np.float32(1), peak)
+    q = np.minimum(np.rint(iscale[..., None] * blocks), 127).astype(np.int64)  # float32 product, ties to even
+    q[zero] = 0
+    d = np.where(zero, np.float32(0), np.float32(1.0) / iscale).astype(np.float32)
+    bsums = q.reshape(m, k // 16, 16).sum(axis=2)
+    return q.reshape(m, k).astype(np.int8), d, bsums
+
+
+def q4k_codes(block: np.ndarray):
+    """A Q4_K block -> (d, dmin, scales [8], mins [8], codes [256] in weight order)."""
+    d, dmin = block[0:4].view(np.float16).astype(np.float32)
+    p = block[4:16].astype(np.int64)
+    sc = np.concatenate((p[0:4] & 63, (p[8:12] & 15) | ((p[0:4] >> 6) << 4)))
+    mn = np.concatenate((p[4:8] & 63, (p[8:12] >> 4) | ((p[4:8] >> 6) << 4)))
+    qs = block[16:].astype(np.int64).reshape(4, 32)
+    codes = np.concatenate((qs & 15, qs >> 4), axis=1).reshape(256)
+    return d, dmin, sc, mn, codes
+
+
+def q6k_codes(block: np.ndarray):
+    """A Q6_K block -> (d, scales [16], unsigned codes q + 32 [256] in weight order)."""
+    ql, qh = block[0:128].astype(np.int64).reshape(2, 64), block[128:192].astype(np.int64).reshape(2, 32)
+    sc = block[192:208].view(np.int8).astype(np.int64)
+    d = block[208:210].view(np.float16).astype(np.float32)[0]
+    low = np.concatenate((ql & 15, ql >> 4), axis=1)  # [2, 128]: weights i < 64 low nibbles, the rest high
+    top = np.concatenate([(qh >> (2 * t)) & 3 for t in range(4)], axis=1)  # weight 32 t + i: bits 2t of qh[i]
+    return d, sc, (low | (top << 4)).reshape(256)
+
+
+def dot_reference(kind: str, raw: np.ndarray, x: np.ndarray, lanes: int, bias: np.ndarray | None = None) -> np.ndarray:
+    """y [M, N] for blocks raw [N, bytes] and activations x [M, K], in the kernel's float order with `lanes` lanes."""
+    q, dq, bsums = q8k_reference(x)
+    n, m, k = raw.shape[0], x.shape[0], x.shape[1]
+    nb, size = k // 256, BYTES[kind]
+    f32 = np.float32
+    out = np.empty((m, n), dtype=np.float32)
+    for c in range(n):
+        blocks = raw[c].reshape(nb, size)
+        for r in range(m):
+            acc, accm = np.zeros(lanes, np.float32), np.zeros(4, np.float32)
+            for b in range(nb):
+                q8 = q[r, b * 256:(b + 1) * 256].astype(np.int64)
+                bs = bsums[r, b * 16:(b + 1) * 16]
+                dy = dq[r, b]
+                if kind == "Q4_K":
+                    d, dmin, sc, mn, codes = q4k_codes(blocks[b])
+                    products = sc[np.arange(256) // 32] * codes * q8
+                    lane = products.reshape(-1, lanes, 4).sum(axis=(0, 2))
+                    mins = (mn * bs.reshape(8, 2).sum(axis=1)).reshape(4, 2).sum(axis=1)
+                    accm = accm + f32(dy * dmin) * mins.astype(np.float32)
+                else:
+                    d, sc, codes = q6k_codes(blocks[b])
+                    lane = (sc[np.arange(256) // 16] * codes * q8).reshape(-1, lanes, 4).sum(axis=(0, 2))
+                    lane[:8] -= 32 * (sc * bs).reshape(8, 2).sum(axis=1)
+                assert np.abs(lane).max() < 2 ** 31
+                acc = acc + f32(dy * d) * lane.astype(np.float32)
+            total = f32(0)
+            for value in acc:
+                total = f32(total + value)
+            low = f32(f32(f32(accm[0] + accm[1]) + accm[2]) + accm[3])
+            out[r, c] = f32(f32(total - low) + f32(0 if bias is None else bias[c]))
+    return out
+
+
+# ---- kernels against the references ----------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("n, k", [(5, 256), (3, 768)])
+def test_products_are_ggml_formulas_bit_for_bit(kind, n, k, isa):
+    rng = np.random.default_rng(n * k + KIND[kind])
+    raw = random_blocks(kind, n, k, rng)
+    matrix = kernels.GGUFMatrix(torch.from_numpy(raw), KIND[kind])
+    assert tuple(matrix.shape) == (n, k)
+    x = rng.standard_normal((6, k)).astype(np.float32)
+    x[0, :256] = 0.0  # an all-zero block: d = 0, codes 0
+    x[1, 7] = -x[1].__abs__().max() * 2  # the block's peak is negative: iscale > 0
+    x[2, :256] = np.float32(1e-3)  # all |x| tied: the first is the peak
+    x[3, :256] = np.arange(256) % 120 - 59.5  # iscale = 1 exactly: every code a tie, rounded to even
+    x[3, 0] = -127.0
+    bias = rng.standard_normal(n).astype(np.float32)
+    got = kernels.rowwise_linear(torch.from_numpy(x), matrix, torch.from_numpy(bias))
+    want = dot_reference(kind, raw, x, isa, bias)
+    assert np.array_equal(got.numpy().view(np.int32), want.view(np.int32))
+    # and close to the float product of the dequantized weights: only the activations' rounding differs
+    dense = x.astype(np.float64) @ dequantize(raw, getattr(GGMLQuantizationType, kind)).astype(np.float64).T + bias
+    assert np.abs(got.numpy() - dense).max() < 0.02 * np.abs(dense).max()
+
+
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
+def test_each_row_is_the_same_at_every_width_and_thread_count(kind, isa):
+    rng = np.random.default_rng(5)
+    raw = random_blocks(kind, 37, 512, rng)  # 37 columns: threads split them unevenly
+    matrix = kernels.GGUFMatrix(torch.from_numpy(raw), KIND[kind])
+    x = torch.from_numpy(rng.standard_normal((16, 512)).astype(np.float32))
+    whole = kernels.rowwise_linear(x, matrix)
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            for rows in range(1, 17):
+                for first in (0, 16 - rows):
+                    part = kernels.rowwise_linear(x[first:first + rows].contiguous(), matrix)
+                    assert torch.equal(part, whole[first:first + rows])
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_a_group_mixing_q4k_and_q6k_is_one_call_with_each_matrix_own_numbers(isa):
+    rng = np.random.default_rng(9)
+    q4 = kernels.GGUFMatrix(torch.from_numpy(random_blocks("Q4_K", 12, 512, rng)), 12)
+    q6 = kernels.GGUFMatrix(torch.from_numpy(random_blocks("Q6_K", 8, 512, rng)), 14)
+    linears = [kernels.Linear(q4), kernels.Linear(q6), kernels.Linear(q4, torch.randn(12))]
+    group = kernels.LinearGroup(linears)
+    assert len(group._calls) == 1
+    x = torch.randn(3, 512)
+    outs = group(x, tuple(torch.empty(3, lin.n) for lin in linears))
+    for out, lin in zip(outs, linears):
+        assert torch.equal(out, lin(x, torch.empty(3, lin.n)))
+
+
+# ---- a whole model from a GGUF file -------------------------------------------------------------------
+
+def tiny_gguf(tmp_path, layers: int = 2, head_kind: str = "Q6_K", embed_kind: str = "Q4_K"):
+    """A tiny Qwen2 GGUF file (Q4_K_M's mix: q, k, o, gate, up Q4_K; v, down, head Q6_K; float32 norms and q/k/v
+    biases) and a transformers model holding its dequantized weights (the float32 model the file stands for)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    hidden, inter, heads, kv_heads = 256, 512, 4, 2
+    config = Qwen2Config(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+                         num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=512,
+                         rms_norm_eps=1e-6, eos_token_id=EOS, tie_word_embeddings=head_kind is None)
+    model = Qwen2ForCausalLM(config).eval()
+    rng = np.random.default_rng(11)
+    path = tmp_path / "tiny-q8.gguf"
+    writer = GGUFWriter(str(path), "qwen2")
+    writer.add_block_count(layers)
+    writer.add_context_length(512)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(inter)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_eos_token_id(EOS)
+    writer.add_array("tokenizer.ggml.tokens", [f"t{i}" for i in range(VOCAB)])  # an array to skip over
+
+    def blocks(name, kind, weight):
+        n, k = weight.shape
+        raw = random_blocks(kind, n, k, rng)
+        raw.reshape(-1, BYTES[kind])[:, slice(0, 4) if kind == "Q4_K" else slice(208, 210)] = (
+            (rng.standard_normal((raw.size // BYTES[kind], 2 if kind == "Q4_K" else 1)) * 0.004)
+            .astype(np.float16).view(np.uint8).reshape(raw.size // BYTES[kind], -1))
+        weight.copy_(torch.from_numpy(dequantize(raw, getattr(GGMLQuantizationType, kind)).reshape(n, k)))
+        writer.add_tensor(name, raw, raw_dtype=getattr(GGMLQuantizationType, kind))
+
+    def floats(name, tensor):
+        writer.add_tensor(name, tensor.detach().float().numpy())
+
+    kinds = {"q_proj": ("self_attn", "attn_q", "Q4_K"), "k_proj": ("self_attn", "attn_k", "Q4_K"),
+             "v_proj": ("self_attn", "attn_v", "Q6_K"), "o_proj": ("self_attn", "attn_output", "Q4_K"),
+             "gate_proj": ("mlp", "ffn_gate", "Q4_K"), "up_proj": ("mlp", "ffn_up", "Q4_K"),
+             "down_proj": ("mlp", "ffn_down", "Q6_K")}
+    with torch.no_grad():
+        blocks("token_embd.weight", embed_kind, model.model.embed_tokens.weight)
+        for i, layer in enumerate(model.model.layers):
+            layer.input_layernorm.weight.uniform_(0.5, 1.5)
+            layer.post_attention_layernorm.weight.uniform_(0.5, 1.5)
+            floats(f"blk.{i}.attn_norm.weight", layer.input_layernorm.weight)
+            floats(f"blk.{i}.ffn_norm.weight", layer.post_attention_layernorm.weight)
+            for part, (module, name, kind) in kinds.items():
+                linear = getattr(getattr(layer, module), part)
+                blocks(f"blk.{i}.{name}.weight", kind, linear.weight)
+                if linear.bias is not None:
+                    linear.bias.normal_(0, 0.1)
+                    floats(f"blk.{i}.{name}.bias", linear.bias)
+        floats("output_norm.weight", model.model.norm.weight)
+        if head_kind is not None:
+            blocks("output.weight", head_kind, model.lm_head.weight)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return model, path
+
+
+def test_a_gguf_loads_as_its_own_blocks_and_computes_what_the_file_holds(tmp_path):
+    hf, path = tiny_gguf(tmp_path)
+    model = verispec.load(str(path), numerics="q8")
+    assert model.numerics == "q8" and model.eos_token_ids == {EOS}
+    assert isinstance(model.embed, kernels.GGUFMatrix) and model.lm_head.kind == 14
+    assert [model.layers[0].q.kind, model.layers[0].v.kind, model.layers[0].down.kind] == [12, 14, 14]
+    assert model._layer_stack() is not None  # q (Q4_K) and v (Q6_K) still one product: one C call a pass
+    # the file's bytes, not a copy: the matrices point into the mapped file
+    mapped = gguf_q8.read(path)[1]["blk.1.ffn_up.weight"].raw
+    assert np.shares_memory(model.layers[1].up.values.numpy(), mapped) or model.layers[1].up.values.numpy().base is not None
+    # the float32 model the file stands for, up to the rounding of the activations to 8 bits
+    prompt = torch.tensor([[5, 17, 33, 2, 64, 9, 41, 12]])
+    q8 = model.forward(prompt, model.new_cache(1))
+    with torch.no_grad():
+        dense = hf(prompt).logits
+    assert torch.corrcoef(torch.stack((q8.flatten(), dense.flatten())))[0, 1] > 0.999
+    assert (q8 - dense).abs().max() < 0.05 * dense.abs().max()
+
+
+def test_a_verify_pass_gives_bitwise_the_logits_of_single_token_steps(tmp_path):
+    _, path = tiny_gguf(tmp_path)
+    model = verispec.load(str(path), numerics="q8")
+    prompt = [5, 17, 33, 2, 64, 9, 41, 12, 7, 7, 30]
+    tokens = [40, 41, 42, 3, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61]
+    steps = model.new_cache(1)
+    model.forward(torch.tensor([prompt]), steps, last_only=True)
+    single = torch.cat([model.forward(torch.tensor([[t]]), steps) for t in tokens], dim=1)
+    for width in (2, 5, 8, 16):
+        cache = model.new_cache(1)
+        model.forward(torch.tensor([prompt]), cache, last_only=True)
+        wide = torch.cat([model.forward(torch.tensor([tokens[i:i + width]]), cache)
+                          for i in range(0, len(tokens), width)], dim=1)
+        assert torch.equal(wide, single)
+    # two sequences in one pass: each row's logits are its own
+    both = model.new_cache(2)
+    model.forward(torch.tensor([prompt, prompt]), both, last_only=True)
+    pair = model.forward(torch.tensor([tokens[:8], tokens[8:]]), both)
+    alone = model.new_cache(1)
+    model.forward(torch.tensor([prompt]), alone, last_only=True)
+    assert torch.equal(pair[0], model.forward(torch.tensor([tokens[:8]]), alone)[0])
+
+
+def test_prefill_of_any_length_is_the_chunks_of_small_passes(tmp_path):
+    _, path = tiny_gguf(tmp_path, layers=1)
+    model = verispec.load(str(path), numerics="q8")
+    prompt = torch.tensor([[(7 * i) % VOCAB for i in range(70)]])  # 70 rows: chunks of 32, 32, 6
+    whole = model.forward(prompt, model.new_cache(1))
+    cache = model.new_cache(1)
+    parts = torch.cat([model.forward(prompt[:, i:i + 32], cache) for i in range(0, 70, 32)], dim=1)
+    assert torch.equal(whole, parts)
+    assert torch.equal(model.forward(prompt, model.new_cache(1), last_only=True), whole[:, -1:])
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "self"])
+def test_greedy_speculative_decoding_equals_plain_greedy_decoding(tmp_path, drafter):
+    _, path = tiny_gguf(tmp_path, head_kind=None)  # tied: the Q4_K embedding is the head too
+    model = verispec.load(str(path), numerics="q8")
+    assert model.lm_head is model.embed
+    prompt = [5, 17, 33, 2, 64, 9, 41, 12, 5, 17, 33, 2, 64]
+    plain = verispec.generate(model, prompt, drafter="none", max_new_tokens=40)
+    speculative = verispec.generate(model, prompt, drafter=drafter, draft_len=4, max_new_tokens=40)
+    assert speculative.token_ids == plain.token_ids
+    assert speculative.stats.target_passes < 40 or drafter == "self"
+
+
+def test_files_it_cannot_run_this_way_are_refused_clearly(tmp_path):
+    with pytest.raises(VerispecError, match="zoo name .* or a .gguf file"):
+        verispec.load(str(tmp_path), numerics="q8")
+    with pytest.raises(VerispecError, match="numerics must be"):
+        verispec.load("x.gguf", numerics="q4")
+    writer = GGUFWriter(str(tmp_path / "q8_0.gguf"), "qwen2")
+    writer.add_block_count(0)
+    writer.add_embedding_length(256)
+    writer.add_feed_forward_length(512)
+    writer.add_head_count(4)
+    writer.add_tensor("token_embd.weight", np.zeros((VOCAB, 256), np.float32))
+    writer.add_tensor("output.weight", np.zeros((VOCAB, 34 * 8), np.uint8), raw_dtype=GGMLQuantizationType.Q8_0)
+    for call in (writer.write_header_to_file, writer.write_kv_data_to_file, writer.write_tensors_to_file, writer.close):
+        call()
+    with pytest.raises(VerispecError, match="output.weight is Q8_0"):
+        gguf_q8.load(tmp_path / "q8_0.gguf")
+    metadata, tensors = gguf_q8.read(tmp_path / "q8_0.gguf")
+    del metadata["qwen2.attention.head_count"]
+    with pytest.raises(VerispecError, match="no qwen2.attention.head_count"):
+        gguf_q8._config(metadata, VOCAB)
