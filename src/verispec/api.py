@@ -13,7 +13,8 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 from transformers import PreTrainedModel
 
-from verispec.drafters import Eagle3Drafter, HybridDrafter, ModelDrafter, NgramDrafter, NoDrafter, SharedCacheDrafter
+from verispec.drafters import (Eagle3Drafter, HybridDrafter, ModelDrafter, NgramDrafter, NoDrafter, SharedCacheDrafter,
+                               SuffixDrafter)
 from verispec.drafters.base import Drafter
 from verispec.engine import Request, SpeculativeEngine, TokenEvent
 from verispec import options
@@ -207,8 +208,24 @@ DRAFTERS: dict[str, Callable[[CausalLM, CausalLM | None, float], Drafter]] = {
                                                                  min_confidence=confidence),
     "eagle3": lambda target, draft, confidence: Eagle3Drafter(draft, target, min_confidence=confidence),
     "ngram": lambda target, draft, confidence: NgramDrafter(),
+    "suffix": lambda target, draft, confidence: SuffixDrafter(suffix_index(target), target.vocab_size),
     "none": lambda target, draft, confidence: NoDrafter(),
 }
+
+
+# Each target's index of earlier outputs for drafter="suffix": every call (and every lane of a server) on
+# that target drafts from the outputs of the ones before it. Token ids mean something only to one vocabulary.
+_SUFFIX_INDEXES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def suffix_index(target: CausalLM):
+    """The `SuffixIndex` that drafter="suffix" shares across calls on `target` (made on first use)."""
+    from verispec.drafters.suffix import SuffixIndex
+
+    index = _SUFFIX_INDEXES.get(target)
+    if index is None:
+        index = _SUFFIX_INDEXES[target] = SuffixIndex()
+    return index
 
 
 # Each native target's int4 copy for drafter="self", made once and kept while the target lives.
@@ -455,7 +472,8 @@ def generate(target, prompt, *, draft=None, drafter: str = "auto", draft_len: Dr
     new tokens or the copy exists (in memory or stored on disk), else n-gram: see `resolve_drafter`),
     "model", "self" (the target's own int4 copy drafts on the target's cache; native float32 targets; `draft`
     may give another copy with the target's layer shapes), "hybrid" (prompt lookup when it finds a match,
-    else the draft model), "ngram", or
+    else the draft model), "ngram", "suffix" (suffix decoding: the longest match of the text's end in the
+    prompt, the output so far and earlier calls' outputs on this target, most frequent continuation first), or
     "none" (plain decoding). draft_len: "auto" (the default) drafts while the draft model's confidence
     says the next token pays for itself, up to 10, and decides from measured acceptance and costs
     whether to draft at all; "tree" does the same and also adds a second candidate beside positions

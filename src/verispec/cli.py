@@ -1,4 +1,4 @@
-"""The `verispec` command: pull, list, rm, generate, chat, bench, demo, serve. A thin layer over the Python API.
+"""The `verispec` command: pull, list, rm, generate, chat, bench, demo, certify, serve. A thin layer over the Python API.
 
 Every flag is checked (`options`, `SamplingParams`) before a model loads, so a typo fails at once.
 """
@@ -33,7 +33,7 @@ def unescape(text: str) -> str:
 def _add_generation_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default=zoo.DEFAULT_TARGET, help="zoo name, local directory, .gguf file or hub id (default: %(default)s)")
     p.add_argument("--draft", default=None, help="draft model (same tokenizer as the target); omit to draft with the target's own int4 copy where it can have one (see --drafter), else n-gram")
-    p.add_argument("--drafter", default="auto", choices=DRAFTER_NAMES, help="auto (the draft model when one is given; else self for a native float32 target on verispec's CPU kernels and at least 32 new tokens or a copy made before; else ngram) | model | self (the target's own int4 copy, drafting on its cache) | hybrid (prompt lookup, else the draft model) | ngram | none (plain decoding)")
+    p.add_argument("--drafter", default="auto", choices=DRAFTER_NAMES, help="auto (the draft model when one is given; else self for a native float32 target on verispec's CPU kernels and at least 32 new tokens or a copy made before; else ngram) | model | self (the target's own int4 copy, drafting on its cache) | hybrid (prompt lookup, else the draft model) | ngram | suffix (suffix decoding: the prompt and earlier outputs of this process) | none (plain decoding)")
     p.add_argument("--draft-len", type=flag(DraftLen.parse), default=DraftLen("auto"),
                    help="draft tokens per step, 'auto' (the default: adaptive), or 'tree' (auto plus token-tree alternates)")
     p.add_argument("--draft-dtype", default="fp32", choices=WEIGHT_DTYPES, help="the draft's matrices on the native backend (cheaper drafts; output unchanged)")
@@ -216,6 +216,20 @@ def cmd_demo(args) -> int:
     return 0
 
 
+def cmd_certify(args) -> int:
+    from verispec.certify import LOSSLESS_MODES, certify, save
+
+    certificate = certify(args.target, draft=args.draft, drafter=args.drafter, draft_lens=tuple(args.draft_len or [4]),
+                          modes=tuple(args.mode or LOSSLESS_MODES), prompts=args.prompts, max_new_tokens=args.max_new_tokens,
+                          samples=args.samples, temperature=args.temperature, top_k=args.top_k,
+                          p_threshold=args.p_threshold, seed=args.seed)
+    print(certificate.report())
+    if args.out:
+        save(certificate, args.out)
+        print(f"[verispec] report saved to {args.out}", file=sys.stderr)
+    return 0 if certificate.passed else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="verispec", description="Lossless speculative decoding: faster generation, the same output.")
     parser.add_argument("--version", action="version", version=f"verispec {verispec.__version__}")
@@ -267,6 +281,25 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_train_arguments(p)
     p.set_defaults(run=run_train)
+
+    p = sub.add_parser("certify", help="check that speculation gives the target's own output: greedy identity and "
+                                       "a chi-square test of sampling, per lossless mode; exit 1 if any check fails")
+    p.add_argument("target", help="zoo name, local directory, .gguf file or hub id")
+    p.add_argument("--draft", default=None, help="draft model (same tokenizer as the target)")
+    p.add_argument("--drafter", default="auto", choices=DRAFTER_NAMES, help="as for generate")
+    p.add_argument("--draft-len", type=flag(DraftLen.parse), action="append",
+                   help="draft length to certify, repeatable: an int, 'auto' or 'tree' (default: 4)")
+    p.add_argument("--mode", action="append", choices=["speculative_sampling", "block", "coupled", "typical"],
+                   help="sampling rule to test, repeatable (default: the three lossless ones; typical is lossy and should fail)")
+    p.add_argument("--prompts", type=int, default=4, help="bundled prompts for greedy identity (default: %(default)s)")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--samples", type=int, default=2000, help="seeded samples per sampling mode (default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=4, help="keeps the enumerated support small (default: %(default)s)")
+    p.add_argument("--p-threshold", type=float, default=1e-3, help="a mode passes when its p-value exceeds this")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="save the report as JSON here")
+    p.set_defaults(run=cmd_certify)
 
     sub.add_parser("serve", help="OpenAI-compatible server (verispec serve --help)", add_help=False)
     return parser

@@ -31,7 +31,7 @@ ISAS = [512, 256] if kernels.isa() == 512 else [256]
 def isa(request, monkeypatch):
     """Each test once per ISA this CPU runs (the AVX-512 kernels need VNNI: else AVX2 runs under both)."""
     monkeypatch.setattr(kernel_config, "_current", dataclasses.replace(kernel_config.current(), isa=request.param))
-    return 16 if request.param == 512 and kernels.runtime().lib.kernels_vnni() else 8  # float lanes of the kernel
+    return request.param
 
 
 def random_blocks(kind: str, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
@@ -81,8 +81,10 @@ def q6k_codes(block: np.ndarray):
     return d, sc, (low | (top << 4)).reshape(256)
 
 
-def dot_reference(kind: str, raw: np.ndarray, x: np.ndarray, lanes: int, bias: np.ndarray | None = None) -> np.ndarray:
-    """y [M, N] for blocks raw [N, bytes] and activations x [M, K], in the kernel's float order with `lanes` lanes."""
+def dot_reference(kind: str, raw: np.ndarray, x: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
+    """y [M, N] for blocks raw [N, bytes] and activations x [M, K], in the kernel's float order: per block
+    the exact integer sums, then acc += (dy * d) * float(sumi) (and Q4_K's accm += (dy * dmin) * float(summ))
+    over the blocks in order, y = (acc - accm) + bias, float32 rounding after every operation."""
     q, dq, bsums = q8k_reference(x)
     n, m, k = raw.shape[0], x.shape[0], x.shape[1]
     nb, size = k // 256, BYTES[kind]
@@ -91,28 +93,22 @@ def dot_reference(kind: str, raw: np.ndarray, x: np.ndarray, lanes: int, bias: n
     for c in range(n):
         blocks = raw[c].reshape(nb, size)
         for r in range(m):
-            acc, accm = np.zeros(lanes, np.float32), np.zeros(4, np.float32)
+            acc, accm = f32(0), f32(0)
             for b in range(nb):
                 q8 = q[r, b * 256:(b + 1) * 256].astype(np.int64)
                 bs = bsums[r, b * 16:(b + 1) * 16]
                 dy = dq[r, b]
                 if kind == "Q4_K":
                     d, dmin, sc, mn, codes = q4k_codes(blocks[b])
-                    products = sc[np.arange(256) // 32] * codes * q8
-                    lane = products.reshape(-1, lanes, 4).sum(axis=(0, 2))
-                    mins = (mn * bs.reshape(8, 2).sum(axis=1)).reshape(4, 2).sum(axis=1)
-                    accm = accm + f32(dy * dmin) * mins.astype(np.float32)
+                    sumi = int((sc[np.arange(256) // 32] * codes * q8).sum())
+                    summ = int((mn * bs.reshape(8, 2).sum(axis=1)).sum())
+                    accm = f32(accm + f32(f32(dy * dmin) * f32(summ)))
                 else:
                     d, sc, codes = q6k_codes(blocks[b])
-                    lane = (sc[np.arange(256) // 16] * codes * q8).reshape(-1, lanes, 4).sum(axis=(0, 2))
-                    lane[:8] -= 32 * (sc * bs).reshape(8, 2).sum(axis=1)
-                assert np.abs(lane).max() < 2 ** 31
-                acc = acc + f32(dy * d) * lane.astype(np.float32)
-            total = f32(0)
-            for value in acc:
-                total = f32(total + value)
-            low = f32(f32(f32(accm[0] + accm[1]) + accm[2]) + accm[3])
-            out[r, c] = f32(f32(total - low) + f32(0 if bias is None else bias[c]))
+                    sumi = int((sc[np.arange(256) // 16] * (codes - 32) * q8).sum())
+                assert abs(sumi) < 2 ** 31
+                acc = f32(acc + f32(f32(dy * d) * f32(sumi)))
+            out[r, c] = f32(f32(acc - accm) + f32(0 if bias is None else bias[c]))
     return out
 
 
@@ -133,7 +129,7 @@ def test_products_are_ggml_formulas_bit_for_bit(kind, n, k, isa):
     x[3, 0] = -127.0
     bias = rng.standard_normal(n).astype(np.float32)
     got = kernels.rowwise_linear(torch.from_numpy(x), matrix, torch.from_numpy(bias))
-    want = dot_reference(kind, raw, x, isa, bias)
+    want = dot_reference(kind, raw, x, bias)
     assert np.array_equal(got.numpy().view(np.int32), want.view(np.int32))
     # and close to the float product of the dequantized weights: only the activations' rounding differs
     dense = x.astype(np.float64) @ dequantize(raw, getattr(GGMLQuantizationType, kind)).astype(np.float64).T + bias
@@ -247,7 +243,8 @@ def test_a_gguf_loads_as_its_own_blocks_and_computes_what_the_file_holds(tmp_pat
     assert model._layer_stack() is not None  # q (Q4_K) and v (Q6_K) still one product: one C call a pass
     # the file's bytes, not a copy: the matrices point into the mapped file
     mapped = gguf_q8.read(path)[1]["blk.1.ffn_up.weight"].raw
-    assert np.shares_memory(model.layers[1].up.values.numpy(), mapped) or model.layers[1].up.values.numpy().base is not None
+    assert np.array_equal(model.layers[1].up.blocks.numpy(), mapped)
+    assert model.layers[1].up.blocks.numpy().base is not None  # a view (of the mapped file), not a copy
     # the float32 model the file stands for, up to the rounding of the activations to 8 bits
     prompt = torch.tensor([[5, 17, 33, 2, 64, 9, 41, 12]])
     q8 = model.forward(prompt, model.new_cache(1))

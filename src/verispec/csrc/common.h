@@ -30,6 +30,9 @@
 #define Q6K_BYTES 210  /* a block_q6_K */
 #define GGML_Q4_K 12   /* ggml type ids (vs_product.kind of VS_GGUF_Q8) */
 #define GGML_Q6_K 14
+#define Q8G 16         /* columns per interleaved group of repacked GGUF blocks (kquant_q8_pack.c) */
+#define Q4G_BYTES 2368 /* 16 columns' Q4_K blocks repacked: 16 d, 16 dmin (f16), 8x16 scales, 4x16x2 mins, 32x64 nibbles */
+#define Q6G_BYTES 3360 /* 16 columns' Q6_K blocks repacked: 16 d (f16), 8x16x2 scales, 32x64 nibbles, 16x64 high bits */
 
 /* ======== the thread pool (pool.c) ======== */
 typedef void (*range_fn)(const void *job, int64_t begin, int64_t end);
@@ -44,8 +47,9 @@ void run_group(range_fn fn, const void *const *jobs, const int64_t *tiles, int c
  * group scales for int4 and k-quant weights, else unused. */
 typedef struct { const float *x; const void *w; const float *s; const float *b; float *y; int64_t M, N, K; } linear_job;
 
-/* A GGUF matrix's blocks as in the file (kind: GGML_Q4_K or GGML_Q6_K) times Q8_K activations
- * (kquant_q8.c): qx [M, K] int8, qd [M, K / 256], qb [M, K / 16], qb32 [M, K / 32]. */
+/* A GGUF matrix's blocks (kind: GGML_Q4_K or GGML_Q6_K), repacked in groups of Q8G columns by
+ * gguf_q8_repack, times Q8_K activations (kquant_q8.c): qx [M, K] int8, qd [M, K / 256], qb [M, K / 16],
+ * qb32 [M, K / 32]. */
 typedef struct { const int8_t *qx; const float *qd; const int16_t *qb, *qb32; const uint8_t *w; int kind;
                  const float *b; float *y; int64_t M, N, K; } q8_job;
 
@@ -84,7 +88,7 @@ VS_PER_ISA(void, rms_norm_isa, (float *x, const float *delta, const float *w, fl
 VS_PER_ISA(void, attention_range, (const void *job, int64_t begin, int64_t end))
 #undef VS_PER_ISA
 /* kquant_q8.c, compiled for AVX-512 BW + VNNI (_512) and AVX2 (_256): Q8_K rounding of rows, and
- * columns [begin, end) of a q8_job */
+ * column groups [begin, end) (Q8G columns each) of a q8_job */
 void q8k_quantize_512(const float *x, int8_t *qx, float *qd, int16_t *qb, int16_t *qb32, int64_t M, int64_t K);
 void q8k_quantize_256(const float *x, int8_t *qx, float *qd, int16_t *qb, int16_t *qb32, int64_t M, int64_t K);
 void q8_range_512(const void *job, int64_t begin, int64_t end);

@@ -53,7 +53,7 @@ static int linear_edge_row(const vs_product *p, int i, int64_t n, const float *x
 }
 
 /* A VS_GGUF_Q8 product: x rounded to Q8_K once (every row, on the calling thread), then all the
- * matrices' columns as one job of the pool (threads split columns; see kquant_q8.c). The AVX-512 kernels
+ * matrices' column groups as one job of the pool (threads split groups; see kquant_q8.c). The AVX-512 kernels
  * need BW and VNNI; without them the AVX2 ones run. */
 static int gguf_q8_product(const vs_product *p, const float *x, float *const *y, int64_t M, int isa, int threads)
 {
@@ -75,7 +75,7 @@ static int gguf_q8_product(const vs_product *p, const float *x, float *const *y,
         if (p->kind[i] != GGML_Q4_K && p->kind[i] != GGML_Q6_K) { free(qx); return -1; }
         jobs[i] = (q8_job){qx, qd, qb, qb32, p->w[i], p->kind[i], p->b[i], y[i], M, p->N[i], K};
         job_ptrs[i] = &jobs[i];
-        columns[i] = p->N[i];
+        columns[i] = (p->N[i] + Q8G - 1) / Q8G;  /* threads split groups of 16 columns (the repacked layout) */
         work += M * p->N[i] * K;
     }
     run_group(wide ? q8_range_512 : q8_range_256, job_ptrs, columns, p->count, work, threads);

@@ -77,6 +77,9 @@ VS_API int kernels_isa(void);   /* the widest ISA this CPU runs: 512, 256, or 0 
 VS_API int kernels_vnni(void);  /* 1 when the CPU has AVX-512 VNNI (for VS_INT4_VNNI) */
 VS_API int linear_product(const vs_product *product, const float *x, float *const *y, int64_t M, int isa, int threads);
 VS_API void blocked_linear(const vs_blocked *args, int threads);
+/* kquant_q8_pack.c: a GGUF Q4_K / Q6_K matrix [N, K] (kind 12 / 14) repacked for VS_GGUF_Q8 products into
+ * packed [ceil(N / 16) * K / 256 * (2368 or 3360 bytes)]; -1 for another kind or K % 256 */
+VS_API int gguf_q8_repack(const uint8_t *blocks, uint8_t *packed, int64_t N, int64_t K, int kind, int threads);
 VS_API int64_t exact_blocks_mismatch(const void *w, const float *s, const float *dense, int64_t N, int64_t K, int format);
 VS_API int int4_quantize(const float *w, uint8_t *packed, float *scale, const float *shrinks, int64_t N, int64_t K,
                          int count, int isa, int threads);

@@ -1,4 +1,4 @@
-/* ======== GGUF k-quant blocks as they lie in the file, times activations rounded as ggml's Q8_K ========
+/* ======== GGUF k-quant blocks times activations rounded as ggml's Q8_K: llama.cpp's numerics ========
  * (compiled twice: -DVS_Q8_512 with AVX-512 BW + VNNI, -DVS_Q8_256 with AVX2; see kernels/build.py)
  *
  * llama.cpp's numerics for a Q4_K / Q6_K matrix: each activation row is rounded to 8 bits per block
@@ -6,70 +6,87 @@
  * iscale = -127 / max, q = min(127, nearest_int(iscale * x)), d = 1 / iscale, and the sums of q per
  * 16), and each block's dot product is integer arithmetic on the file's codes:
  *   Q4_K: sumi = sum_j sc[j] * sum_{32 of sub-block j} q4 * q8,  summ = sum_j m[j] * (bsums of sub-block j)
- *         block value = (dy * d) * sumi - (dy * dmin) * summ
- *   Q6_K: sumi = sum_g sc[g] * sum_{16 of group g} (q6 - 32) * q8, block value = (dy * d) * sumi
- * (dy the row's Q8_K scale, d and dmin the block's half-precision scales). The integers are exact, so
- * they are ggml's to the bit; the float part follows ggml's AVX2 kernels' shape (the integer sums kept
- * in LANES int32 lanes, each lane scaled by the block's float scale and added to its own float
- * accumulator, lanes summed at the end), but with a separate multiply and add (ggml fuses them) and
- * lanes summed in order 0, 1, 2, ...: a result is within float32 rounding of llama.cpp's, not bitwise.
+ *   Q6_K: sumi = sum_g sc[g] * sum_{16 of group g} (q6 - 32) * q8
+ * (dy the row's Q8_K scale of the block, d and dmin the block's half-precision scales). The integers
+ * are exact (any order gives them), so they are ggml's to the bit. The float part, per output y[m, n],
+ * with float32 rounding after every operation and no fused multiply-add, over the blocks b in order:
+ *   Q4_K: acc += (dy * d) * float(sumi);  accm += (dy * dmin) * float(summ);  y = (acc - accm) + bias
+ *   Q6_K: acc += (dy * d) * float(sumi);  y = acc + bias
+ * (acc, accm starting at 0). ggml sums its lanes otherwise and fuses, so a result is within float32
+ * rounding of llama.cpp's, not bitwise; both ISAs here give the same bits.
  *
- * Which lane an integer lands in: weight p of a block (0..255) in lane (p % (4 LANES)) / 4; Q4_K's
- * mins in a second accumulator of 4 lanes, lane l = m[2l] bs[2l] + m[2l+1] bs[2l+1] (bs: the sums of
- * 32); Q6_K's -32 as 32 * (sc[2l] bsums[2l] + sc[2l+1] bsums[2l+1]) subtracted from lane l (l < 8)
- * before the float scaling. y = (acc[0] + acc[1] + ... ) - (accm[0] + ... + accm[3]) + bias.
+ * How: the blocks are repacked at load (kquant_q8_pack.c) so one int32 lane is one output column:
+ * a vector holds 16 columns' (AVX2: 8 columns') next four weights, and a row's four activation bytes,
+ * broadcast, meet them in one vpdpbusd (AVX2: vpmaddubsw, sums of eight steps in int16, then vpmaddwd
+ * by the sub-block's scales). A sub-block's weights are decoded once into registers and serve every
+ * row of the tile; scales, mins and the float work are one vector op per 16 (8) columns and row.
  *
  * Row independence: every output y[m, n] is that sequence of operations on row m's own Q8_K blocks
- * and column n's blocks, whatever M and however threads split the columns (they split columns only).
- * Rows run in tiles of up to Q8TILE sharing each decoded weight chunk; a tile's rows never meet. */
+ * and column n's blocks, whatever M and however threads split the columns (they split groups of 16
+ * columns only). Rows run in tiles of up to Q8TILE sharing each decoded sub-block; rows never meet. */
 #include "common.h"
 #include "kernels.h"
 
 #if defined(VS_Q8_512)
-#define QLANES 16
 #define KQ(name) name##_512
+#define VCOLS 16                  /* columns per vector: one int32 lane each */
 typedef __m512i IVEC;
+typedef __m512 FVEC;
 #define ILOAD(p) _mm512_loadu_si512((const void *)(p))
 #define IZERO _mm512_setzero_si512
-#define IMADDUBS _mm512_maddubs_epi16
-#define IDPWSSD(acc, a, b) _mm512_dpwssd_epi32(acc, a, b)  /* acc + pairwise a * b, int16 -> int32 */
-#define IMADD _mm512_madd_epi16
-#define ISUB _mm512_sub_epi32
+#define ISET8 _mm512_set1_epi8
+#define ISET32 _mm512_set1_epi32
+#define IAND _mm512_and_si512
+#define IOR _mm512_or_si512
+#define ISRL16 _mm512_srli_epi16
+#define ISLL16 _mm512_slli_epi16
+#define IADD32 _mm512_add_epi32
+#define ISUB16 _mm512_sub_epi16
+#define HALVES(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))          /* 16 half floats */
+#define U8X16(p) _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(p)))      /* 32 bytes -> int16 */
+#define I8X16(p) _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(p)))
 #define ICVT _mm512_cvtepi32_ps
-typedef __m512 FVEC;
 #define FZERO _mm512_setzero_ps
 #define FMUL _mm512_mul_ps
 #define FADD _mm512_add_ps
+#define FSUB _mm512_sub_ps
 #define FSET1 _mm512_set1_ps
+#define FLOAD _mm512_loadu_ps
 #define FSTORE _mm512_storeu_ps
-#define FROM256(v) _mm512_zextsi256_si512(v)
 #elif defined(VS_Q8_256)
-#define QLANES 8
 #define KQ(name) name##_256
+#define VCOLS 8
 typedef __m256i IVEC;
+typedef __m256 FVEC;
 #define ILOAD(p) _mm256_loadu_si256((const __m256i *)(p))
 #define IZERO _mm256_setzero_si256
-#define IMADDUBS _mm256_maddubs_epi16
-#define IDPWSSD(acc, a, b) _mm256_add_epi32(acc, _mm256_madd_epi16(a, b))
-#define IMADD _mm256_madd_epi16
-#define ISUB _mm256_sub_epi32
+#define ISET8 _mm256_set1_epi8
+#define ISET32 _mm256_set1_epi32
+#define IAND _mm256_and_si256
+#define IOR _mm256_or_si256
+#define ISRL16 _mm256_srli_epi16
+#define ISLL16 _mm256_slli_epi16
+#define IADD32 _mm256_add_epi32
+#define ISUB16 _mm256_sub_epi16
+#define HALVES(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))             /* 8 half floats */
+#define U8X16(p) _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(p)))         /* 16 bytes -> int16 */
+#define I8X16(p) _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(p)))
 #define ICVT _mm256_cvtepi32_ps
-typedef __m256 FVEC;
 #define FZERO _mm256_setzero_ps
 #define FMUL _mm256_mul_ps
 #define FADD _mm256_add_ps
+#define FSUB _mm256_sub_ps
 #define FSET1 _mm256_set1_ps
+#define FLOAD _mm256_loadu_ps
 #define FSTORE _mm256_storeu_ps
-#define FROM256(v) (v)
 #else
 #error "kquant_q8.c: compile with -DVS_Q8_512 (AVX-512 BW + VNNI) or -DVS_Q8_256 (AVX2)"
 #endif
 
-#define CHUNK (4 * QLANES)       /* weights per integer vector: 64 or 32 */
-#define CHUNKS (QK_K / CHUNK)    /* chunks per block */
-#define Q8TILE 4                 /* activation rows per pass over a column's blocks */
-
-static inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
+#define VBYTES (4 * VCOLS)        /* bytes of a step (four weights of each column) in a vector */
+#define PARTS (Q8G / VCOLS)       /* vectors across a group: 1 or 2 */
+#define Q8TILE 8                  /* activation rows sharing each decoded sub-block */
+#define INLINE static inline __attribute__((always_inline))
 
 /* ggml's nearest_int: round to nearest, ties to even, for |f| < 2^22 (here |f| <= 127) */
 static inline int nearest_int(float f)
@@ -80,237 +97,321 @@ static inline int nearest_int(float f)
     return (bits & 0x007fffff) - 0x00400000;
 }
 
-/* Rows [begin, end) of x [M, K] to Q8_K: qx [M, K] int8, qd [M, K / 256] the scales d, qb [M, K / 16]
- * the sums of 16 codes, qb32 [M, K / 32] the sums of 32 (both int16). ggml's reference, operation for
- * operation (scalar: the few thousand operations of a row are nothing beside its products). */
+/* One block of 256 to Q8_K by ggml's reference (quantize_row_q8_K_ref), operation for operation:
+ * q [256], d, and the codes' sums per 16 (bs). */
+static void q8k_block_reference(const float *v, int8_t *q, float *d, int16_t *bs)
+{
+    float amax = 0.0f, max = 0.0f;
+    for (int j = 0; j < QK_K; j++) {
+        const float a = fabsf(v[j]);
+        if (a > amax) { amax = a; max = v[j]; }
+    }
+    if (amax == 0.0f) {
+        *d = 0.0f;
+        memset(q, 0, QK_K);
+    } else {
+        const float iscale = -127.f / max;
+        for (int j = 0; j < QK_K; j++) {
+            const int r = nearest_int(iscale * v[j]);
+            q[j] = (int8_t)(r < 127 ? r : 127);
+        }
+        *d = 1.0f / iscale;
+    }
+    for (int g = 0; g < QK_K / 16; g++) {
+        int sum = 0;
+        for (int j = 0; j < 16; j++) sum += q[g * 16 + j];
+        bs[g] = (int16_t)sum;
+    }
+}
+
+/* The same block in AVX2, bitwise the reference's: the peak is the first element of the largest
+ * magnitude (the reference's strict >), iscale * v rounded to nearest even by vcvtps2dq as by
+ * nearest_int. A block holding a NaN or an infinity goes to the reference (whatever it makes of them). */
+static void q8k_block(const float *v, int8_t *q, float *d, int16_t *bs)
+{
+    const __m256 sign = _mm256_set1_ps(-0.0f), inf = _mm256_set1_ps(INFINITY);
+    __m256 peak = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
+    for (int j = 0; j < QK_K; j += 8) {
+        const __m256 a = _mm256_andnot_ps(sign, _mm256_loadu_ps(v + j));
+        peak = _mm256_max_ps(peak, a);
+        bad = _mm256_or_ps(bad, _mm256_cmp_ps(a, inf, _CMP_NLT_UQ));  /* NaN or infinite */
+    }
+    if (_mm256_movemask_ps(bad)) {
+        q8k_block_reference(v, q, d, bs);
+        return;
+    }
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(peak), _mm256_extractf128_ps(peak, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    const float amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+    if (amax == 0.0f) {
+        *d = 0.0f;
+        memset(q, 0, QK_K);
+        memset(bs, 0, QK_K / 16 * sizeof(int16_t));
+        return;
+    }
+    int first = 0;
+    for (int j = 0; j < QK_K; j += 8) {
+        const int hits = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(v + j)),
+                                                          _mm256_set1_ps(amax), _CMP_EQ_OQ));
+        if (hits) { first = j + __builtin_ctz((unsigned)hits); break; }
+    }
+    const float iscale = -127.f / v[first];
+    const __m256 scale = _mm256_set1_ps(iscale);
+    const __m256i top = _mm256_set1_epi32(127), order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    const __m256i flip = _mm256_set1_epi8((char)0x80);
+    for (int j = 0; j < QK_K; j += 32) {
+        __m256i r[4];
+        for (int i = 0; i < 4; i++)
+            r[i] = _mm256_min_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(scale, _mm256_loadu_ps(v + j + 8 * i))), top);
+        /* int32 -> int8 (all within [-127, 127]): the packs interleave 128-bit lanes, the permute restores order */
+        const __m256i bytes = _mm256_permutevar8x32_epi32(
+            _mm256_packs_epi16(_mm256_packs_epi32(r[0], r[1]), _mm256_packs_epi32(r[2], r[3])), order);
+        _mm256_storeu_si256((__m256i *)(q + j), bytes);
+        /* sums of 8 codes + 8 * 128 (biased to unsigned for vpsadbw), two per 16 */
+        const __m256i sums = _mm256_sad_epu8(_mm256_xor_si256(bytes, flip), _mm256_setzero_si256());
+        bs[j / 16] = (int16_t)(_mm256_extract_epi64(sums, 0) + _mm256_extract_epi64(sums, 1) - 2048);
+        bs[j / 16 + 1] = (int16_t)(_mm256_extract_epi64(sums, 2) + _mm256_extract_epi64(sums, 3) - 2048);
+    }
+    *d = 1.0f / iscale;
+}
+
+/* Rows of x [M, K] to Q8_K: qx [M, K] int8, qd [M, K / 256] the scales d, qb [M, K / 16] the sums of
+ * 16 codes, qb32 [M, K / 32] the sums of 32 (both int16). Bitwise ggml's quantize_row_q8_K_ref. */
 void KQ(q8k_quantize)(const float *x, int8_t *qx, float *qd, int16_t *qb, int16_t *qb32, int64_t M, int64_t K)
 {
     const int64_t blocks = K / QK_K;
     for (int64_t i = 0; i < M * blocks; i++) {
-        const float *v = x + i * QK_K;
-        int8_t *q = qx + i * QK_K;
-        float amax = 0.0f, max = 0.0f;
-        for (int j = 0; j < QK_K; j++) {
-            const float a = fabsf(v[j]);
-            if (a > amax) { amax = a; max = v[j]; }
-        }
-        if (amax == 0.0f) {
-            qd[i] = 0.0f;
-            memset(q, 0, QK_K);
-        } else {
-            const float iscale = -127.f / max;
-            for (int j = 0; j < QK_K; j++) {
-                const int r = nearest_int(iscale * v[j]);
-                q[j] = (int8_t)(r < 127 ? r : 127);
+        int16_t *bs = qb + i * (QK_K / 16);
+        q8k_block(x + i * QK_K, qx + i * QK_K, qd + i, bs);
+        for (int g = 0; g < QK_K / 32; g++) qb32[i * (QK_K / 32) + g] = (int16_t)(bs[2 * g] + bs[2 * g + 1]);
+    }
+}
+
+/* Four bytes at p as an int32 broadcast to every lane (a row's activations of one step, or a pair of int16). */
+INLINE IVEC bcast4(const void *p)
+{
+    int32_t v;
+    memcpy(&v, p, 4);
+    return ISET32(v);
+}
+
+#if VCOLS == 16
+/* acc + w . (the four bytes at x, broadcast) as one vpdpbusd with an embedded broadcast: GCC leaves
+ * _mm512_set1_epi32 of a load as a separate vpbroadcastd, which on Zen 5 cut the dot's throughput by a
+ * quarter. w unsigned bytes, x signed. */
+INLINE __m512i dpbusd_bcast(__m512i acc, __m512i w, const void *x)
+{
+    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*(const int32_t *)x));
+    return acc;
+}
+
+/* acc + pairwise w * (the int16 pair at p, broadcast), int16 -> int32: vpdpwssd, broadcast embedded */
+INLINE __m512i dpwssd_bcast(__m512i acc, __m512i w, const void *p)
+{
+    __asm__("vpdpwssd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*(const int32_t *)p));
+    return acc;
+}
+#else
+#define dpwssd_bcast(acc, w, p) _mm256_add_epi32(acc, _mm256_madd_epi16(w, bcast4(p)))
+#endif
+
+/* ---- Q4_K: a sub-block of 32 weights is 8 steps; its scale multiplies each column's int32 sum ---- */
+
+/* The sub-block's scales as the multiplier the dot step wants: int32 per column (VNNI), or per column
+ * the scale in both int16 halves of its lane (AVX2: vpmaddwd against int16 pair sums). */
+INLINE IVEC q4k_scales(const uint8_t *p)
+{
+#if VCOLS == 16
+    return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+#else
+    const __m256i s = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    return _mm256_or_si256(s, _mm256_slli_epi32(s, 16));
+#endif
+}
+
+/* One step of a sub-block's dot product for one row: t + w . (the row's four activations at x, broadcast),
+ * and the sub-block's end: sumi + scale * t. VNNI: int32 t, one vpdpbusd a step, the scale an int32
+ * multiply. AVX2: int16 t (vpmaddubsw pair sums; Q4_K's eight steps stay within int16, 8 * 2 * 15 * 127,
+ * Q6_K's two, 2 * 2 * 63 * 127), the scale applied by vpmaddwd. */
+#if VCOLS == 16
+#define DOT_STEP(t, w, x) dpbusd_bcast(t, w, x)
+#define DOT_END(sumi, t, scale) _mm512_add_epi32(sumi, _mm512_mullo_epi32(t, scale))
+#define Q6_SPAN 4                 /* steps a Q6_K t may hold */
+#else
+#define DOT_STEP(t, w, x) _mm256_add_epi16(t, _mm256_maddubs_epi16(w, bcast4(x)))
+#define DOT_END(sumi, t, scale) _mm256_add_epi32(sumi, _mm256_madd_epi16(t, scale))
+#define Q6_SPAN 2
+#endif
+
+/* Part `part` (VCOLS columns) of a group's Q4_K blocks against rows m0 .. m0 + R - 1: out[r] = acc - accm. */
+INLINE void q4k_tile(const q8_job *job, const uint8_t *group, int64_t m0, const int R, int part, FVEC *out)
+{
+    const int64_t K = job->K, blocks = K / QK_K;
+    const IVEC low4 = ISET8(15);
+    FVEC acc[Q8TILE], accm[Q8TILE];
+    for (int r = 0; r < R; r++) acc[r] = accm[r] = FZERO();
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *blk = group + b * Q4G_BYTES;
+        const int8_t *x = job->qx + m0 * K + b * QK_K;
+        IVEC sumi[Q8TILE];
+        for (int r = 0; r < R; r++) sumi[r] = IZERO();
+        for (int j = 0; j < 8; j++) {
+            const uint8_t *qs = blk + 320 + 4 * 64 * j + VBYTES * part;
+            IVEC w[8];
+            for (int u = 0; u < 4; u++) {
+                const IVEC raw = ILOAD(qs + 64 * u);
+                w[u] = IAND(raw, low4);
+                w[4 + u] = IAND(ISRL16(raw, 4), low4);
             }
-            qd[i] = 1.0f / iscale;
+            const IVEC scale = q4k_scales(blk + 64 + 16 * j + VCOLS * part);
+#if VCOLS == 16
+            /* step-major over the tile's rows: R independent chains in flight, not one at a time */
+            IVEC t[Q8TILE];
+            for (int r = 0; r < R; r++) t[r] = IZERO();
+            for (int u = 0; u < 8; u++) {  /* step 8 j + u: weights 32 j + 4 u (u < 4), 32 j + 16 + 4 (u - 4) */
+                const int64_t at = 32 * j + (u < 4 ? 4 * u : 16 + 4 * (u - 4));
+#pragma GCC unroll 16
+                for (int r = 0; r < R; r++) t[r] = DOT_STEP(t[r], w[u], x + r * K + at);
+            }
+#pragma GCC unroll 16
+            for (int r = 0; r < R; r++) sumi[r] = DOT_END(sumi[r], t[r], scale);
+#else
+            /* row by row: AVX2's 16 registers cannot hold a t per row beside w[8] and sumi */
+#pragma GCC unroll 16
+            for (int r = 0; r < R; r++) {
+                IVEC t = IZERO();
+                for (int u = 0; u < 8; u++) t = DOT_STEP(t, w[u], x + r * K + 32 * j + (u < 4 ? 4 * u : 16 + 4 * (u - 4)));
+                sumi[r] = DOT_END(sumi[r], t, scale);
+            }
+#endif
         }
-        for (int g = 0; g < QK_K / 16; g++) {
-            int sum = 0;
-            for (int j = 0; j < 16; j++) sum += q[g * 16 + j];
-            qb[i * (QK_K / 16) + g] = (int16_t)sum;
+        const FVEC d = HALVES(blk + 2 * VCOLS * part), dmin = HALVES(blk + 32 + 2 * VCOLS * part);
+        IVEC mins[4];
+        for (int l = 0; l < 4; l++) mins[l] = U8X16(blk + 192 + 32 * l + 2 * VCOLS * part);
+#pragma GCC unroll 16
+        for (int r = 0; r < R; r++) {
+            const int64_t row = (m0 + r) * blocks + b;
+            IVEC summ = IZERO();
+            for (int l = 0; l < 4; l++) summ = dpwssd_bcast(summ, mins[l], job->qb32 + row * 8 + 2 * l);
+            const FVEC dy = FSET1(job->qd[row]);
+            acc[r] = FADD(acc[r], FMUL(FMUL(dy, d), ICVT(sumi[r])));
+            accm[r] = FADD(accm[r], FMUL(FMUL(dy, dmin), ICVT(summ)));
         }
-        for (int g = 0; g < QK_K / 32; g++)
-            qb32[i * (QK_K / 32) + g] = (int16_t)(qb[i * (QK_K / 16) + 2 * g] + qb[i * (QK_K / 16) + 2 * g + 1]);
     }
+    for (int r = 0; r < R; r++) out[r] = FSUB(acc[r], accm[r]);
 }
 
-static inline float hsum_lanes(FVEC v)
+/* ---- Q6_K: a sub-block of 16 weights is 4 steps; codes unsigned (q + 32), the 32 taken off with bsums ---- */
+
+/* Sub-block 2 l + odd's scales from the pair words of l (column c's int16 sc[2 l], sc[2 l + 1]). */
+INLINE IVEC q6k_scales(IVEC pairs, int odd)
 {
-    float lanes[QLANES], sum = 0.0f;
-    FSTORE(lanes, v);
-    for (int l = 0; l < QLANES; l++) sum += lanes[l];
-    return sum;
+#if VCOLS == 16
+    return odd ? _mm512_srai_epi32(pairs, 16) : _mm512_srai_epi32(_mm512_slli_epi32(pairs, 16), 16);
+#else
+    return odd ? _mm256_shufflehi_epi16(_mm256_shufflelo_epi16(pairs, 0xF5), 0xF5)   /* words 1, 1, 3, 3 */
+               : _mm256_shufflehi_epi16(_mm256_shufflelo_epi16(pairs, 0xA0), 0xA0);  /* words 0, 0, 2, 2 */
+#endif
 }
 
-/* ---- Q4_K: d, dmin (f16), 12 bytes of 6-bit (scale, min) codes, 128 bytes of nibbles ---- */
-
-/* The eight 6-bit scales and mins of a Q4_K block (ggml's get_scale_min_k4, all eight at once). */
-static inline void q4k_scales(const uint8_t *packed, uint8_t sc[8], uint8_t mn[8])
+INLINE void q6k_tile(const q8_job *job, const uint8_t *group, int64_t m0, const int R, int part, FVEC *out)
 {
-    for (int j = 0; j < 4; j++) {
-        sc[j] = packed[j] & 63;
-        mn[j] = packed[j + 4] & 63;
-        sc[j + 4] = (packed[j + 8] & 15) | ((packed[j] >> 6) << 4);
-        mn[j + 4] = (packed[j + 8] >> 4) | ((packed[j + 4] >> 6) << 4);
+    const int64_t K = job->K, blocks = K / QK_K;
+    const IVEC low4 = ISET8(15), top2 = ISET8(0x30);
+    FVEC acc[Q8TILE];
+    for (int r = 0; r < R; r++) acc[r] = FZERO();
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *blk = group + b * Q6G_BYTES;
+        const int8_t *x = job->qx + m0 * K + b * QK_K;
+        IVEC sumi[Q8TILE];
+        for (int r = 0; r < R; r++) sumi[r] = IZERO();
+        for (int l = 0; l < 8; l++) {
+            const IVEC pairs = I8X16(blk + 32 + 32 * l + 2 * VCOLS * part);
+            /* -32 * (sc[2 l] bsums[2 l] + sc[2 l + 1] bsums[2 l + 1]): the codes' offset, exact in int32 */
+            const IVEC minus32 = ISLL16(ISUB16(IZERO(), pairs), 5);
+#pragma GCC unroll 16
+            for (int r = 0; r < R; r++)
+                sumi[r] = dpwssd_bcast(sumi[r], minus32, job->qb + ((m0 + r) * blocks + b) * 16 + 2 * l);
+            for (int odd = 0; odd < 2; odd++) {
+                const int g = 2 * l + odd;
+                const IVEC lo0 = ILOAD(blk + 288 + 64 * (2 * g) + VBYTES * part);
+                const IVEC lo1 = ILOAD(blk + 288 + 64 * (2 * g + 1) + VBYTES * part);
+                const IVEC hi = ILOAD(blk + 2336 + 64 * g + VBYTES * part);
+                const IVEC w[4] = {IOR(IAND(lo0, low4), IAND(ISLL16(hi, 4), top2)),
+                                   IOR(IAND(lo1, low4), IAND(ISLL16(hi, 2), top2)),
+                                   IOR(IAND(ISRL16(lo0, 4), low4), IAND(hi, top2)),
+                                   IOR(IAND(ISRL16(lo1, 4), low4), IAND(ISRL16(hi, 2), top2))};
+                const IVEC scale = q6k_scales(pairs, odd);
+#if VCOLS == 16
+                IVEC t[Q8TILE];
+                for (int r = 0; r < R; r++) t[r] = IZERO();
+                for (int v = 0; v < 4; v++) {  /* step 4 g + v: weights 16 g + 4 v */
+#pragma GCC unroll 16
+                    for (int r = 0; r < R; r++) t[r] = DOT_STEP(t[r], w[v], x + r * K + 16 * g + 4 * v);
+                }
+#pragma GCC unroll 16
+                for (int r = 0; r < R; r++) sumi[r] = DOT_END(sumi[r], t[r], scale);
+#else
+#pragma GCC unroll 16
+                for (int r = 0; r < R; r++)
+                    for (int v0 = 0; v0 < 4; v0 += Q6_SPAN) {
+                        IVEC t = IZERO();
+                        for (int v = v0; v < v0 + Q6_SPAN; v++) t = DOT_STEP(t, w[v], x + r * K + 16 * g + 4 * v);
+                        sumi[r] = DOT_END(sumi[r], t, scale);
+                    }
+#endif
+            }
+        }
+        const FVEC d = HALVES(blk + 2 * VCOLS * part);
+#pragma GCC unroll 16
+        for (int r = 0; r < R; r++) {
+            const FVEC dy = FSET1(job->qd[(m0 + r) * blocks + b]);
+            acc[r] = FADD(acc[r], FMUL(FMUL(dy, d), ICVT(sumi[r])));
+        }
     }
+    for (int r = 0; r < R; r++) out[r] = acc[r];
 }
 
-/* Chunk c of a Q4_K block's codes, in weight order (values 0..15), and its scale words. */
-static inline IVEC q4k_chunk(const uint8_t *qs, int c)
-{
-#if QLANES == 16
-    const __m256i bytes = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));  /* weights 64c .. 64c + 63 */
-    const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(bytes), _mm256_srli_epi16(bytes, 4), 1);
-    return _mm512_and_si512(both, _mm512_set1_epi8(15));
-#else
-    const __m256i bytes = _mm256_loadu_si256((const __m256i *)(qs + 32 * (c / 2)));  /* weights 32c .. 32c + 31 */
-    return _mm256_and_si256(c % 2 ? _mm256_srli_epi16(bytes, 4) : bytes, _mm256_set1_epi8(15));
-#endif
-}
+typedef void (*tile_fn)(const q8_job *, const uint8_t *, int64_t, int, FVEC *);
+#define TILES(R)                                                                                               \
+    static void q4k_tile_##R(const q8_job *j, const uint8_t *g, int64_t m0, int part, FVEC *out) { q4k_tile(j, g, m0, R, part, out); } \
+    static void q6k_tile_##R(const q8_job *j, const uint8_t *g, int64_t m0, int part, FVEC *out) { q6k_tile(j, g, m0, R, part, out); }
+TILES(1) TILES(2) TILES(3) TILES(4) TILES(5) TILES(6) TILES(7) TILES(8)
+static const tile_fn q4k_tiles[Q8TILE + 1] = {0, q4k_tile_1, q4k_tile_2, q4k_tile_3, q4k_tile_4,
+                                              q4k_tile_5, q4k_tile_6, q4k_tile_7, q4k_tile_8};
+static const tile_fn q6k_tiles[Q8TILE + 1] = {0, q6k_tile_1, q6k_tile_2, q6k_tile_3, q6k_tile_4,
+                                              q6k_tile_5, q6k_tile_6, q6k_tile_7, q6k_tile_8};
 
-/* The scale words of chunk c (one int16 per pair of weights, for IDPWSSD) from the block's scales as
- * words (`words`: Q4_K's eight, zero-extended; Q6_K's sixteen). */
-static inline IVEC q4k_chunk_scales(__m128i words, int c)
-{
-#if QLANES == 16
-    /* words 0..15 take scale 2c, 16..31 scale 2c + 1 */
-    const __m512i index = _mm512_add_epi16(_mm512_set1_epi16((short)(2 * c)),
-                                           _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(1), 1));
-    return _mm512_permutexvar_epi16(index, _mm512_castsi128_si512(words));
-#else
-    /* every word takes scale c: its two bytes picked from each 128-bit lane's copy of the words */
-    return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(words), _mm256_set1_epi16((short)((2 * c) | ((2 * c + 1) << 8))));
-#endif
-}
-
-/* ---- Q6_K: 128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales, d (f16) ---- */
-
-/* Chunk c of a Q6_K block's codes in weight order, unsigned (q + 32, 0..63). Weight 128 h + i of half h
- * takes, for i < 64, the low nibble of ql[64 h + i] and, for i >= 64, the high nibble of ql[64 h + i - 64];
- * its top two bits are bits 2 (i / 32) .. +1 of qh[32 h + i % 32]. */
-static inline IVEC q6k_chunk(const uint8_t *ql, const uint8_t *qh, int c)
-{
-    const __m256i mask4 = _mm256_set1_epi8(15), mask_top = _mm256_set1_epi8(0x30);
-#if QLANES == 16
-    const int h = c / 2, upper = c % 2;
-    const __m512i low = _mm512_loadu_si512((const void *)(ql + 64 * h));
-    const __m256i high = _mm256_loadu_si256((const __m256i *)(qh + 32 * h));
-    /* bytes 0..31 for weights i, 32..63 for weights i + 32: qh, and qh shifted down two bits */
-    const __m512i pairs = _mm512_inserti64x4(_mm512_castsi256_si512(high), _mm256_srli_epi16(high, 2), 1);
-    const __m512i nib = _mm512_and_si512(upper ? _mm512_srli_epi16(low, 4) : low, _mm512_set1_epi8(15));
-    const __m512i top = _mm512_and_si512(upper ? pairs : _mm512_slli_epi16(pairs, 4), _mm512_set1_epi8(0x30));
-    (void)mask4; (void)mask_top;
-    return _mm512_or_si512(nib, top);
-#else
-    const int h = c / 4, part = c % 4;  /* weights 128 h + 32 part .. + 31 */
-    const __m256i low = _mm256_loadu_si256((const __m256i *)(ql + 64 * h + 32 * (part % 2)));
-    const __m256i high = _mm256_loadu_si256((const __m256i *)(qh + 32 * h));
-    const __m256i nib = _mm256_and_si256(part >= 2 ? _mm256_srli_epi16(low, 4) : low, mask4);
-    __m256i top;
-    switch (part) {  /* ((qh >> 2 part) & 3) << 4 */
-    case 0: top = _mm256_slli_epi16(high, 4); break;
-    case 1: top = _mm256_slli_epi16(high, 2); break;
-    case 2: top = high; break;
-    default: top = _mm256_srli_epi16(high, 2); break;
-    }
-    return _mm256_or_si256(nib, _mm256_and_si256(top, mask_top));
-#endif
-}
-
-static inline IVEC q6k_chunk_scales(__m256i words, int c)
-{
-#if QLANES == 16
-    /* words 8j .. 8j + 7 take scale 4c + j */
-    const __m512i index = _mm512_add_epi16(_mm512_set1_epi16((short)(4 * c)),
-                                           _mm512_srli_epi16(_mm512_set_epi16(31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17, 16,
-                                                                              15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), 3));
-    return _mm512_permutexvar_epi16(index, _mm512_castsi256_si512(words));
-#else
-    /* words 0..7 take scale 2c, 8..15 scale 2c + 1: dword c holds both, spread to every dword, then split by lane */
-    const __m256i both = _mm256_permutevar8x32_epi32(words, _mm256_set1_epi32(c));
-    return _mm256_shuffle_epi8(both, _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,
-                                                      2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3));
-#endif
-}
-
-/* One column (a weight row of `blocks` blocks) against activation rows m0 .. m0 + MR - 1: y[i * ldy]. */
-#define Q4K_ROWS(MR)                                                                                           \
-static void q4k_rows_##MR(const q8_job *job, int64_t m0, const uint8_t *w, float *y, int64_t ldy, float bias)  \
-{                                                                                                              \
-    const int64_t K = job->K, blocks = K / QK_K;                                                               \
-    FVEC acc[MR];                                                                                              \
-    __m128 accm[MR];                                                                                           \
-    for (int i = 0; i < MR; i++) { acc[i] = FZERO(); accm[i] = _mm_setzero_ps(); }                             \
-    for (int64_t b = 0; b < blocks; b++) {                                                                     \
-        const uint8_t *block = w + b * Q4K_BYTES;                                                              \
-        uint16_t dh, mh;                                                                                       \
-        memcpy(&dh, block, 2);                                                                                 \
-        memcpy(&mh, block + 2, 2);                                                                             \
-        const float d = half_to_float(dh), dmin = half_to_float(mh);                                           \
-        uint8_t sc[8], mn[8];                                                                                  \
-        q4k_scales(block + 4, sc, mn);                                                                         \
-        const __m128i mins = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)mn));                         \
-        const __m128i scale_words = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)sc));                  \
-        IVEC sumi[MR];                                                                                         \
-        for (int i = 0; i < MR; i++) sumi[i] = IZERO();                                                        \
-        for (int c = 0; c < CHUNKS; c++) {                                                                     \
-            const IVEC q = q4k_chunk(block + 16, c), s = q4k_chunk_scales(scale_words, c);                              \
-            for (int i = 0; i < MR; i++) {                                                                     \
-                const IVEC xq = ILOAD(job->qx + (m0 + i) * K + b * QK_K + c * CHUNK);                          \
-                sumi[i] = IDPWSSD(sumi[i], IMADDUBS(q, xq), s);                                                \
-            }                                                                                                  \
-        }                                                                                                      \
-        for (int i = 0; i < MR; i++) {                                                                         \
-            const int64_t row = (m0 + i) * blocks + b;                                                         \
-            const float dy = job->qd[row];                                                                     \
-            acc[i] = FADD(acc[i], FMUL(FSET1(dy * d), ICVT(sumi[i])));                                         \
-            const __m128i bs = _mm_loadu_si128((const __m128i *)(job->qb32 + row * 8));                        \
-            const __m128 m = _mm_cvtepi32_ps(_mm_madd_epi16(mins, bs));                                        \
-            accm[i] = _mm_add_ps(accm[i], _mm_mul_ps(_mm_set1_ps(dy * dmin), m));                              \
-        }                                                                                                      \
-    }                                                                                                          \
-    for (int i = 0; i < MR; i++) {                                                                             \
-        float lanes[4];                                                                                        \
-        _mm_storeu_ps(lanes, accm[i]);                                                                         \
-        const float low = ((lanes[0] + lanes[1]) + lanes[2]) + lanes[3];                                       \
-        y[i * ldy] = (hsum_lanes(acc[i]) - low) + bias;                                                        \
-    }                                                                                                          \
-}
-
-#define Q6K_ROWS(MR)                                                                                           \
-static void q6k_rows_##MR(const q8_job *job, int64_t m0, const uint8_t *w, float *y, int64_t ldy, float bias)  \
-{                                                                                                              \
-    const int64_t K = job->K, blocks = K / QK_K;                                                               \
-    FVEC acc[MR];                                                                                              \
-    for (int i = 0; i < MR; i++) acc[i] = FZERO();                                                             \
-    for (int64_t b = 0; b < blocks; b++) {                                                                     \
-        const uint8_t *block = w + b * Q6K_BYTES;                                                              \
-        const int8_t *sc = (const int8_t *)(block + 192);                                                      \
-        uint16_t dh;                                                                                           \
-        memcpy(&dh, block + 208, 2);                                                                           \
-        const float d = half_to_float(dh);                                                                     \
-        const __m256i scales = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc));                    \
-        IVEC sumi[MR];                                                                                         \
-        for (int i = 0; i < MR; i++) {  /* -32 * sum_g sc[g] bsums[g], in lanes 0..7 */                        \
-            const __m256i bs = _mm256_loadu_si256((const __m256i *)(job->qb + ((m0 + i) * blocks + b) * 16));  \
-            sumi[i] = ISUB(IZERO(), FROM256(_mm256_slli_epi32(_mm256_madd_epi16(scales, bs), 5)));             \
-        }                                                                                                      \
-        for (int c = 0; c < CHUNKS; c++) {                                                                     \
-            const IVEC q = q6k_chunk(block, block + 128, c), s = q6k_chunk_scales(scales, c);                      \
-            for (int i = 0; i < MR; i++) {                                                                     \
-                const IVEC xq = ILOAD(job->qx + (m0 + i) * K + b * QK_K + c * CHUNK);                          \
-                sumi[i] = IDPWSSD(sumi[i], IMADDUBS(q, xq), s);                                                \
-            }                                                                                                  \
-        }                                                                                                      \
-        for (int i = 0; i < MR; i++) {                                                                         \
-            const float dy = job->qd[(m0 + i) * blocks + b];                                                   \
-            acc[i] = FADD(acc[i], FMUL(FSET1(dy * d), ICVT(sumi[i])));                                         \
-        }                                                                                                      \
-    }                                                                                                          \
-    for (int i = 0; i < MR; i++) y[i * ldy] = hsum_lanes(acc[i]) + bias;                                       \
-}
-
-Q4K_ROWS(1) Q4K_ROWS(2) Q4K_ROWS(3) Q4K_ROWS(4)
-Q6K_ROWS(1) Q6K_ROWS(2) Q6K_ROWS(3) Q6K_ROWS(4)
-
-typedef void (*rows_fn)(const q8_job *, int64_t, const uint8_t *, float *, int64_t, float);
-static const rows_fn q4k_rows[Q8TILE + 1] = {0, q4k_rows_1, q4k_rows_2, q4k_rows_3, q4k_rows_4};
-static const rows_fn q6k_rows[Q8TILE + 1] = {0, q6k_rows_1, q6k_rows_2, q6k_rows_3, q6k_rows_4};
-
-/* Columns [begin, end) of a q8_job: each column's blocks against every row, Q8TILE rows at a time
- * (the column's blocks are re-read from cache by the later tiles). */
+/* Column groups [begin, end) of a q8_job (columns 16 g .. 16 g + 15 of the repacked matrix): every row
+ * against each group's blocks, Q8TILE rows at a time (later tiles re-read the group from cache). */
 void KQ(q8_range)(const void *arg, int64_t begin, int64_t end)
 {
     const q8_job *job = arg;
-    const int64_t row_bytes = job->K / QK_K * (job->kind == GGML_Q6_K ? Q6K_BYTES : Q4K_BYTES);
-    const rows_fn *rows = job->kind == GGML_Q6_K ? q6k_rows : q4k_rows;
-    for (int64_t n = begin; n < end; n++) {
-        const uint8_t *w = job->w + n * row_bytes;
-        const float bias = job->b ? job->b[n] : 0.0f;
+    const int64_t blocks = job->K / QK_K, N = job->N;
+    const int q6 = job->kind == GGML_Q6_K;
+    const tile_fn *tiles = q6 ? q6k_tiles : q4k_tiles;
+    for (int64_t g = begin; g < end; g++) {
+        const uint8_t *group = job->w + g * blocks * (q6 ? Q6G_BYTES : Q4G_BYTES);
+        const int64_t n0 = g * Q8G, cols = N - n0 < Q8G ? N - n0 : Q8G;
+        float bias[Q8G] = {0};
+        if (job->b) memcpy(bias, job->b + n0, (size_t)cols * sizeof(float));
         for (int64_t m0 = 0; m0 < job->M; m0 += Q8TILE) {
-            const int mr = job->M - m0 < Q8TILE ? (int)(job->M - m0) : Q8TILE;
-            rows[mr](job, m0, w, job->y + m0 * job->N + n, job->N, bias);
+            const int R = job->M - m0 < Q8TILE ? (int)(job->M - m0) : Q8TILE;
+            for (int part = 0; part < PARTS; part++) {
+                FVEC out[Q8TILE];
+                tiles[R](job, group, m0, part, out);
+                const FVEC b = FLOAD(bias + VCOLS * part);
+                for (int r = 0; r < R; r++) {
+                    float *y = job->y + (m0 + r) * N + n0 + VCOLS * part;
+                    if (cols == Q8G) {
+                        FSTORE(y, FADD(out[r], b));
+                    } else {
+                        float lanes[VCOLS];
+                        FSTORE(lanes, FADD(out[r], b));
+                        for (int c = 0; c < VCOLS && VCOLS * part + c < cols; c++) y[c] = lanes[c];
+                    }
+                }
+            }
         }
     }
 }

@@ -7,5 +7,7 @@ from verispec.drafters.model import ModelDrafter
 from verispec.drafters.ngram import NgramDrafter
 from verispec.drafters.none import NoDrafter
 from verispec.drafters.shared import SharedCacheDrafter
+from verispec.drafters.suffix import SuffixDrafter, SuffixIndex
 
-__all__ = ["Draft", "Drafter", "Verdict", "Eagle3Drafter", "HybridDrafter", "ModelDrafter", "NgramDrafter", "NoDrafter", "SharedCacheDrafter"]
+__all__ = ["Draft", "Drafter", "Verdict", "Eagle3Drafter", "HybridDrafter", "ModelDrafter", "NgramDrafter", "NoDrafter",
+           "SharedCacheDrafter", "SuffixDrafter", "SuffixIndex"]

@@ -33,8 +33,9 @@ rows the weights are rebuilt in registers; for more, a tile's rows are widened o
 into an L1 scratch that the float32 tiles then read. Qwen2.5-Coder 1.5B reads 1.4 GB per step
 instead of 7.1; the step becomes bound by the rebuilding arithmetic (~3 cycles per 8 weights).
 
-`GGUFMatrix` is the other way to run a GGUF file: its Q4_K / Q6_K blocks exactly as the file stores
-them (memory-mapped, `models.gguf_q8`), with llama.cpp's numerics instead of the float32 model's: each
+`GGUFMatrix` is the other way to run a GGUF file: its Q4_K / Q6_K blocks as the file stores them (read
+from the mapped file, `models.gguf_q8`), regrouped at load 16 output columns at a time so one vector
+lane serves one column (csrc/kquant_q8_pack.c), with llama.cpp's numerics instead of the float32 model's: each
 activation row rounded to 8 bits per block of 256 as ggml's Q8_K, integer dot products against the
 blocks' codes (AVX-512 VNNI, or AVX2 byte products), the blocks' scales applied in float32 (csrc/
 kquant_q8.c). Rows stay independent (threads split output columns; each output's sums run in one

@@ -91,6 +91,7 @@ SIGNATURES = {
     "linear_product": (_i, [ctypes.POINTER(Product), _p, _p, _i64, _i, _i]),
     "blocked_linear": (None, [ctypes.POINTER(Blocked), _i]),
     "exact_blocks_mismatch": (_i64, [_p, _p, _p, _i64, _i64, _i]),
+    "gguf_q8_repack": (_i, [_p, _p, _i64, _i64, _i, _i]),
     "int4_quantize": (_i, [_p, _p, _p, _p, _i64, _i64, _i, _i, _i]),
     "silu_mul": (None, [_p, _p, _i64, _i]),
     "rms_norm": (None, [_p, _p, _p, _p, _i64, _i64, _f, _i]),

@@ -196,25 +196,58 @@ class Q6KMatrix(ExactBlocks):
 
 
 class GGUFMatrix(QuantizedMatrix):
-    """A GGUF file's Q4_K or Q6_K matrix [N, K] exactly as the file stores it, multiplied with llama.cpp's
-    numerics: each activation row rounded to 8 bits per block of 256 as ggml's Q8_K, integer dot products
-    against the blocks' codes, the blocks' scales applied in float32 (see csrc/kquant_q8.c for the exact
-    recipe). The integer parts are ggml's to the bit; the float parts are summed in another order than
-    llama.cpp's SIMD kernels, so outputs agree with llama.cpp's to float32 rounding, not bitwise. These are
-    not the float32 model's numbers: a target in this mode is its own target (`numerics="q8"`), and every
-    row's result is bitwise the same at any pass width, so speculation is exact with respect to it.
+    """A GGUF file's Q4_K or Q6_K matrix [N, K], multiplied with llama.cpp's numerics: each activation row
+    rounded to 8 bits per block of 256 as ggml's Q8_K, integer dot products against the blocks' codes, the
+    blocks' scales applied in float32 (see csrc/kquant_q8.c for the exact recipe). The integer parts are
+    ggml's to the bit; the float parts are summed in another order than llama.cpp's SIMD kernels, so
+    outputs agree with llama.cpp's to float32 rounding, not bitwise. These are not the float32 model's
+    numbers: a target in this mode is its own target (`numerics="q8"`), and every row's result is bitwise
+    the same at any pass width, so speculation is exact with respect to it.
 
-    values [N, K / 256 * block bytes] uint8: the rows' blocks (144 bytes per 256 weights for Q4_K, 210 for
-    Q6_K), typically a view of the memory-mapped file; `kind` the ggml type id (12 Q4_K, 14 Q6_K)."""
+    blocks [N, K / 256 * block bytes] uint8: the rows' blocks as the file stores them (144 bytes per 256
+    weights for Q4_K, 210 for Q6_K), typically a view of the memory-mapped file; embedding lookups
+    (`rows`) read them. `values`: the same codes and scales repacked for the kernels, 16 columns
+    interleaved (csrc/kquant_q8_pack.c; 2-3% more bytes for Q4_K, as many for Q6_K), made on first use
+    so a table only looked up (an untied embedding) is never repacked. `kind` the ggml type id (12 Q4_K,
+    14 Q6_K)."""
 
     dtype = torch.float32  # activations in and outputs out are float32
     KINDS = {12: ("Q4_K", 144), 14: ("Q6_K", 210)}
+    GROUP = 16  # columns per repacked group
+    GROUP_BYTES = {12: 2368, 14: 3360}  # a group's 16 blocks, repacked
 
-    def __init__(self, values: torch.Tensor, kind: int, scale: torch.Tensor | None = None):
+    def __init__(self, blocks: torch.Tensor, kind: int):
         if kind not in self.KINDS:
             raise ValueError(f"GGUFMatrix holds Q4_K (12) or Q6_K (14) blocks, not ggml type {kind}")
-        super().__init__(values, torch.empty(0) if scale is None else scale)
-        self.kind = kind
+        if blocks.dim() != 2 or blocks.dtype != torch.uint8 or blocks.shape[1] % self.KINDS[kind][1]:
+            raise ValueError(f"{self.KINDS[kind][0]} blocks must be a uint8 [N, K / 256 * {self.KINDS[kind][1]}] tensor")
+        self.blocks, self.kind = blocks, kind
+        self.scale = torch.empty(0)  # the scales are inside the blocks
+        self._packed: torch.Tensor | None = None
+        self._widened = {}
+
+    @property
+    def values(self) -> torch.Tensor:
+        """The blocks repacked for the kernels, uint8 [ceil(N / 16), K / 256 * group bytes] (made once)."""
+        if self._packed is None:
+            if not available():
+                raise RuntimeError("GGUFMatrix products need verispec's C kernels (a C compiler and an AVX2 CPU)")
+            n, k = self.shape
+            groups = -(-n // self.GROUP)
+            packed = torch.empty(groups, k // 256 * self.GROUP_BYTES[self.kind], dtype=torch.uint8)
+            blocks = self.blocks.contiguous()
+            if runtime().lib.gguf_q8_repack(blocks.data_ptr(), packed.data_ptr(), n, k, self.kind,
+                                            torch.get_num_threads()):
+                raise ValueError(f"cannot repack a [{n}, {k}] {self.KINDS[self.kind][0]} matrix")
+            self._packed = packed
+        return self._packed
+
+    @property
+    def device(self) -> torch.device:
+        return self.blocks.device
+
+    def is_contiguous(self) -> bool:
+        return self.blocks.is_contiguous()
 
     @property
     def block_bytes(self) -> int:
@@ -222,21 +255,21 @@ class GGUFMatrix(QuantizedMatrix):
 
     @property
     def shape(self) -> torch.Size:
-        return torch.Size((self.values.shape[0], self.values.shape[1] // self.block_bytes * 256))
+        return torch.Size((self.blocks.shape[0], self.blocks.shape[1] // self.block_bytes * 256))
 
     def __getitem__(self, rows) -> "GGUFMatrix":
-        return GGUFMatrix(self.values[rows].contiguous(), self.kind)
+        return GGUFMatrix(self.blocks[rows].contiguous(), self.kind)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The float32 weights ggml's dequantizer makes of the blocks (what a float32 conversion holds)."""
-        return self.rows(torch.arange(self.values.shape[0])).to(dtype)
+        return self.rows(torch.arange(self.blocks.shape[0])).to(dtype)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` (long [n]) dequantized to float32 [n, K]: an embedding lookup on a quantized table."""
         from gguf import GGMLQuantizationType
         from gguf.quants import dequantize
 
-        raw = self.values[ids.reshape(-1)].numpy()
+        raw = self.blocks[ids.reshape(-1)].numpy()
         dense = dequantize(raw, getattr(GGMLQuantizationType, self.KINDS[self.kind][0]))
         return torch.from_numpy(np.ascontiguousarray(dense, dtype=np.float32)).reshape(*ids.shape, -1)
 
