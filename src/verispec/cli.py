@@ -42,8 +42,9 @@ def _add_generation_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--coupled", action="store_true",
-                   help="sample by the Gumbel-max coupling: a seed gives the same text with or without a draft")
+    p.add_argument("--coupled", action=argparse.BooleanOptionalAction, default=None,
+                   help="sample by the Gumbel-max coupling: a seed gives the same text with or without a draft "
+                        "(default: on when --seed is given and sampling is exact; --no-coupled keeps speculative sampling)")
     p.add_argument("--token-verification", action="store_true",
                    help="verify sampled drafts token by token instead of as blocks (the default; both exact)")
     p.add_argument("--typical-acceptance", type=float, default=0.0, metavar="EPS",
@@ -67,14 +68,15 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
 
 def _generation_options(args, chat: bool) -> dict:
     """The keyword arguments of `verispec.generate` the flags ask for, checked now (before any model loads)."""
-    from verispec.sampling import SamplingParams
+    from verispec.sampling import SamplingParams, default_coupled
 
     if args.system is not None and not chat:
         raise VerispecError("--system is a system prompt for the chat template: add --chat, or drop --system")
     if args.draft is None and args.draft_dtype != "fp32":
         raise VerispecError("--draft-dtype applies to a draft model: give one with --draft, or drop --draft-dtype")
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                              coupled=args.coupled, blockwise=not args.token_verification,
+                              coupled=(default_coupled(args.seed, args.temperature, args.typical_acceptance)
+                                       if args.coupled is None else args.coupled), blockwise=not args.token_verification,
                               typical_acceptance=args.typical_acceptance)
     return dict(drafter=args.drafter, draft_len=args.draft_len, temperature=sampling.temperature, top_k=sampling.top_k,
                 top_p=sampling.top_p, seed=sampling.seed, coupled=sampling.coupled, blockwise=sampling.blockwise,

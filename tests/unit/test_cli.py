@@ -116,6 +116,14 @@ def test_options_reach_generate_parsed(fake):
     assert options["draft_len"] == DraftLen(3) and options["temperature"] == 0.7 and options["seed"] == 5
 
 
+def test_seeded_sampling_is_coupled_unless_told_otherwise(fake):
+    """As in the API and the server: a seed reproduces its text by default; --no-coupled keeps speculative sampling."""
+    for flags, coupled in ((["--seed", "5", "--temperature", "0.7"], True), (["--seed", "5", "--temperature", "0.7", "--no-coupled"], False),
+                           (["--temperature", "0.7"], False), (["--seed", "5"], False), (["--coupled", "--temperature", "0.7"], True)):
+        assert main(["generate", "hi", *flags, "-q"]) == 0
+        assert fake["stream"][-1][1]["coupled"] is coupled, flags
+
+
 def test_threads(fake):
     before = torch.get_num_threads()
     try:
