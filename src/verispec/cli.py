@@ -282,6 +282,7 @@ def build_parser() -> argparse.ArgumentParser:
     from verispec.heads.train import add_train_arguments, run_train
 
     add_train_arguments(p)
+    _add_run_options(p)
     p.set_defaults(run=run_train)
 
     p = sub.add_parser("certify", help="check that speculation gives the target's own output: greedy identity and "
@@ -301,6 +302,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--p-threshold", type=float, default=1e-3, help="a mode passes when its p-value exceeds this")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="save the report as JSON here")
+    _add_run_options(p)
     p.set_defaults(run=cmd_certify)
 
     sub.add_parser("serve", help="OpenAI-compatible server (verispec serve --help)", add_help=False)

@@ -290,12 +290,10 @@ def add_train_arguments(parser) -> None:
                                                          "keyed by target and settings, reused across runs)")
     parser.add_argument("--taps", default=None, help="comma-separated target layers whose inputs the head reads "
                                                      "(default: 2, N/2, N-3)")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: PyTorch's choice)")
 
 
 def run_train(args) -> int:
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    """`verispec train eagle3` (the CLI sets the threads and log level, `--threads` / `--quiet`, before this)."""
     for name in ("max_tokens", "steps", "ttt_steps", "batch", "draft_vocab", "seq_len", "checkpoint_every"):
         if getattr(args, name) < 1:
             raise VerispecError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
