@@ -492,6 +492,7 @@ def test_served_model_name_max_model_len_and_chat_template(tmp_path):
         ids = client.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()["tokens"]
         tokenizer = verispec.load("smollm2-135m").tokenizer
         assert tokenizer.decode(ids) == "<<user>> hi\n<<assistant>>"
+        assert "<<assistant>>" not in (tokenizer.chat_template or "")  # the shared model's own template is untouched
     with pytest.raises(VerispecError, match="chat-template"):
         build_app("smollm2-135m", drafter="ngram", chat_template=str(tmp_path / "missing.jinja"))
     with pytest.raises(VerispecError, match="max_model_len"):
@@ -873,10 +874,12 @@ def test_cancelling_one_row_leaves_its_batch_mates_decoding(draft):
     from verispec.models.native import NativeCausalLM
 
     target = NativeCausalLM.from_hf(tiny_llama(seed=0))
+    prompts = [[5, 6, 7, 5, 6], [30, 31], [40, 41, 42, 43], [50, 51]]
+    # The references first: a native model runs one pass at a time, and the worker's thread will use it.
+    plain = [plain_tokens(target, prompt, max_new_tokens=60) for prompt in prompts]
     scheduler = Scheduler(target, lambda speculate: make_drafter(target, None, "ngram" if speculate else "none"), max_batch=4)
     scheduler.start()
     try:
-        prompts = [[5, 6, 7, 5, 6], [30, 31], [40, 41, 42, 43], [50, 51]]
         jobs = [job(p, max_new_tokens=60, draft=draft) for p in prompts]
         scheduler.submit([j for j, _ in jobs])
         leaving = jobs[1][1].items.get(timeout=30)
@@ -884,7 +887,7 @@ def test_cancelling_one_row_leaves_its_batch_mates_decoding(draft):
         scheduler.cancel([jobs[1][0].id])
         for i, (prompt, (_, collector)) in enumerate(zip(prompts, jobs)):
             if i != 1:
-                assert collector.result() == plain_tokens(target, prompt, max_new_tokens=60), prompt
+                assert collector.result() == plain[i], prompt
         assert scheduler.step_failures == 0 and scheduler.thread.is_alive()
     finally:
         scheduler.stop()

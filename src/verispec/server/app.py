@@ -53,10 +53,14 @@ log = logging.getLogger(__name__)
 
 
 class LockedTokenizer:
-    """The tokenizer behind a lock: the event loop encodes and decodes while the worker checks stop sequences."""
+    """The tokenizer behind a lock: the event loop encodes and decodes while the worker checks stop sequences.
 
-    def __init__(self, tokenizer):
+    chat_template: the server's own template (--chat-template), used in place of the tokenizer's without
+    changing the tokenizer, which a loaded model shares with every other user of it in this process."""
+
+    def __init__(self, tokenizer, chat_template: str | None = None):
         self._tokenizer = tokenizer
+        self._template = chat_template
         self._lock = threading.Lock()
 
     def __call__(self, *args, **kwargs):
@@ -68,12 +72,14 @@ class LockedTokenizer:
             return self._tokenizer.decode(*args, **kwargs)
 
     def apply_chat_template(self, *args, **kwargs):
+        if self._template is not None:
+            kwargs["chat_template"] = self._template
         with self._lock:
             return self._tokenizer.apply_chat_template(*args, **kwargs)
 
     @property
     def chat_template(self):
-        return getattr(self._tokenizer, "chat_template", None)
+        return self._template if self._template is not None else getattr(self._tokenizer, "chat_template", None)
 
 
 @dataclass
@@ -310,9 +316,8 @@ def build_app(target, draft=None, drafter: str = "auto", draft_len: DraftLen | i
     name = model_name or (target if isinstance(target, str) else target_model.name)
     context = min(target_model.max_context, max_model_len or target_model.max_context)
     config = ServerConfig(target_model, name, draft_len if speculative else None, context)
-    if chat_template is not None:
-        target_model.tokenizer.chat_template = read_chat_template(chat_template)
-    tokenizer = LockedTokenizer(target_model.tokenizer)
+    template = read_chat_template(chat_template) if chat_template is not None else None
+    tokenizer = LockedTokenizer(target_model.tokenizer, template)
     stats = SpecStats()
     scheduler = Scheduler(
         target_model,
