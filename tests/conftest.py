@@ -9,6 +9,7 @@ offline), `integration/` (real models from the zoo, a real server process and re
 from __future__ import annotations
 
 import copy
+import queue
 
 import pytest
 import torch
@@ -79,6 +80,43 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "integration" in item.path.parts:
             item.add_marker(pytest.mark.slow)
+
+
+# --- jobs for the server's scheduler, run in-process (integration and exactness tests share them) ---
+
+
+class Collector:
+    """Stands in for an HTTP request: gathers one job's events."""
+
+    def __init__(self):
+        self.items: queue.Queue = queue.Queue()
+
+    def result(self, timeout: float = 60.0):
+        """The job's tokens once it finishes, or its JobFailed."""
+        from verispec.server.scheduler import JobFailed
+
+        tokens = []
+        while True:
+            item = self.items.get(timeout=timeout)
+            if isinstance(item, JobFailed):
+                return item
+            tokens.extend(item.tokens)
+            if item.finish_reason is not None:
+                return tokens
+
+
+_ids = iter(range(10**9))
+
+
+def job(prompt: list[int], max_new_tokens: int = 12, draft=4) -> tuple["Job", Collector]:
+    """A scheduler job for `prompt` (greedy) and the Collector that gathers its events."""
+    from verispec.engine import Request
+    from verispec.sampling import SamplingParams
+    from verispec.server.scheduler import Job
+
+    collector = Collector()
+    request = Request(prompt=prompt, sampling=SamplingParams(), max_new_tokens=max_new_tokens, id=next(_ids))
+    return Job(request, draft, collector.items.put), collector
 
 
 ARCHITECTURES = {"llama": tiny_llama, "qwen2": tiny_qwen2, "gpt2": tiny_gpt2}

@@ -117,7 +117,7 @@ def test_self_drafter_needs_a_native_target_and_a_matching_copy():
 def test_self_drafts_under_continuous_batching(native_target):
     """Rows join a decoding batch (its shared cache grows) and leave it (rows are selected, the emptied
     batch makes a new cache); every request still gets plain decoding's tokens."""
-    from test_server import job
+    from conftest import job
     from verispec.api import make_drafter
     from verispec.server.scheduler import Scheduler
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import queue
 import threading
 import time
 from dataclasses import dataclass
@@ -22,14 +21,13 @@ import torch
 import verispec
 from verispec import zoo
 from verispec.api import make_drafter
-from verispec.engine import DecodeBatch, Request, TokenEvent
-from verispec.sampling import SamplingParams
+from verispec.engine import DecodeBatch, TokenEvent
 from verispec.text import encode_chat
 from verispec.errors import VerispecError
 from verispec.server import Job, JobFailed, Scheduler, ServerProcess, build_app
 from verispec.server.process import ServerStartError
 
-from conftest import perturbed_copy, tiny_llama
+from conftest import job, perturbed_copy, tiny_llama
 
 API_KEY = "test-key"
 MODEL = "smollm2-135m"
@@ -770,32 +768,6 @@ def test_no_step_failed_and_the_log_is_clean(server):
 
 # ---------------------------------------------------------------------------------------------------
 # The worker on its own (in-process, tiny random models): faults stay contained.
-
-
-class Collector:
-    """Stands in for an HTTP request: gathers one job's events."""
-
-    def __init__(self):
-        self.items: queue.Queue = queue.Queue()
-
-    def result(self, timeout: float = 60.0) -> list[int] | JobFailed:
-        tokens = []
-        while True:
-            item = self.items.get(timeout=timeout)
-            if isinstance(item, JobFailed):
-                return item
-            tokens.extend(item.tokens)
-            if item.finish_reason is not None:
-                return tokens
-
-
-_ids = iter(range(10**9))
-
-
-def job(prompt: list[int], max_new_tokens: int = 12, draft=4) -> tuple[Job, Collector]:
-    collector = Collector()
-    request = Request(prompt=prompt, sampling=SamplingParams(), max_new_tokens=max_new_tokens, id=next(_ids))
-    return Job(request, draft, collector.items.put), collector
 
 
 @pytest.fixture
