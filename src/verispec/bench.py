@@ -63,6 +63,10 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
                    help="time plain and speculative decoding of each prompt this many times, in alternating order, and take each one's median "
                         "(a shared machine's load moves single timings by ~10%%)")
     p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face peers")
+    p.add_argument("--peer", choices=("llama.cpp",), default=None,
+                   help="also time llama.cpp's plain decoding of the target's GGUF file, greedy, same prompts and threads "
+                        "(build it with bench/peers/build_llama_cpp.sh; --peer-bin or VERISPEC_LLAMA_CPP to point elsewhere)")
+    p.add_argument("--peer-bin", default=None, help="folder holding llama.cpp's llama-completion")
     p.add_argument("--sweep", default="1,2,3,4,6,8", help="fixed draft lengths to measure against the formula ('' to skip)")
     p.add_argument("--sweep-prompts", type=int, default=3, help="prompts used for the draft-length sweep")
     p.add_argument("--widths", default="1,2,3,4,5,6,8,9,12,16", help="target forward widths for the verify cost curve")
@@ -150,6 +154,39 @@ def _paired_runs(plain, speculative, rounds: int):
             _median([out.stats.prefill_seconds for out, _ in plains]))
 
 
+def _peer(args):
+    """(the peer, the GGUF file it reads) for --peer, else (None, None). The peer runs greedy on the file
+    the target was made from, so it needs a GGUF target (a zoo name or a .gguf path)."""
+    if not args.peer:
+        return None, None
+    from verispec.peers import LlamaCpp
+
+    if args.temperature > 0:
+        raise SystemExit("--peer llama.cpp is timed greedy only: drop --temperature")
+    gguf = Path(args.target)
+    if gguf.suffix.lower() != ".gguf":
+        if args.target not in zoo.ZOO:
+            raise SystemExit(f"--peer llama.cpp needs a GGUF target (a zoo name or a .gguf file), not {args.target}")
+        gguf = zoo.gguf_path(args.target)
+    return LlamaCpp(args.peer_bin), gguf
+
+
+def _time_peer(peer, gguf, tokenizer, ids: list[int], reference: list[int], m: "Measurement", args) -> None:
+    """The peer's median time over `args.rounds` runs of the prompt, and how many leading tokens of its text
+    agree with verispec's plain decoding (llama.cpp's own numerics differ in the last bits from every verispec
+    mode, so its greedy text may part from verispec's where two tokens are nearly tied)."""
+    text = tokenizer.decode(ids, skip_special_tokens=False)
+    runs = [peer.complete(gguf, text, args.max_new_tokens, getattr(args, "threads", None) or torch.get_num_threads()) for _ in range(args.rounds)]
+    runs.sort(key=lambda r: r.seconds)
+    run = runs[(len(runs) - 1) // 2]
+    m.seconds[peer.name], m.tokens[peer.name] = run.seconds, run.new_tokens
+    m.stats["peer_prompt_tokens"] = run.prompt_tokens
+    m.stats["peer_prompt_seconds"] = run.prompt_seconds
+    theirs = tokenizer.encode(run.text, add_special_tokens=False)
+    m.stats["peer_agreeing_tokens"] = next((i for i, (a, b) in enumerate(zip(theirs, reference)) if a != b),
+                                           min(len(theirs), len(reference)))
+
+
 def _hf_generate(model, input_ids, max_new_tokens, eos_ids, pad_id, **extra):
     out = model.generate(torch.tensor([input_ids], device=model.device), attention_mask=torch.ones(1, len(input_ids), dtype=torch.long, device=model.device),
                          max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos_ids, pad_token_id=pad_id, **extra)
@@ -166,6 +203,7 @@ def run_bench(args) -> dict:
     if args.rounds < 1:
         raise SystemExit(f"--rounds must be >= 1, got {args.rounds}")
     draft_len = args.draft_len
+    peer, peer_gguf = _peer(args)
     prompts = read_prompts(args.prompts, args.per_category)
     if args.categories:
         keep = set(args.categories.split(","))
@@ -222,9 +260,11 @@ def run_bench(args) -> dict:
                 m.tokens["hf_assisted"] = len(out)
             out, m.seconds["hf_prompt_lookup"] = _timed(lambda: _hf_generate(hf_target, ids, args.max_new_tokens, eos_ids, pad_id, prompt_lookup_num_tokens=10))
             m.tokens["hf_prompt_lookup"] = len(out)
+        if peer is not None:
+            _time_peer(peer, peer_gguf, target.tokenizer, ids, base.token_ids, m, args)
         results.append(m)
         ratio = _speedups([m], "plain", "verispec")[0]  # tokens/s, as in the tables (sampled runs differ in length)
-        extra = "".join(f", {k} {m.seconds[k]:.1f}s" for k in ("hf", "hf_assisted", "hf_prompt_lookup") if k in m.seconds)
+        extra = "".join(f", {k} {m.seconds[k]:.1f}s" for k in ("hf", "hf_assisted", "hf_prompt_lookup", "llama.cpp") if k in m.seconds)
         print(f"[bench] {i + 1}/{len(prompts)} {p.category}/{p.id}: plain {m.tokens['plain']} tokens in {m.seconds['plain']:.1f}s, "
               f"verispec {m.tokens['verispec']} in {m.seconds['verispec']:.1f}s ({ratio:.2f}x tokens/s, "
               f"{m.stats['mean_accepted_tokens']:.2f} tok/pass, identical={m.identical}){extra}", file=sys.stderr)
@@ -407,6 +447,8 @@ def summarize(results: list[Measurement], args, verify_ratio: dict[int, float]) 
             "hf_prompt_lookup_vs_hf": _median(_speedups(ms, "hf", "hf_prompt_lookup")),
             "verispec_vs_hf_assisted": _median(_speedups(ms, "hf_assisted", "verispec")),
             "verispec_vs_hf_prompt_lookup": _median(_speedups(ms, "hf_prompt_lookup", "verispec")),
+            "speedup_vs_llama_cpp": _median(_speedups(ms, "llama.cpp", "verispec")),
+            "plain_vs_llama_cpp": _median(_speedups(ms, "llama.cpp", "plain")),
             "mean_accepted_tokens": statistics.mean(m.stats["mean_accepted_tokens"] for m in ms),
             "acceptance_rate": statistics.mean(m.stats["acceptance_rate"] for m in ms),
             "acceptance_by_position": [statistics.mean(a[i] for a in accepted_pos if len(a) > i) for i in range(depth)],
@@ -492,6 +534,13 @@ def write_reports(report: dict, results: list[Measurement], args) -> None:
     if gave_way:
         extra += (f"\nThe draft model's prompt prefill could not pay for itself on {len(gave_way)} prompt(s), which drafted by "
                   f"prompt lookup instead: {', '.join(gave_way)}.\n")
+    if any(r.get("speedup_vs_llama_cpp") for r in report["categories"].values()):
+        extra += ("\n| category | verispec vs llama.cpp plain | verispec plain vs llama.cpp plain | leading tokens equal to llama.cpp's |\n"
+                  "| --- | --- | --- | --- |\n")
+        for cat, r in report["categories"].items():
+            agree = [p["stats"].get("peer_agreeing_tokens") for p in report["prompts"] if cat in ("overall", p["category"])]
+            extra += (f"| {cat} | {_fmt(r.get('speedup_vs_llama_cpp'))} | {_fmt(r.get('plain_vs_llama_cpp'))} | "
+                      f"median {_median([a for a in agree if a is not None])} |\n")
     if report.get("sweep", {}).get("measured"):
         sw = report["sweep"]
         extra += "\n| draft length k | measured speedup (after prefill) | predicted E/(k·c + v(k+1)) |\n| --- | --- | --- |\n"

@@ -87,6 +87,21 @@ typedef __m256 FVEC;
 #define PARTS (Q8G / VCOLS)       /* vectors across a group: 1 or 2 */
 #define Q8TILE 8                  /* activation rows sharing each decoded sub-block */
 #define INLINE static inline __attribute__((always_inline))
+#ifndef Q8_AHEAD
+#define Q8_AHEAD 4                /* blocks ahead the tiles prefetch the weights (see prefetch_block) */
+#endif
+
+/* Prefetch part `step` of `steps` of the block group `bytes` after p. The blocks are one sequential
+ * stream, but at 8 rows a tile spends long enough on each that the hardware prefetcher does not run
+ * far enough ahead: without this a third of a wide tile's time stalled on its weight loads (perf,
+ * Zen 5), with it the loads find the lines in cache. Past the matrix's end it reads nothing (a
+ * prefetch never faults). */
+INLINE void prefetch_block(const uint8_t *p, int64_t bytes, int step, int steps)
+{
+    const int64_t lines = (bytes + 63) / 64, per = (lines + steps - 1) / steps;
+    for (int64_t l = step * per; l < (step + 1) * per && l < lines; l++)
+        _mm_prefetch((const char *)(p + Q8_AHEAD * bytes + 64 * l), _MM_HINT_T0);
+}
 
 /* ggml's nearest_int: round to nearest, ties to even, for |f| < 2^22 (here |f| <= 127) */
 static inline int nearest_int(float f)
@@ -256,6 +271,7 @@ INLINE void q4k_tile(const q8_job *job, const uint8_t *group, int64_t m0, const 
         IVEC sumi[Q8TILE];
         for (int r = 0; r < R; r++) sumi[r] = IZERO();
         for (int j = 0; j < 8; j++) {
+            if (part == 0) prefetch_block(blk, Q4G_BYTES, j, 8);
             const uint8_t *qs = blk + 320 + 4 * 64 * j + VBYTES * part;
             IVEC w[8];
             for (int u = 0; u < 4; u++) {
@@ -326,6 +342,7 @@ INLINE void q6k_tile(const q8_job *job, const uint8_t *group, int64_t m0, const 
         IVEC sumi[Q8TILE];
         for (int r = 0; r < R; r++) sumi[r] = IZERO();
         for (int l = 0; l < 8; l++) {
+            if (part == 0) prefetch_block(blk, Q6G_BYTES, l, 8);
             const IVEC pairs = I8X16(blk + 32 + 32 * l + 2 * VCOLS * part);
             /* -32 * (sc[2 l] bsums[2 l] + sc[2 l + 1] bsums[2 l + 1]): the codes' offset, exact in int32 */
             const IVEC minus32 = ISLL16(ISUB16(IZERO(), pairs), 5);

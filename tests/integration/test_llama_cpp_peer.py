@@ -1,0 +1,49 @@
+"""llama.cpp as a real peer: its own binary, built from the llama-cpp-python sdist by
+bench/peers/build_llama_cpp.sh, run on the zoo's GGUF file beside verispec's numerics="q8" mode.
+Skipped (with the reason) where the binary has not been built."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import verispec
+from verispec import zoo
+from verispec.errors import VerispecError
+from verispec.peers import LlamaCpp
+from verispec.text import encode_prompt
+
+MODEL = "qwen2.5-coder-1.5b"  # Q4_K_M with Q4_K and Q6_K matrices only (the 0.5B file has a Q8_0 head)
+PROMPTS = ["def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+           "import json\n\n\ndef load_config(path):\n"]
+
+
+@pytest.fixture(scope="module")
+def peer():
+    try:
+        return LlamaCpp()
+    except VerispecError as e:
+        pytest.skip(str(e))
+
+
+def test_missing_binary_says_how_to_build_it(tmp_path):
+    with pytest.raises(VerispecError, match="build_llama_cpp.sh"):
+        LlamaCpp(tmp_path)
+
+
+def test_llama_cpp_reads_the_same_prompt_and_agrees_with_q8(peer):
+    """Both read the prompt as the same tokens, and llama.cpp's greedy text starts as verispec's q8 greedy
+    text: the same file and the same integer dot products (only float sums differ), so a split can come
+    only where two tokens are nearly tied."""
+    torch.set_num_threads(2)
+    target = verispec.load(MODEL, numerics="q8")
+    agreeing = []
+    for prompt in PROMPTS:
+        ids = encode_prompt(target.tokenizer, prompt, chat=False)
+        ours = verispec.generate(target, ids, drafter="none", max_new_tokens=24).token_ids
+        run = peer.complete(zoo.gguf_path(MODEL), prompt, max_new_tokens=24, threads=2)
+        assert run.prompt_tokens == len(ids)
+        assert 0 < run.new_tokens <= 25 and run.seconds > 0
+        theirs = target.tokenizer.encode(run.text, add_special_tokens=False)
+        agreeing.append(next((i for i, (a, b) in enumerate(zip(theirs, ours)) if a != b), min(len(theirs), len(ours))))
+    assert max(agreeing) >= 16, agreeing
