@@ -154,6 +154,15 @@ def _paired_runs(plain, speculative, rounds: int):
             _median([out.stats.prefill_seconds for out, _ in plains]))
 
 
+def _fresh_suffix_index(target, args) -> None:
+    """drafter="suffix" drafts from earlier calls' outputs: each timed run starts with none, or a prompt's later
+    rounds would draft their answer from its first (bench/suffix_repeat.py measures that memory on purpose)."""
+    if args.drafter == "suffix":
+        from verispec.api import suffix_index
+
+        suffix_index(target).clear()
+
+
 def _peer(args):
     """(the peer, the GGUF file it reads) for --peer, else (None, None). The peer runs greedy on the file
     the target was made from, so it needs a GGUF target (a zoo name or a .gguf path)."""
@@ -247,7 +256,7 @@ def run_bench(args) -> dict:
         m = Measurement(p)
         base, spec, m.seconds["plain"], m.seconds["verispec"], m.prefill_seconds = _paired_runs(
             lambda: verispec.generate(target, ids, drafter="none", **common),
-            lambda: verispec.generate(target, ids, **spec_options), args.rounds)
+            lambda: _fresh_suffix_index(target, args) or verispec.generate(target, ids, **spec_options), args.rounds)
         m.tokens["plain"], m.tokens["verispec"] = len(base.token_ids), len(spec.token_ids)
         # a coupled sample is plain sampling's sample for the seed: comparable token by token like greedy
         m.identical = None if sampled and not args.coupled else base.token_ids == spec.token_ids

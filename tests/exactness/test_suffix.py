@@ -35,6 +35,18 @@ def test_drafts_the_most_frequent_continuation_of_the_longest_match():
     assert draft_of(drafter, [5, 9, 20], k=3) == [21, 22]
 
 
+def test_clear_forgets_every_earlier_output():
+    index = SuffixIndex()
+    index.add([7, 8, 9, 10, 11, 12])
+    drafter = SuffixDrafter(index, max_spec_factor=2.0)
+    assert draft_of(drafter, [1, 8, 9], k=3) == [10, 11, 12]
+    index.clear()
+    assert index.num_tokens == 0 and index.num_postings == 0
+    assert draft_of(drafter, [1, 8, 9], k=3) == []
+    index.add([7, 8, 9, 30, 31])  # and it takes new outputs afterwards
+    assert draft_of(drafter, [1, 8, 9], k=2) == [30, 31]
+
+
 def test_draft_length_follows_match_length_and_frequency():
     index = SuffixIndex()
     index.add(list(range(10, 40)))

@@ -157,6 +157,13 @@ class SuffixIndex:
         if not corpus.sequences:
             del self.corpora[tenant]
 
+    def clear(self) -> None:
+        """Forget every earlier output (a benchmark that repeats a prompt must not draft its answer from the last run)."""
+        with self._lock:
+            self.corpora.clear()
+            self.order.clear()
+            self.num_tokens = 0
+
     def find(self, context: list[int], tenant: Hashable, max_occurrences: int) -> list[tuple[list[int], int, int]]:
         with self._lock:
             corpus = self.corpora.get(tenant)
