@@ -28,7 +28,7 @@ from verispec.options import DRAFTER_NAMES, DraftLen, flag
 
 # Prompt sets shipped in the package (src/verispec/data/, licences in LICENSES.md there): the first 10
 # HumanEval dev problems, and the first 2 Spec-Bench dev questions of each of its 13 categories.
-BUNDLED_PROMPTS = {"humaneval": "humaneval.jsonl", "spec_bench": "spec_bench.jsonl"}
+BUNDLED_PROMPTS = {"humaneval": "humaneval.jsonl", "spec_bench": "spec_bench.jsonl", "code_edit": "code_edit.jsonl"}
 DEFAULT_PROMPTS = "humaneval"
 
 

@@ -24,7 +24,12 @@ def test_bundled_prompt_sets_load_in_the_forms_bench_reads():
     assert len(categories) == 13 and {"coding", "rag", "summarization", "math_reasoning"} <= categories
     assert len(spec_bench) == 26 and all(p.chat and p.text for p in spec_bench)
     assert len(read_prompts("spec_bench", per_category=1)) == 13
-    assert set(BUNDLED_PROMPTS) == {"humaneval", "spec_bench"}
+    assert set(BUNDLED_PROMPTS) == {"humaneval", "spec_bench", "code_edit"}
+    edits = read_prompts("code_edit", per_category=100)
+    sources = {p.text for p in humaneval}
+    # every edit request carries one bundled HumanEval prompt unchanged, inside a code block
+    assert len(edits) == 10 and all(p.chat and p.category == "code_edit" for p in edits)
+    assert all(any(f"```python\n{source}```" in p.text for source in sources) for p in edits)
 
 
 def test_bench_reads_the_bundled_humaneval_set_by_default():
@@ -35,7 +40,7 @@ def test_bench_reads_the_bundled_humaneval_set_by_default():
 
 def test_bench_prompt_file_mistakes_are_verispec_errors(tmp_path, capsys):
     missing = tmp_path / "nowhere.jsonl"
-    with pytest.raises(VerispecError, match="no prompt file.*humaneval, spec_bench"):
+    with pytest.raises(VerispecError, match="no prompt file.*humaneval, spec_bench, code_edit"):
         read_prompts(str(missing), per_category=1)
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "def f():"}\nnot json\n')
