@@ -483,6 +483,8 @@ def target_matrices(model) -> str:
     """How the target's matrices are stored, for the report: float32, or exact GGUF blocks for how many."""
     from verispec.models import kernels
 
+    if getattr(model, "numerics", "float32") == "q8":
+        return "the GGUF's own Q4_K/Q6_K blocks with llama.cpp's numerics (numerics=q8)"
     if not getattr(model, "layers", None):
         return "float32 matrices"
     matrices = model.matrices()

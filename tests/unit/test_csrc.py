@@ -43,3 +43,22 @@ def test_python_reads_the_formats_from_the_c_header():
         assert re.search(rf"\bVS_{fmt.name}\s*=\s*{fmt.value}\s*,", header)
     assert {"F32", "BF16", "INT8", "INT4", "Q4K", "Q6K", "PANELS"} <= set(abi.Format.__members__)
     assert abi.BUFFERS == ("normed", "delta", "q", "k", "v", "attended", "gate", "up")
+
+
+def test_builds_of_other_sources_are_kept_a_while_then_evicted(tmp_path):
+    """Two checkouts of different versions share the cache: each keeps the other's recent build instead of
+    rebuilding on every start, and the oldest builds go."""
+    import os
+    import time
+
+    from verispec.models.kernels import build
+
+    now = time.time()
+    builds = [tmp_path / f"kernels_{i:016x}.so" for i in range(6)]
+    for age, path in enumerate(builds):
+        path.write_bytes(b"")
+        os.utime(path, (now - 100 * age, now - 100 * age))  # builds[0] used last
+    current = builds[5]  # the oldest, but the one this process uses
+    build.evict_other_builds(tmp_path, current)
+    kept = sorted(p.name for p in tmp_path.iterdir())
+    assert kept == sorted(p.name for p in [current, *builds[: build.KEPT_BUILDS - 1]])

@@ -76,10 +76,14 @@ def source_hash() -> str:
     return digest.hexdigest()[:16]
 
 
+KEPT_BUILDS = 4  # libraries of different sources kept side by side
+
+
 def build(directory: Path, cc: str | None = None) -> Path:
     """The library for the current sources in `directory` (built now unless already there)."""
     target = directory / f"kernels_{source_hash()}.so"
     if target.exists():
+        os.utime(target)  # recently used: kept when other builds are evicted
         return target
     cc = compiler(cc)
     directory.mkdir(parents=True, exist_ok=True)
@@ -89,10 +93,17 @@ def build(directory: Path, cc: str | None = None) -> Path:
         built = Path(tmp) / target.name
         _run([[cc, "-shared", "-pthread", *objects, "-o", str(built), *LIBS]])
         os.replace(built, target)  # atomic: a concurrent process sees the whole file or none
-    for stale in directory.glob("kernels_*.so"):  # builds of older sources (unlinking is safe if mapped)
-        if stale != target:
-            stale.unlink(missing_ok=True)
+    evict_other_builds(directory, target)
     return target
+
+
+def evict_other_builds(directory: Path, current: Path) -> None:
+    """Keep `current` and the builds of other sources used last, KEPT_BUILDS in all, and delete the rest: two
+    checkouts of different versions on one machine would otherwise rebuild on every start, each evicting the
+    other's. Unlinking is safe while another process has a library mapped."""
+    others = sorted((b for b in directory.glob("kernels_*.so") if b != current), key=lambda b: b.stat().st_mtime, reverse=True)
+    for stale in others[KEPT_BUILDS - 1:]:
+        stale.unlink(missing_ok=True)
 
 
 def _run(commands: list[list[str]]) -> None:
