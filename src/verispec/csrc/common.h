@@ -27,11 +27,14 @@
 #define PKC 256        /* k per panel block: a panel's block is 16 KB; the blocked GEMM's GKC, for the same sums */
 #define QK_K 256       /* weights per GGUF k-quant block (and per Q8_K activation block) */
 #define Q4K_BYTES 144  /* a block_q4_K */
+#define Q5K_BYTES 176  /* a block_q5_K */
 #define Q6K_BYTES 210  /* a block_q6_K */
 #define GGML_Q4_K 12   /* ggml type ids (vs_product.kind of VS_GGUF_Q8) */
+#define GGML_Q5_K 13
 #define GGML_Q6_K 14
 #define Q8G 16         /* columns per interleaved group of repacked GGUF blocks (kquant_q8_pack.c) */
 #define Q4G_BYTES 2368 /* 16 columns' Q4_K blocks repacked: 16 d, 16 dmin (f16), 8x16 scales, 4x16x2 mins, 32x64 nibbles */
+#define Q5G_BYTES 2880 /* Q5_K: Q4_K's 2368 bytes, then 32x16 bytes of fifth bits (kquant_q8_pack.c) */
 #define Q6G_BYTES 3360 /* 16 columns' Q6_K blocks repacked: 16 d (f16), 8x16x2 scales, 32x64 nibbles, 16x64 high bits */
 
 /* ======== the thread pool (pool.c) ======== */
@@ -47,7 +50,7 @@ void run_group(range_fn fn, const void *const *jobs, const int64_t *tiles, int c
  * group scales for int4 and k-quant weights, else unused. */
 typedef struct { const float *x; const void *w; const float *s; const float *b; float *y; int64_t M, N, K; } linear_job;
 
-/* A GGUF matrix's blocks (kind: GGML_Q4_K or GGML_Q6_K), repacked in groups of Q8G columns by
+/* A GGUF matrix's blocks (kind: GGML_Q4_K, GGML_Q5_K or GGML_Q6_K), repacked in groups of Q8G columns by
  * gguf_q8_repack, times Q8_K activations (kquant_q8.c): qx [M, K] int8, qd [M, K / 256], qb [M, K / 16],
  * qb32 [M, K / 32]. */
 typedef struct { const int8_t *qx; const float *qd; const int16_t *qb, *qb32; const uint8_t *w; int kind;

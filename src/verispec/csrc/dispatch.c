@@ -72,7 +72,7 @@ static int gguf_q8_product(const vs_product *p, const float *x, float *const *y,
     const void *job_ptrs[MAX_GROUP];
     int64_t columns[MAX_GROUP], work = 0;
     for (int i = 0; i < p->count; i++) {
-        if (p->kind[i] != GGML_Q4_K && p->kind[i] != GGML_Q6_K) { free(qx); return -1; }
+        if (p->kind[i] != GGML_Q4_K && p->kind[i] != GGML_Q5_K && p->kind[i] != GGML_Q6_K) { free(qx); return -1; }
         jobs[i] = (q8_job){qx, qd, qb, qb32, p->w[i], p->kind[i], p->b[i], y[i], M, p->N[i], K};
         job_ptrs[i] = &jobs[i];
         columns[i] = (p->N[i] + Q8G - 1) / Q8G;  /* threads split groups of 16 columns (the repacked layout) */

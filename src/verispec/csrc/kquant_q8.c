@@ -1,7 +1,7 @@
 /* ======== GGUF k-quant blocks times activations rounded as ggml's Q8_K: llama.cpp's numerics ========
  * (compiled twice: -DVS_Q8_512 with AVX-512 BW + VNNI, -DVS_Q8_256 with AVX2; see kernels/build.py)
  *
- * llama.cpp's numerics for a Q4_K / Q6_K matrix: each activation row is rounded to 8 bits per block
+ * llama.cpp's numerics for a Q4_K / Q5_K / Q6_K matrix (Q5_K: Q4_K's recipe on 5-bit codes): each activation row is rounded to 8 bits per block
  * of 256 (ggml's quantize_row_q8_K_ref: amax over the block, the value of largest magnitude `max`,
  * iscale = -127 / max, q = min(127, nearest_int(iscale * x)), d = 1 / iscale, and the sums of q per
  * 16), and each block's dot product is integer arithmetic on the file's codes:
@@ -258,26 +258,56 @@ INLINE IVEC q4k_scales(const uint8_t *p)
 #define Q6_SPAN 2
 #endif
 
-/* Part `part` (VCOLS columns) of a group's Q4_K blocks against rows m0 .. m0 + R - 1: out[r] = acc - accm. */
-INLINE void q4k_tile(const q8_job *job, const uint8_t *group, int64_t m0, const int R, int part, FVEC *out)
+#if VCOLS == 16
+/* The fifth bits of a vector's 64 weights (a 64-bit word at p, bit i for byte i) as 16 or 0 per byte. */
+INLINE IVEC fifth_bits(const uint8_t *p, int part)
 {
-    const int64_t K = job->K, blocks = K / QK_K;
+    (void)part;
+    uint64_t bits;
+    memcpy(&bits, p, 8);
+    return _mm512_maskz_mov_epi8(_cvtu64_mask64(bits), ISET8(16));
+}
+#else
+/* The same for the 32 bytes of part `part`: bits 32 part .. 32 part + 31 of the word. */
+INLINE IVEC fifth_bits(const uint8_t *p, int part)
+{
+    int32_t bits;
+    memcpy(&bits, p + 4 * part, 4);
+    const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32(bits),  /* byte i <- byte i / 8 of the word */
+                                               _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                                                2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+    const __m256i select = _mm256_set1_epi64x((long long)0x8040201008040201ull);  /* bit i % 8 of byte i */
+    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, select), select), ISET8(16));
+}
+#endif
+
+/* Part `part` (VCOLS columns) of a group's Q4_K blocks (five: Q5_K's, codes 0..31) against rows
+ * m0 .. m0 + R - 1: out[r] = acc - accm. Q5_K is Q4_K with a fifth bit per weight and the same scales,
+ * mins and float recipe (ggml's vec_dot_q5_K_q8_K). */
+INLINE void q4k_tile(const q8_job *job, const uint8_t *group, int64_t m0, const int R, int part, FVEC *out, const int five)
+{
+    const int64_t K = job->K, blocks = K / QK_K, size = five ? Q5G_BYTES : Q4G_BYTES;
     const IVEC low4 = ISET8(15);
     FVEC acc[Q8TILE], accm[Q8TILE];
     for (int r = 0; r < R; r++) acc[r] = accm[r] = FZERO();
     for (int64_t b = 0; b < blocks; b++) {
-        const uint8_t *blk = group + b * Q4G_BYTES;
+        const uint8_t *blk = group + b * size;
         const int8_t *x = job->qx + m0 * K + b * QK_K;
         IVEC sumi[Q8TILE];
         for (int r = 0; r < R; r++) sumi[r] = IZERO();
         for (int j = 0; j < 8; j++) {
-            if (part == 0) prefetch_block(blk, Q4G_BYTES, j, 8);
+            if (part == 0) prefetch_block(blk, size, j, 8);
             const uint8_t *qs = blk + 320 + 4 * 64 * j + VBYTES * part;
             IVEC w[8];
             for (int u = 0; u < 4; u++) {
                 const IVEC raw = ILOAD(qs + 64 * u);
                 w[u] = IAND(raw, low4);
                 w[4 + u] = IAND(ISRL16(raw, 4), low4);
+                if (five) {
+                    const uint8_t *bits = blk + Q4G_BYTES + 16 * (4 * j + u);
+                    w[u] = IOR(w[u], fifth_bits(bits, part));
+                    w[4 + u] = IOR(w[4 + u], fifth_bits(bits + 8, part));
+                }
             }
             const IVEC scale = q4k_scales(blk + 64 + 16 * j + VCOLS * part);
 #if VCOLS == 16
@@ -292,12 +322,22 @@ INLINE void q4k_tile(const q8_job *job, const uint8_t *group, int64_t m0, const 
 #pragma GCC unroll 16
             for (int r = 0; r < R; r++) sumi[r] = DOT_END(sumi[r], t[r], scale);
 #else
-            /* row by row: AVX2's 16 registers cannot hold a t per row beside w[8] and sumi */
+            /* row by row: AVX2's 16 registers cannot hold a t per row beside w[8] and sumi. t sums pairs in
+             * int16: eight Q4_K steps fit (8 * 2 * 15 * 127), Q5_K's fit four at a time (4 * 2 * 31 * 127) */
 #pragma GCC unroll 16
             for (int r = 0; r < R; r++) {
-                IVEC t = IZERO();
-                for (int u = 0; u < 8; u++) t = DOT_STEP(t, w[u], x + r * K + 32 * j + (u < 4 ? 4 * u : 16 + 4 * (u - 4)));
-                sumi[r] = DOT_END(sumi[r], t, scale);
+                if (five) {
+                    for (int half = 0; half < 2; half++) {
+                        IVEC t = IZERO();
+                        for (int u = 4 * half; u < 4 * half + 4; u++)
+                            t = DOT_STEP(t, w[u], x + r * K + 32 * j + (u < 4 ? 4 * u : 16 + 4 * (u - 4)));
+                        sumi[r] = DOT_END(sumi[r], t, scale);
+                    }
+                } else {
+                    IVEC t = IZERO();
+                    for (int u = 0; u < 8; u++) t = DOT_STEP(t, w[u], x + r * K + 32 * j + (u < 4 ? 4 * u : 16 + 4 * (u - 4)));
+                    sumi[r] = DOT_END(sumi[r], t, scale);
+                }
             }
 #endif
         }
@@ -391,11 +431,14 @@ INLINE void q6k_tile(const q8_job *job, const uint8_t *group, int64_t m0, const 
 
 typedef void (*tile_fn)(const q8_job *, const uint8_t *, int64_t, int, FVEC *);
 #define TILES(R)                                                                                               \
-    static void q4k_tile_##R(const q8_job *j, const uint8_t *g, int64_t m0, int part, FVEC *out) { q4k_tile(j, g, m0, R, part, out); } \
+    static void q4k_tile_##R(const q8_job *j, const uint8_t *g, int64_t m0, int part, FVEC *out) { q4k_tile(j, g, m0, R, part, out, 0); } \
+    static void q5k_tile_##R(const q8_job *j, const uint8_t *g, int64_t m0, int part, FVEC *out) { q4k_tile(j, g, m0, R, part, out, 1); } \
     static void q6k_tile_##R(const q8_job *j, const uint8_t *g, int64_t m0, int part, FVEC *out) { q6k_tile(j, g, m0, R, part, out); }
 TILES(1) TILES(2) TILES(3) TILES(4) TILES(5) TILES(6) TILES(7) TILES(8)
 static const tile_fn q4k_tiles[Q8TILE + 1] = {0, q4k_tile_1, q4k_tile_2, q4k_tile_3, q4k_tile_4,
                                               q4k_tile_5, q4k_tile_6, q4k_tile_7, q4k_tile_8};
+static const tile_fn q5k_tiles[Q8TILE + 1] = {0, q5k_tile_1, q5k_tile_2, q5k_tile_3, q5k_tile_4,
+                                              q5k_tile_5, q5k_tile_6, q5k_tile_7, q5k_tile_8};
 static const tile_fn q6k_tiles[Q8TILE + 1] = {0, q6k_tile_1, q6k_tile_2, q6k_tile_3, q6k_tile_4,
                                               q6k_tile_5, q6k_tile_6, q6k_tile_7, q6k_tile_8};
 
@@ -405,10 +448,11 @@ void KQ(q8_range)(const void *arg, int64_t begin, int64_t end)
 {
     const q8_job *job = arg;
     const int64_t blocks = job->K / QK_K, N = job->N;
-    const int q6 = job->kind == GGML_Q6_K;
-    const tile_fn *tiles = q6 ? q6k_tiles : q4k_tiles;
+    const int kind = job->kind;
+    const tile_fn *tiles = kind == GGML_Q6_K ? q6k_tiles : kind == GGML_Q5_K ? q5k_tiles : q4k_tiles;
+    const int64_t size = kind == GGML_Q6_K ? Q6G_BYTES : kind == GGML_Q5_K ? Q5G_BYTES : Q4G_BYTES;
     for (int64_t g = begin; g < end; g++) {
-        const uint8_t *group = job->w + g * blocks * (q6 ? Q6G_BYTES : Q4G_BYTES);
+        const uint8_t *group = job->w + g * blocks * size;
         const int64_t n0 = g * Q8G, cols = N - n0 < Q8G ? N - n0 : Q8G;
         float bias[Q8G] = {0};
         if (job->b) memcpy(bias, job->b + n0, (size_t)cols * sizeof(float));

@@ -1,7 +1,7 @@
 """A GGUF file run with llama.cpp's numerics, straight from its own blocks (`numerics="q8"`).
 
 `load(path)` builds a `NativeCausalLM` from the file itself, no transformers model and no float32
-conversion: the file is memory-mapped, every Q4_K / Q6_K matrix (the LM head and, when tied, the
+conversion: the file is memory-mapped, every Q4_K / Q5_K / Q6_K matrix (the LM head and, when tied, the
 embedding included) keeps the file's blocks (`kernels.GGUFMatrix`), and only the small float tensors
 (norms, biases) are read as they are. The kernels read each matrix's blocks repacked at load, 16
 output columns interleaved (the same codes and scales, 0-3% more bytes: csrc/kquant_q8_pack.c, a
@@ -19,7 +19,7 @@ speculation needs holds exactly: each token row's logits are bitwise the same at
 so greedy speculative decoding gives exactly the plain greedy tokens of this target. Prefill runs
 the same kernels in chunks of `kernels.MAX_ROWS` tokens.
 
-Reads Llama and Qwen2 files whose matrices are Q4_K or Q6_K (e.g. Q4_K_M, Q6_K files); other
+Reads Llama and Qwen2 files whose matrices are Q4_K, Q5_K or Q6_K (e.g. Q4_K_M, Q5_K_M, Q6_K files); other
 types raise `VerispecError` (use the default float32 numerics for them).
 """
 
@@ -126,11 +126,11 @@ def _floats(tensor: Tensor, name: str) -> torch.Tensor:
 
 
 def _matrix(tensor: Tensor, name: str, rows: np.ndarray | None = None) -> kernels.GGUFMatrix:
-    """A Q4_K / Q6_K matrix of the file as the kernels multiply it (rows reordered if `rows` is given: a copy)."""
+    """A Q4_K / Q5_K / Q6_K matrix of the file as the kernels multiply it (rows reordered if `rows` is given: a copy)."""
     if tensor.kind not in kernels.GGUFMatrix.KINDS:
         raise VerispecError(
-            f"{name} is {_TYPES[tensor.kind][0]}: numerics='q8' multiplies Q4_K and Q6_K blocks (Q4_K_M, Q4_K_S, "
-            "Q6_K files); load this file with the default float32 numerics")
+            f"{name} is {_TYPES[tensor.kind][0]}: numerics='q8' multiplies Q4_K, Q5_K and Q6_K blocks (Q4_K_M, Q4_K_S, "
+            "Q5_K_M, Q5_K_S, Q6_K files); load this file with the default float32 numerics")
     values = torch.from_numpy(tensor.raw)
     return kernels.GGUFMatrix(values if rows is None else values[torch.from_numpy(rows)].contiguous(), tensor.kind)
 

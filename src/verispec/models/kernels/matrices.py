@@ -196,7 +196,7 @@ class Q6KMatrix(ExactBlocks):
 
 
 class GGUFMatrix(QuantizedMatrix):
-    """A GGUF file's Q4_K or Q6_K matrix [N, K], multiplied with llama.cpp's numerics: each activation row
+    """A GGUF file's Q4_K, Q5_K or Q6_K matrix [N, K], multiplied with llama.cpp's numerics: each activation row
     rounded to 8 bits per block of 256 as ggml's Q8_K, integer dot products against the blocks' codes, the
     blocks' scales applied in float32 (see csrc/kquant_q8.c for the exact recipe). The integer parts are
     ggml's to the bit; the float parts are summed in another order than llama.cpp's SIMD kernels, so
@@ -205,20 +205,20 @@ class GGUFMatrix(QuantizedMatrix):
     the same at any pass width, so speculation is exact with respect to it.
 
     blocks [N, K / 256 * block bytes] uint8: the rows' blocks as the file stores them (144 bytes per 256
-    weights for Q4_K, 210 for Q6_K), typically a view of the memory-mapped file; embedding lookups
+    weights for Q4_K, 176 for Q5_K, 210 for Q6_K), typically a view of the memory-mapped file; embedding lookups
     (`rows`) read them. `values`: the same codes and scales repacked for the kernels, 16 columns
-    interleaved (csrc/kquant_q8_pack.c; 2-3% more bytes for Q4_K, as many for Q6_K), made on first use
+    interleaved (csrc/kquant_q8_pack.c; 2-3% more bytes for Q4_K and Q5_K, as many for Q6_K), made on first use
     so a table only looked up (an untied embedding) is never repacked. `kind` the ggml type id (12 Q4_K,
-    14 Q6_K)."""
+    13 Q5_K, 14 Q6_K)."""
 
     dtype = torch.float32  # activations in and outputs out are float32
-    KINDS = {12: ("Q4_K", 144), 14: ("Q6_K", 210)}
+    KINDS = {12: ("Q4_K", 144), 13: ("Q5_K", 176), 14: ("Q6_K", 210)}
     GROUP = 16  # columns per repacked group
-    GROUP_BYTES = {12: 2368, 14: 3360}  # a group's 16 blocks, repacked
+    GROUP_BYTES = {12: 2368, 13: 2880, 14: 3360}  # a group's 16 blocks, repacked
 
     def __init__(self, blocks: torch.Tensor, kind: int):
         if kind not in self.KINDS:
-            raise ValueError(f"GGUFMatrix holds Q4_K (12) or Q6_K (14) blocks, not ggml type {kind}")
+            raise ValueError(f"GGUFMatrix holds Q4_K (12), Q5_K (13) or Q6_K (14) blocks, not ggml type {kind}")
         if blocks.dim() != 2 or blocks.dtype != torch.uint8 or blocks.shape[1] % self.KINDS[kind][1]:
             raise ValueError(f"{self.KINDS[kind][0]} blocks must be a uint8 [N, K / 256 * {self.KINDS[kind][1]}] tensor")
         self.blocks, self.kind = blocks, kind
