@@ -86,11 +86,12 @@ class Constraint:
         self.matcher = matcher
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
+        self.broken = False  # a token the grammar forbids was accepted (see `advance`)
 
     @property
     def finished(self) -> bool:
-        """The grammar is complete and allows nothing but EOS: the row can stop."""
-        return self.matcher.is_stopped()
+        """The grammar is complete and allows nothing but EOS (or cannot go on): the row can stop."""
+        return self.broken or self.matcher.is_stopped()
 
     def allowed(self, paths: Sequence[Sequence[int]]) -> list[torch.Tensor | None]:
         """Per position of a verify pass, the tokens the grammar allows after the row's tokens plus paths[c] (the
@@ -137,11 +138,12 @@ class Constraint:
         return mask
 
     def advance(self, tokens: Sequence[int]) -> None:
-        """The row accepted these tokens (EOS ends the row and is not consumed)."""
+        """The row accepted these tokens (EOS ends the row and is not consumed). The masks allow only tokens the
+        matcher takes, so a refusal means llguidance disagreed with its own mask: the row then ends (`finished`)
+        rather than failing the batch it decodes in."""
         tokens = [t for t in tokens if t not in self.eos_token_ids]
         if tokens and self.matcher.try_consume_tokens(tokens) != len(tokens):
-            raise RuntimeError("a token the grammar forbids was emitted")  # the masks make this impossible
-
+            self.broken = True
 
 def mask_logits(logits: torch.Tensor, allowed: list[torch.Tensor | None]) -> torch.Tensor:
     """logits [w, V] (float32, changed in place and returned): -inf where position c's mask forbids a token."""
