@@ -132,6 +132,7 @@ def tiny_pair(request):
 # --- a toy tokenizer for grammars (llguidance) over the tiny models' vocabulary ---
 
 TOY_PIECES = [b"<pad>", b"<s>", b"<unk>", b"</s>"] + [c.encode() for c in 'abc{}[]":, 0123456789xyz'] + [b"ab", b"ba", b'{"', b'":']
+TOY_PIECES += [c.encode() for c in "defghijklmnopqrstuvw<>_/\n-."]  # enough to spell a tool call
 TOY_PIECES += [b"q%d" % i for i in range(VOCAB - len(TOY_PIECES))]  # filler tokens no grammar here allows
 
 
