@@ -395,6 +395,10 @@ class DecodeBatch:
             if token in self.target.eos_token_ids:
                 new_tokens, finish_reason = new_tokens[: i + 1], "stop"
                 break
+        if row.constraint is not None:
+            new_tokens = new_tokens[: row.constraint.advance(new_tokens)]
+            if row.constraint.finished:  # the grammar is complete: only EOS could follow, so stop here
+                finish_reason = "stop"
         before = len(row.generated)
         row.sequence.extend(new_tokens)
         if row.request.stop_checker is not None:
@@ -402,10 +406,6 @@ class DecodeBatch:
             if keep is not None:
                 del row.sequence[len(row.request.prompt) + max(keep, before) :]
                 new_tokens, finish_reason = row.generated[before:], "stop"
-        if row.constraint is not None and finish_reason is None:
-            row.constraint.advance(new_tokens)
-            if row.constraint.finished:  # the grammar is complete: only EOS could follow
-                finish_reason = "stop"
         return TokenEvent(row.request.id, new_tokens, from_draft[: len(new_tokens)], finish_reason,
                           None if logprobs is None else logprobs[: len(new_tokens)])
 

@@ -137,13 +137,21 @@ class Constraint:
             mask[sorted(t for t in self.eos_token_ids if t < self.vocab_size)] = True
         return mask
 
-    def advance(self, tokens: Sequence[int]) -> None:
-        """The row accepted these tokens (EOS ends the row and is not consumed). The masks allow only tokens the
-        matcher takes, so a refusal means llguidance disagreed with its own mask: the row then ends (`finished`)
-        rather than failing the batch it decodes in."""
-        tokens = [t for t in tokens if t not in self.eos_token_ids]
-        if tokens and self.matcher.try_consume_tokens(tokens) != len(tokens):
-            self.broken = True
+    def advance(self, tokens: Sequence[int]) -> int:
+        """The row emitted these tokens: consume them, and return how many to keep. Tokens after the one that
+        completes the grammar are dropped, so a row ends there whether or not its draft also carried the EOS that
+        must follow (plain decoding stops at the same token). An EOS ends the row and is not consumed. The masks
+        allow only tokens the matcher takes, so a refusal means llguidance disagreed with its own mask: the row
+        then ends (`finished`) rather than failing the batch it decodes in."""
+        for i, token in enumerate(tokens):
+            if token in self.eos_token_ids:
+                return i + 1
+            if self.matcher.try_consume_tokens([token]) != 1:
+                self.broken = True
+                return i + 1
+            if self.matcher.is_stopped():
+                return i + 1
+        return len(tokens)
 
 def mask_logits(logits: torch.Tensor, allowed: list[torch.Tensor | None]) -> torch.Tensor:
     """logits [w, V] (float32, changed in place and returned): -inf where position c's mask forbids a token."""

@@ -150,6 +150,27 @@ def test_a_forbidden_draft_token_is_rejected_even_where_the_target_likes_it(pair
     assert spec == plain and batch.stats.accepted_tokens < batch.stats.drafted_tokens
 
 
+def test_a_draft_that_runs_past_the_grammars_end_stops_where_plain_decoding_does(pair, grammar):
+    """An oracle drafts plain decoding's own continuation and the EOS after it: the whole of it is accepted in
+    one pass, and the row still ends at the token that completed the grammar, as plain decoding's does."""
+    target, _ = pair
+    plain, _ = decode(target, NoDrafter(), requests(grammar), 0)
+
+    class Oracle(NoDrafter):
+        def propose(self, sequences, draft_len, sampling, generators, stop=None, branch=None):
+            from verispec.drafters.base import Draft
+
+            rows = []
+            for sequence in sequences:
+                i = next(i for i, p in enumerate(PROMPTS) if sequence[: len(p)] == p)
+                rows.append((plain[i] + [EOS] * draft_len)[len(sequence) - len(PROMPTS[i]):][:draft_len])
+            return Draft(torch.tensor(rows), torch.full((len(sequences),), draft_len))
+
+    spec, batch = decode(target, Oracle(), requests(grammar), 6)
+    assert spec == plain and all(EOS not in tokens for tokens in spec.values())
+    assert batch.stats.accepted_tokens > 0
+
+
 # --- the sampled distribution ------------------------------------------------------------------------
 
 # The second token depends on the first: after "a" only "b" or "c", after "b" only "a" or "c", ...

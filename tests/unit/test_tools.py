@@ -75,6 +75,30 @@ def test_a_streamed_answer_gives_the_calls_and_text_of_the_whole(step):
     assert [c["function"] for c in calls] == [c["function"] for c in whole]
 
 
+BARE = '```json\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n```'
+
+
+@pytest.mark.parametrize("answer", [BARE, '{"name": "get_weather", "arguments": {"city": "Paris"}}',
+                                    '[{"name": "get_weather", "arguments": {"city": "Paris"}}]'])
+def test_an_answer_of_bare_calls_to_declared_functions_is_read_as_calls(answer):
+    content, calls = parse_calls(answer, names={"get_weather"})
+    assert content is None and [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("get_weather", {"city": "Paris"})]
+    stream = CallStream(names={"get_weather"})
+    pieces = [stream.push(answer[i : i + 3], i + 3 >= len(answer)) for i in range(0, len(answer), 3)]
+    assert "".join(text for text, _ in pieces) == "" and [c["function"] for _, closed in pieces for c in closed] == [
+        c["function"] for c in calls]
+
+
+@pytest.mark.parametrize("answer", ['{"name": "get_time", "arguments": {}}', '{"name": "get_weather", "city": "Paris"}',
+                                    'Here: {"name": "get_weather", "arguments": {}}', '```python\nprint(1)\n```'])
+def test_other_json_answers_stay_text(answer):
+    assert parse_calls(answer, names={"get_weather"}) == (answer, [])
+    stream = CallStream(names={"get_weather"})
+    pieces = [stream.push(answer[i : i + 3], i + 3 >= len(answer)) for i in range(0, len(answer), 3)]
+    assert "".join(text for text, _ in pieces) == answer and not any(closed for _, closed in pieces)
+
+
 def test_a_stream_releases_held_text_that_was_not_a_call():
     stream = CallStream()
     assert stream.push("a < b and <tool", False) == ("a < b and ", [])

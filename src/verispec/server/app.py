@@ -129,7 +129,7 @@ class Generation:
                                         processed_logprobs=spec.processed_logprobs, grammar=spec.grammar)
                 deliver = (lambda item, index=index: _post(loop, self.events, (index, item)))
                 job = Job(request, spec.draft, deliver)
-                calls = CallStream(spec.tools.parallel) if spec.tools is not None else None
+                calls = CallStream(spec.tools.parallel, spec.tools.names) if spec.tools is not None else None
                 self.choices.append(Choice(index, job, stats, IncrementalText(tokenizer, spec.stop), prompt=p, calls=calls))
 
     @property
@@ -247,7 +247,7 @@ class Endpoint:
         if self.chat:
             message, finish_reason = {"role": "assistant", "content": text}, choice.finish_reason
             if spec.tools is not None:
-                content, calls = parse_calls(text, spec.tools.parallel)
+                content, calls = parse_calls(text, spec.tools.parallel, spec.tools.names)
                 if calls:
                     message = {"role": "assistant", "content": content, "tool_calls": calls}
                     finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason

@@ -435,7 +435,7 @@ def chat_messages(messages: Any) -> list[dict]:
             content = ""
         if not isinstance(content, str):
             raise ApiError(400, f"{param}.content must be a string or a list of text parts", param=f"{param}.content", code="invalid_type")
-        allowed = {"role", "content", "name"} | ({"tool_calls", "refusal"} if role == "assistant" else set()) | (
+        allowed = {"role", "content", "name"} | ({"tool_calls", "refusal", "annotations"} if role == "assistant" else set()) | (
             {"tool_call_id"} if role == "tool" else set())
         extra = set(message) - allowed
         if extra:

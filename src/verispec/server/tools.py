@@ -20,6 +20,7 @@ from typing import Any
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names
 _CALL = re.compile(re.escape(OPEN) + r"(.*?)" + re.escape(CLOSE), re.DOTALL)
+_FENCE = re.compile(r"```(?:json)?\s*(.*?)\s*```", re.DOTALL)
 
 
 class ToolError(ValueError):
@@ -46,6 +47,10 @@ class ToolSetup:
     @property
     def parses(self) -> bool:
         return self.choice != "none"
+
+    @property
+    def names(self) -> set[str]:
+        return {t["function"]["name"] for t in self.tools}
 
     def functions(self) -> list[dict]:
         named = [t["function"] for t in self.tools]
@@ -138,9 +143,30 @@ def _call(body: str) -> dict | None:
     return {"id": "call_" + uuid.uuid4().hex[:24], "type": "function", "function": {"name": parsed["name"], "arguments": arguments}}
 
 
-def parse_calls(text: str, parallel: bool = True) -> tuple[str | None, list[dict]]:
+def bare_calls(text: str, names: set[str]) -> list[dict] | None:
+    """An answer that is nothing but a call's JSON object (or a list of them), perhaps in a ```json fence, each
+    naming a declared function and holding only name and arguments -> its calls; else None."""
+    body = text.strip()
+    fenced = _FENCE.fullmatch(body)
+    if fenced:
+        body = fenced.group(1)
+    if not body.startswith(("{", "[")):
+        return None
+    try:
+        parsed = json.loads(body)
+    except ValueError:
+        return None
+    items = parsed if isinstance(parsed, list) else [parsed]
+    if not items or not all(isinstance(item, dict) and item.get("name") in names and set(item) <= {"name", "arguments", "parameters"}
+                            for item in items):
+        return None
+    return [_call(json.dumps(item)) for item in items]
+
+
+def parse_calls(text: str, parallel: bool = True, names: set[str] = frozenset()) -> tuple[str | None, list[dict]]:
     """A finished answer -> (the text outside the calls, None if there is none; OpenAI's tool_calls). A call whose
-    JSON does not parse stays in the text; without parallel calls, only the first call is kept."""
+    JSON does not parse stays in the text; without parallel calls, only the first call is kept. names: the declared
+    functions, for answers that are bare calls (`bare_calls`)."""
     calls, kept, last = [], [], 0
     for match in _CALL.finditer(text):
         call = _call(match.group(1).strip())
@@ -151,20 +177,47 @@ def parse_calls(text: str, parallel: bool = True) -> tuple[str | None, list[dict
         calls.append(call)
     kept.append(text[last:])
     content = "".join(kept).strip()
+    if not calls and names:
+        bare = bare_calls(text, names)
+        if bare:
+            content, calls = "", bare
     return (content or None), (calls if parallel else calls[:1])
 
 
 class CallStream:
     """Tool calls out of a streamed answer: text deltas in; text safe to send and whole calls out. Text is held
-    back from where a call may begin ("<tool_call>" or a prefix of it at the end) until the call closes."""
+    back from where a call may begin ("<tool_call>" or a prefix of it at the end) until the call closes; with
+    declared function names, an answer that opens with "{", "[" or "`" is held to its end, since it may be
+    bare calls (`bare_calls`)."""
 
-    def __init__(self, parallel: bool = True):
+    def __init__(self, parallel: bool = True, names: set[str] = frozenset()):
         self.parallel = parallel
+        self.names = names
         self.buffer = ""
         self.in_call = False
         self.calls = 0  # calls sent so far
+        self.bare: bool | None = None if names else False  # may the answer be bare calls? None: not known yet
+        self.opening = ""  # the answer held while that is decided, or to its end if it may be
 
     def push(self, delta: str, finished: bool) -> tuple[str, list[dict]]:
+        if self.bare is not False:
+            self.opening += delta
+            start = self.opening.lstrip()[:1]
+            if not start and not finished:
+                return "", []
+            self.bare = start in ("{", "[", "`")
+            if self.bare and not finished:
+                return "", []
+            delta, self.opening, held = self.opening, "", self.bare
+            self.bare = False
+            calls = bare_calls(delta, self.names) if held else None
+            if calls:
+                calls = calls if self.parallel else calls[:1]
+                self.calls += len(calls)
+                return "", calls
+        return self._tagged(delta, finished)
+
+    def _tagged(self, delta: str, finished: bool) -> tuple[str, list[dict]]:
         self.buffer += delta
         text, calls = "", []
         while True:

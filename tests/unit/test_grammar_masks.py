@@ -61,11 +61,13 @@ def test_advance_follows_accepted_tokens_and_ends_the_row_at_a_forbidden_one():
     constraint = grammar.constraint()
     constraint.advance(toy_ids("ab"))
     assert not constraint.finished
-    constraint.advance(toy_ids("c") + toy_ids("c"))  # the second "c" is forbidden: the row ends, the batch goes on
-    assert constraint.finished and constraint.broken
+    assert constraint.advance(toy_ids("aa") + toy_ids("b")) == 2  # the second "a" is forbidden: the row ends there,
+    assert constraint.finished and constraint.broken                # and the batch goes on
     done = grammar.constraint()
-    done.advance(toy_ids("ba") + [TOY_AB] + toy_ids("c") + [EOS])  # EOS ends a row; it is not consumed
-    assert done.finished
+    assert done.advance(toy_ids("ba") + [TOY_AB] + toy_ids("c") + [EOS]) == 4  # complete at "c": the EOS after it is dropped
+    assert done.finished and not done.broken
+    open_ended = toy_grammar("regex", "[0-9]+").constraint()
+    assert open_ended.advance(toy_ids("12") + [EOS, EOS]) == 3  # an EOS where the grammar may end is kept, and ends the row
 
 
 def test_mask_logits_sets_forbidden_tokens_to_minus_infinity_only():
