@@ -48,9 +48,9 @@ def test_json_schema_greedy_output_is_plain_constrained_decodings_with_every_dra
 
 
 def test_json_object_and_regex_in_the_python_api(smollm):
-    obj = verispec.generate(smollm, "Give a JSON object with a key x.", chat=True, max_new_tokens=60, drafter="ngram",
+    obj = verispec.generate(smollm, "A JSON object with one key, x, set to 1:", chat=True, max_new_tokens=60, drafter="ngram",
                             response_format={"type": "json_object"})
-    assert isinstance(json.loads(obj.text), dict)
+    assert obj.finish_reason == "stop" and json.loads(obj.text) == {"x": 1}
     year = verispec.generate(smollm, "The first Moon landing was in", max_new_tokens=10, drafter="ngram",
                              response_format={"type": "regex", "pattern": " [0-9]{4}"})
     assert len(year.text) == 5 and year.text[1:].isdigit() and year.finish_reason == "stop"

@@ -39,12 +39,12 @@ from verispec.grammar import ll_tokenizer
 from verispec.options import DRAFTER_NAMES, WEIGHT_DTYPES, DraftLen, flag, positive_int
 from verispec.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, Metrics
 from verispec.server.protocol import (ApiError, ServerConfig, Spec, chat_messages, check_text_fits, parse_chat, parse_completion,
-                                      show)
+                                      render_chat, show)
 from verispec.sampling import TokenLogprob
 from verispec.server.scheduler import Job, JobFailed, QueueFull, Scheduler
-from verispec.server.tools import CallStream, parse_calls
+from verispec.server.tools import CallStream, ToolError, parse_calls, read_tools
 from verispec.stats import SpecStats
-from verispec.text import IncrementalText, StopSequences, encode_chat, final_text
+from verispec.text import IncrementalText, StopSequences, final_text
 
 DISCONNECT_POLL_SECONDS = 0.5  # how often a waiting non-streamed request checks that its client is still there
 RETRY_AFTER_SECONDS = 1  # the Retry-After a client gets with a 503 when the queue is full
@@ -439,7 +439,11 @@ def build_app(target, draft=None, drafter: str = "auto", draft_len: DraftLen | i
 
     def tokenize_body(body: dict) -> dict:
         if "messages" in body:
-            ids = encode_chat(tokenizer, chat_messages(body["messages"]))
+            try:
+                tools = read_tools(body.get("tools"), None, None)
+            except ToolError as exc:
+                raise ApiError(400, str(exc), param=exc.param, code="invalid_value") from exc
+            ids = render_chat(tokenizer, chat_messages(body["messages"]), tools.tools if tools is not None else None)
         elif isinstance(body.get("prompt"), str):
             check_text_fits(tokenizer, body["prompt"], 2 * context, "prompt")
             ids = list(tokenizer(body["prompt"], add_special_tokens=body.get("add_special_tokens", True) is not False)["input_ids"])

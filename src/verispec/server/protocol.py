@@ -371,13 +371,8 @@ def parse_chat(body: Any, config: ServerConfig, tokenizer) -> Spec:
                             "--chat-template that has it", param="tools", code="unsupported_model")
     messages = chat_messages(fields.body.get("messages"))
     check_text_fits(tokenizer, "".join(m.get("content") or "" for m in messages), config.max_model_len, "messages")
-    rendered = [template_message(m) for m in messages]
-    try:
-        # tool_choice "none": the tools stay out of the prompt, so the model answers in text
-        ids = encode_chat(tokenizer, rendered, tools=tools.tools if tools is not None and tools.parses else None)
-    except Exception as exc:  # the template's own checks (jinja raise_exception), e.g. roles out of order
-        raise ApiError(400, f"the chat template cannot render these messages: {str(exc)[:200]}", param="messages",
-                       code="invalid_value") from exc
+    # tool_choice "none": the tools stay out of the prompt, so the model answers in text
+    ids = render_chat(tokenizer, messages, tools.tools if tools is not None and tools.parses else None)
     spec = parse_common(fields, config, [ids], "messages", max_tokens, default_max_tokens=None)
     spec.logprobs = (top_logprobs or 0) if wants_logprobs else None
     if tools is not None and tools.parses:
@@ -390,6 +385,16 @@ def parse_chat(body: Any, config: ServerConfig, tokenizer) -> Spec:
                 raise ApiError(400, "min_tokens cannot be combined with a forced tool_choice", param="min_tokens", code="invalid_value")
             spec.grammar = tool_call_grammar(tools, config, tokenizer)
     return spec
+
+
+def render_chat(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    """Checked messages (`chat_messages`) and tools -> the prompt's token ids through the chat template, with an
+    assistant's tool_calls in the form templates read (`tools.template_message`); /tokenize renders the same way."""
+    try:
+        return encode_chat(tokenizer, [template_message(m) for m in messages], tools=tools)
+    except Exception as exc:  # the template's own checks (jinja raise_exception), e.g. roles out of order
+        raise ApiError(400, f"the chat template cannot render these messages: {str(exc)[:200]}", param="messages",
+                       code="invalid_value") from exc
 
 
 def tool_call_grammar(tools: ToolSetup, config: ServerConfig, tokenizer) -> Grammar:
