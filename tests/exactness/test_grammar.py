@@ -171,6 +171,26 @@ def test_a_draft_that_runs_past_the_grammars_end_stops_where_plain_decoding_does
     assert batch.stats.accepted_tokens > 0
 
 
+def test_logprobs_with_a_grammar_equal_plain_decodings_and_leave_out_forbidden_tokens(pair, grammar):
+    target, draft = pair
+    outputs = {}
+    for name, drafter, k in (("plain", NoDrafter(), 0), ("spec", ModelDrafter(draft, target.vocab_size), 3)):
+        batch = DecodeBatch(target, drafter, FixedDraftLen(k))
+        batch.add([Request(prompt=p, max_new_tokens=MAX_NEW, id=i, grammar=grammar, logprobs=5, processed_logprobs=True)
+                   for i, p in enumerate(PROMPTS)])
+        outputs[name] = {i: [] for i in range(len(PROMPTS))}
+        while len(batch):
+            for event in batch.step():
+                outputs[name][event.request_id] += event.logprobs
+    for i in range(len(PROMPTS)):
+        plain, spec = outputs["plain"][i], outputs["spec"][i]
+        assert [t.token for t in spec] == [t.token for t in plain]
+        np.testing.assert_allclose([t.logprob for t in spec], [t.logprob for t in plain], atol=1e-5)
+        assert [[tok for tok, _ in t.top] for t in spec] == [[tok for tok, _ in t.top] for t in plain]
+        assert all(np.isfinite(v) for t in spec for _, v in t.top)
+    assert any(len(t.top) < 5 for t in outputs["spec"][0])  # positions where the grammar allowed fewer than 5 tokens
+
+
 # --- the sampled distribution ------------------------------------------------------------------------
 
 # The second token depends on the first: after "a" only "b" or "c", after "b" only "a" or "c", ...
