@@ -53,8 +53,8 @@ def ll_tokenizer(tokenizer, vocab_size: int, eos_token_ids: Iterable[int]):
 
             try:
                 built = from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=list(eos) or None)
-            except (ValueError, TypeError) as exc:
-                raise VerispecError(f"structured output needs a fast (Rust) Hugging Face tokenizer: {exc}") from exc
+            except Exception as exc:  # llguidance reads only fast (Rust) tokenizers; its errors have no common type
+                raise VerispecError(f"structured output needs a fast (Rust) Hugging Face tokenizer: {str(exc)[:SHOWN_CHARS]}") from exc
             _TOKENIZERS[key] = (tokenizer, built)
         return _TOKENIZERS[key][1]
 
