@@ -270,7 +270,9 @@ class DecodeBatch:
         stop = self.policy.stop_rule(len(self.rows)) if k else None
         trees = stop is not None and self.target.supports_trees and verifier.takes_alternates
         branch = self.policy.branch_rule(stop) if trees else None
-        draft = self.drafter.propose([row.sequence for row in self.rows], k, sampling, generators, stop, branch)
+        grammars = ({"constraints": [row.constraint for row in self.rows]}
+                    if self.drafter.reads_grammars and any(row.constraint is not None for row in self.rows) else {})
+        draft = self.drafter.propose([row.sequence for row in self.rows], k, sampling, generators, stop, branch, **grammars)
         draft = draft.narrow(int(draft.num_drafted.max()) if k else 0)  # rows that stopped early need no verify slots
         return self._fit_alternates(draft) if draft.has_alternates else draft
 

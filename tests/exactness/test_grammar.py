@@ -191,6 +191,28 @@ def test_logprobs_with_a_grammar_equal_plain_decodings_and_leave_out_forbidden_t
     assert any(len(t.top) < 5 for t in outputs["spec"][0])  # positions where the grammar allowed fewer than 5 tokens
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_model_drafter_drafts_only_what_the_grammar_allows(pair, grammar, temperature):
+    """The draft is masked like the target (acceptance only); without the constraints it proposes forbidden tokens."""
+    target, draft = pair
+    params = [SamplingParams(temperature=temperature, seed=i) for i in range(len(PROMPTS))]
+
+    def forbidden(constraints):
+        drafter = ModelDrafter(draft, target.vocab_size)
+        drafter.add(PROMPTS)
+        generators = [torch.Generator().manual_seed(i) for i in range(len(PROMPTS))]
+        proposal = drafter.propose([list(p) for p in PROMPTS], 6, params, generators, constraints=constraints)
+        count = 0
+        for b in range(len(PROMPTS)):
+            chain = proposal.tokens[b, : int(proposal.num_drafted[b])].tolist()
+            masks = grammar.constraint().allowed([chain[:j] for j in range(len(chain))])
+            count += sum(mask is None or not bool(mask[token]) for mask, token in zip(masks, chain))
+        return count
+
+    assert forbidden([grammar.constraint() for _ in PROMPTS]) == 0
+    assert forbidden(None) > 0
+
+
 # --- the sampled distribution ------------------------------------------------------------------------
 
 # The second token depends on the first: after "a" only "b" or "c", after "b" only "a" or "c", ...
