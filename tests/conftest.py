@@ -127,3 +127,40 @@ def tiny_pair(request):
     """(target, draft) of one architecture sharing a vocabulary."""
     target = ARCHITECTURES[request.param](seed=0)
     return target, perturbed_copy(target, scale=0.05)
+
+
+# --- a toy tokenizer for grammars (llguidance) over the tiny models' vocabulary ---
+
+TOY_PIECES = [b"<pad>", b"<s>", b"<unk>", b"</s>"] + [c.encode() for c in 'abc{}[]":, 0123456789xyz'] + [b"ab", b"ba", b'{"', b'":']
+TOY_PIECES += [c.encode() for c in "defghijklmnopqrstuvw<>_/\n-."]  # enough to spell a tool call
+TOY_PIECES += [b"q%d" % i for i in range(VOCAB - len(TOY_PIECES))]  # filler tokens no grammar here allows
+
+
+class _ToyTokenizer:
+    """What llguidance's TokenizerWrapper reads: each token's bytes, EOS, the special ids, and an encoder."""
+
+    eos_token_id = EOS
+    bos_token_id = 1
+    tokens = TOY_PIECES
+    special_token_ids = [0, 1, 2, EOS]
+
+    def __call__(self, text):
+        data = text.encode() if isinstance(text, str) else text
+        return [TOY_PIECES.index(bytes([b])) for b in data if bytes([b]) in TOY_PIECES]
+
+
+def toy_grammar(kind: str, text):
+    """A verispec Grammar over the toy vocabulary: kind "regex", "lark" or "json_schema"."""
+    from llguidance import LLMatcher, LLTokenizer, TokenizerWrapper
+
+    from verispec.grammar import Grammar
+
+    tokenizer = LLTokenizer(TokenizerWrapper(_ToyTokenizer()), n_vocab=VOCAB)
+    compiled = {"regex": LLMatcher.grammar_from_regex, "lark": LLMatcher.grammar_from_lark,
+                "json_schema": LLMatcher.grammar_from_json_schema}[kind](text)
+    return Grammar(tokenizer, compiled, VOCAB, {EOS})
+
+
+def toy_ids(text: str) -> list[int]:
+    """Text -> toy token ids, one per character."""
+    return [TOY_PIECES.index(c.encode()) for c in text]

@@ -19,6 +19,7 @@ from verispec.drafters.base import Drafter
 from verispec.engine import Request, SpeculativeEngine, TokenEvent
 from verispec import options
 from verispec.errors import VerispecError
+from verispec.grammar import response_format_grammar
 from verispec.heads.eagle3 import Eagle3Head, load_head
 from verispec.models import stored
 from verispec.models.base import CausalLM
@@ -405,7 +406,8 @@ class Session:
     def __init__(self, target, prompt, *, draft=None, drafter="auto", draft_len="auto", temperature=0.0, top_k=0, top_p=1.0,
                  seed=None, coupled=None, blockwise=True, typical_acceptance=0.0, max_new_tokens=128, chat=False, stop=None,
                  draft_confidence=0.0, system=None, head=None, presence_penalty=0.0, frequency_penalty=0.0,
-                 repetition_penalty=1.0, min_p=0.0, logit_bias=None, min_tokens=0, logprobs=None, processed_logprobs=False):
+                 repetition_penalty=1.0, min_p=0.0, logit_bias=None, min_tokens=0, logprobs=None, processed_logprobs=False,
+                 response_format=None):
         # The options first: a bad value fails before any model loads.
         draft_len = DraftLen.parse(draft_len)
         max_new_tokens = options.max_new_tokens(max_new_tokens)
@@ -441,11 +443,13 @@ class Session:
         self.engine = SpeculativeEngine(self.target, lambda: make_drafter(self.target, draft_model, drafter, draft_confidence), draft_len,
                                         fallback=fallback)
         checker = StopSequences(self.target.tokenizer, self.stop) if self.stop else None
+        grammar = response_format_grammar(response_format, self.target.tokenizer, self.target.vocab_size,
+                                          self.target.eos_token_ids)
         # Row b of a seeded batch uses seed + b, so rows are independent draws and each is reproducible alone.
         self.requests = [
             Request(prompt=ids, sampling=replace(self.sampling, seed=None if seed is None else seed + b),
                     max_new_tokens=max_new_tokens, stop_checker=checker, id=b, logprobs=logprobs,
-                    processed_logprobs=processed_logprobs)
+                    processed_logprobs=processed_logprobs, grammar=grammar)
             for b, ids in enumerate(self.prompt_ids)
         ]
         self.stats = SpecStats()
@@ -461,7 +465,7 @@ def generate(target, prompt, *, draft=None, drafter: str = "auto", draft_len: Dr
              draft_confidence: float = 0.0, system: str | None = None, head=None, presence_penalty: float = 0.0,
              frequency_penalty: float = 0.0, repetition_penalty: float = 1.0, min_p: float = 0.0,
              logit_bias: dict[int, float] | None = None, min_tokens: int = 0, logprobs: int | None = None,
-             processed_logprobs: bool = False) -> GenerationResult | list[GenerationResult]:
+             processed_logprobs: bool = False, response_format: dict | None = None) -> GenerationResult | list[GenerationResult]:
     """Generate from `prompt` with speculative decoding; the output is what the target alone would give.
 
     target / draft: zoo name, path, hub id or loaded model. prompt: text, token ids, or a list of
@@ -504,6 +508,11 @@ def generate(target, prompt, *, draft=None, drafter: str = "auto", draft_len: Dr
     of its distribution. Greedy decoding is unaffected (exact either way).
     chat: each text prompt is one user turn in the model's chat template; system: a system turn before
     it (with chat=True).
+    response_format: structured output, OpenAI's shapes: {"type": "json_object"} (any JSON object), {"type":
+    "json_schema", "json_schema": {"name": ..., "schema": {...}}}, or verispec's {"type": "regex", "pattern": ...} and
+    {"type": "lark", "grammar": ...}. Every position, draft positions included, is masked to what the grammar
+    allows after the tokens before it (`verispec.grammar`), so the output is exactly plain constrained decoding's;
+    it stops when the grammar is complete. A bad schema or pattern raises VerispecError.
     head: a trained EAGLE-3 head (its directory, or `verispec.load_head(DIR)`; `verispec train eagle3` makes
     one) drafts with drafter="eagle3" (which "auto" picks for it); draft=head works the same.
     """
@@ -512,7 +521,8 @@ def generate(target, prompt, *, draft=None, drafter: str = "auto", draft_len: Dr
                       typical_acceptance=typical_acceptance, max_new_tokens=max_new_tokens, chat=chat,
                       stop=stop, draft_confidence=draft_confidence, system=system, head=head, presence_penalty=presence_penalty,
                       frequency_penalty=frequency_penalty, repetition_penalty=repetition_penalty, min_p=min_p,
-                      logit_bias=logit_bias, min_tokens=min_tokens, logprobs=logprobs, processed_logprobs=processed_logprobs)
+                      logit_bias=logit_bias, min_tokens=min_tokens, logprobs=logprobs, processed_logprobs=processed_logprobs,
+                      response_format=response_format)
     generated = [[] for _ in session.prompt_ids]
     logprobs_out = [[] if logprobs is not None else None for _ in session.prompt_ids]
     finish = ["length"] * len(generated)

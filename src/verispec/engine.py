@@ -22,6 +22,7 @@ from verispec import options
 from verispec.costs import BOOK
 from verispec.drafters.base import Draft, Drafter, Verdict
 from verispec.errors import VerispecError
+from verispec.grammar import Constraint, Grammar, mask_logits
 from verispec.models.base import CausalLM
 from verispec.options import DraftLen
 from verispec.policy import DraftPolicy, make_policy, start_pays
@@ -50,6 +51,9 @@ class Request:
     # False: log-softmax of the target's raw logits (vLLM's default, "raw_logprobs"); True: of its logits after
     # logit_bias, min_tokens and the penalties (`process_logits`), still before temperature, min_p, top-k and top-p.
     processed_logprobs: bool = False
+    # A grammar the output must follow (structured output, `grammar.Grammar`): at every position, draft positions
+    # included, the tokens it forbids get probability zero, so the output is plain constrained decoding's.
+    grammar: "Grammar | None" = None
 
 
 @dataclass
@@ -70,6 +74,7 @@ class _Row:
     limit: int  # most new tokens this row may produce
     generator: torch.Generator
     sampling: SamplingParams  # the request's, with a seed drawn for a coupled request that had none
+    constraint: Constraint | None = None  # the row's grammar state, at its accepted tokens
 
     @property
     def generated(self) -> list[int]:
@@ -126,6 +131,9 @@ class DecodeBatch:
         if request.sampling.min_tokens > request.max_new_tokens:
             raise VerispecError(f"min_tokens ({request.sampling.min_tokens}) is more than max_new_tokens ({request.max_new_tokens}): "
                                 "lower min_tokens or raise max_new_tokens")
+        if request.grammar is not None and request.sampling.min_tokens:
+            raise VerispecError("min_tokens cannot be combined with a grammar (response_format): the grammar decides where "
+                                "the output ends; drop min_tokens")
         if request.logprobs is not None and (not isinstance(request.logprobs, int) or isinstance(request.logprobs, bool)
                                              or not 0 <= request.logprobs <= self.target.vocab_size):
             raise VerispecError(f"logprobs must be None or an integer in [0, {self.target.vocab_size}] (how many most likely "
@@ -160,7 +168,9 @@ class DecodeBatch:
             generator, sampling = make_generator(r.sampling), r.sampling
             if sampling.coupled and sampling.seed is None:  # the coupled rule keys its noise by a seed
                 sampling = replace(sampling, seed=int(torch.randint(2**62, (1,), generator=generator)))
-            self.rows.append(_Row(request=r, sequence=list(r.prompt), limit=limit, generator=generator, sampling=sampling))
+            constraint = r.grammar.constraint() if r.grammar is not None else None
+            self.rows.append(_Row(request=r, sequence=list(r.prompt), limit=limit, generator=generator, sampling=sampling,
+                                  constraint=constraint))
         self.stats.prefill_seconds += time.perf_counter() - started
         self.stats.prompt_tokens += sum(len(r.prompt) for r in requests)
 
@@ -260,7 +270,9 @@ class DecodeBatch:
         stop = self.policy.stop_rule(len(self.rows)) if k else None
         trees = stop is not None and self.target.supports_trees and verifier.takes_alternates
         branch = self.policy.branch_rule(stop) if trees else None
-        draft = self.drafter.propose([row.sequence for row in self.rows], k, sampling, generators, stop, branch)
+        grammars = ({"constraints": [row.constraint for row in self.rows]}
+                    if self.drafter.reads_grammars and any(row.constraint is not None for row in self.rows) else {})
+        draft = self.drafter.propose([row.sequence for row in self.rows], k, sampling, generators, stop, branch, **grammars)
         draft = draft.narrow(int(draft.num_drafted.max()) if k else 0)  # rows that stopped early need no verify slots
         return self._fit_alternates(draft) if draft.has_alternates else draft
 
@@ -297,18 +309,24 @@ class DecodeBatch:
         self.last_step = step
 
     def _process(self, logits: torch.Tensor, draft: Draft) -> torch.Tensor:
-        """`sampling.process_logits` for every row whose settings need it: logits [batch, width, vocab] over
-        [last token, chain, alternates] -> the same shape, each position processed with the history plain
-        decoding would have there. Exactness does not depend on the draft's q, which is only a proposal (every
-        rule is exact for any q); a model drafter processes its own logits too, to be accepted more often."""
-        rows = [b for b, row in enumerate(self.rows) if row.sampling.processes_logits]
+        """`sampling.process_logits` for every row whose settings need it, then its grammar's mask: logits [batch,
+        width, vocab] over [last token, chain, alternates] -> the same shape, each position processed (and masked)
+        with the history plain decoding would have there. Exactness does not depend on the draft's q, which is only
+        a proposal (every rule is exact for any q); a model drafter processes its own logits too, to be accepted
+        more often."""
+        rows = [b for b, row in enumerate(self.rows) if row.sampling.processes_logits or row.constraint is not None]
         if not rows:
             return logits
         out = logits.to(torch.float32, copy=True)
+        width = logits.shape[1]
         for b in rows:
             row = self.rows[b]
-            out[b] = process_logits(logits[b], row.sampling, row.sequence, len(row.request.prompt),
-                                    self._draft_paths(draft, b, logits.shape[1]), self.target.eos_token_ids)
+            paths = self._draft_paths(draft, b, width)
+            if row.sampling.processes_logits:
+                out[b] = process_logits(logits[b], row.sampling, row.sequence, len(row.request.prompt), paths,
+                                        self.target.eos_token_ids)
+            if row.constraint is not None:
+                mask_logits(out[b], row.constraint.allowed(paths))
         return out
 
     @staticmethod
@@ -379,6 +397,10 @@ class DecodeBatch:
             if token in self.target.eos_token_ids:
                 new_tokens, finish_reason = new_tokens[: i + 1], "stop"
                 break
+        if row.constraint is not None:
+            new_tokens = new_tokens[: row.constraint.advance(new_tokens)]
+            if row.constraint.finished:  # the grammar is complete: only EOS could follow, so stop here
+                finish_reason = "stop"
         before = len(row.generated)
         row.sequence.extend(new_tokens)
         if row.request.stop_checker is not None:

@@ -227,11 +227,13 @@ class TokenLogprob:
 
 
 def token_logprobs(logits: torch.Tensor, tokens: Sequence[int], top: int) -> list[TokenLogprob]:
-    """log-softmax of logits [n, V] at tokens [n], with each position's `top` most likely tokens."""
+    """log-softmax of logits [n, V] at tokens [n], with each position's `top` most likely tokens (those of
+    probability zero left out: a grammar's processed logits may allow fewer than `top`, and -inf is not JSON)."""
     logprobs = torch.log_softmax(logits.float(), -1)
     chosen = logprobs.gather(1, torch.tensor(list(tokens), device=logprobs.device)[:, None]).squeeze(1).tolist()
     best = logprobs.topk(top, -1) if top else None
-    return [TokenLogprob(token, value, list(zip(best.indices[i].tolist(), best.values[i].tolist())) if best is not None else [])
+    return [TokenLogprob(token, value, [(t, v) for t, v in zip(best.indices[i].tolist(), best.values[i].tolist()) if v > float("-inf")]
+                         if best is not None else [])
             for i, (token, value) in enumerate(zip(tokens, chosen))]
 
 

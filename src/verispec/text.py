@@ -23,9 +23,11 @@ def encode_prompt(tokenizer, prompt: str, *, chat: bool, system: str | None = No
     return list(tokenizer(prompt)["input_ids"])
 
 
-def encode_chat(tokenizer, messages: list[dict]) -> list[int]:
-    """OpenAI-style messages -> token ids through the tokenizer's chat template, ready for the assistant turn."""
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+def encode_chat(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    """OpenAI-style messages -> token ids through the tokenizer's chat template, ready for the assistant turn;
+    tools (OpenAI's tool objects), if given, are rendered by the template too."""
+    extra = {"tools": tools} if tools else {}
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **extra)
     if isinstance(ids, dict) or hasattr(ids, "keys"):  # some versions return a BatchEncoding
         ids = ids["input_ids"]
     return [int(i) for i in ids]

@@ -571,6 +571,16 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      API_KEY, 400, "messages[0].content"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, API_KEY, 400, "tools"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],  # smollm2's template has no tools
+                              "tools": [{"type": "function", "function": {"name": "f"}}]}, API_KEY, 400, "tools"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"}, API_KEY, 400, "tool_choice"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "xml"}}, API_KEY, 400,
+     "response_format"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_schema",
+     "json_schema": {"name": "x", "schema": {"type": "frob"}}}}, API_KEY, 400, "response_format"),
+    ("/v1/completions", {"prompt": PROMPT, "response_format": {"type": "regex", "pattern": "(a"}}, API_KEY, 400, "response_format"),
+    ("/v1/completions", {"prompt": PROMPT, "response_format": {"type": "json_object"}, "min_tokens": 2}, API_KEY, 400, "min_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "tool"}]}, API_KEY, 400, "messages[0].content"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": 2}, API_KEY, 400, "logprobs"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, API_KEY, 400, "top_logprobs"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 50},
@@ -628,7 +638,8 @@ def malformed_bodies() -> list[bytes]:
     bodies = []
     for name in ("prompt", "max_tokens", "temperature", "top_p", "top_k", "n", "stop", "seed", "stream", "stream_options",
                  "draft_len", "speculate", "coupled", "typical_acceptance", "logit_bias", "model", "echo", "logprobs",
-                 "top_logprobs", "presence_penalty", "repetition_penalty", "min_p", "min_tokens", "logprobs_mode"):
+                 "top_logprobs", "presence_penalty", "repetition_penalty", "min_p", "min_tokens", "logprobs_mode",
+                 "response_format", "tools", "tool_choice", "parallel_tool_calls"):
         for value in odd_values[:: 1 if name in ("prompt", "stop", "max_tokens") else 3]:
             bodies.append(json.dumps({**good, name: value}).encode())
     text = json.dumps(good).encode()

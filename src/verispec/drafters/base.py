@@ -157,6 +157,10 @@ class Drafter(Protocol):
     # target's cache keeps (`observe_taps`), with no extra target pass. None: it reads none.
     target_taps: "tuple[int, ...] | None" = None
 
+    # Masks its draft by the rows' grammars (structured output): the engine passes `propose` each row's
+    # `grammar.Constraint` (None for a row without one) as `constraints`. Acceptance only: any draft is exact.
+    reads_grammars: bool = False
+
     def share_cache(self, cache: "ModelCache") -> None:
         """Draft on this target cache from now on (called only when `shares_cache`)."""
         raise NotImplementedError(f"{type(self).__name__} does not draft on the target's cache")

@@ -21,10 +21,13 @@ import torch
 from verispec.drafters.base import BranchRule, Draft, Drafter, StopRule, Verdict, empty_draft
 from verispec.models.base import CausalLM
 from verispec.prefill import left_pad, prefill
+from verispec.grammar import Constraint, mask_logits
 from verispec.sampling import SamplingParams, coupled_choice, process_logits, sample, warp_rows
 
 
 class ModelDrafter(Drafter):
+    reads_grammars = True
+
     def __init__(self, model: CausalLM, target_vocab_size: int, min_confidence: float = 0.0):
         self.model = model
         self.min_confidence = min_confidence  # stop drafting a row when q(token) falls below this
@@ -57,7 +60,8 @@ class ModelDrafter(Drafter):
 
     @torch.inference_mode()
     def propose(self, sequences: list[list[int]], draft_len: int, sampling: list[SamplingParams], generators: list[torch.Generator],
-                stop: StopRule | None = None, branch: BranchRule | None = None) -> Draft:
+                stop: StopRule | None = None, branch: BranchRule | None = None,
+                constraints: "list[Constraint | None] | None" = None) -> Draft:
         batch = len(sequences)
         if draft_len == 0:  # a plain step: catch up later, in one pass
             self._round = None
@@ -79,7 +83,7 @@ class ModelDrafter(Drafter):
         fed = 0  # draft tokens fed back into the draft cache
         logits = self.model.forward(tail_tokens, self.cache, tail_visible, last_only=True)[:, -1]
         for i in range(draft_len):
-            logits = self._process(self._logits_to_target_vocab(logits.float().cpu()), sequences, tokens, i, sampling)
+            logits = self._process(self._logits_to_target_vocab(logits.float().cpu()), sequences, tokens, i, sampling, constraints)
             if all_greedy:
                 if branch is None:
                     # the argmax and its probability exp(max - logsumexp): two passes over the vocabulary
@@ -158,16 +162,19 @@ class ModelDrafter(Drafter):
         self.prompt_lens = [self.prompt_lens[b] for b in rows]
 
     def _process(self, logits: torch.Tensor, sequences: list[list[int]], tokens: torch.Tensor, i: int,
-                 sampling: list[SamplingParams]) -> torch.Tensor:
+                 sampling: list[SamplingParams], constraints: "list[Constraint | None] | None" = None) -> torch.Tensor:
         """The rows' penalties, logit_bias and min_tokens applied to the draft's logits [batch, vocab] at draft
         position i, with the history the target will judge that position with (the sequence and the draft's
-        tokens before i). Not needed for exactness (every rule is exact for any q); without it a draft that
-        ignores them is rejected wherever they move the target's choice."""
+        tokens before i), then their grammars' masks after those tokens. Not needed for exactness (every rule is
+        exact for any q); without it a draft that ignores them is rejected wherever they move the target's choice."""
         rows = [b for b, s in enumerate(sampling) if s.processes_logits]
-        if not rows:
+        masked = [b for b, c in enumerate(constraints or ()) if c is not None]
+        if not rows and not masked:
             return logits
         logits = logits.clone()
         for b in rows:
             logits[b] = process_logits(logits[b : b + 1], sampling[b], sequences[b] + tokens[b, :i].tolist(), self.prompt_lens[b],
                                        None, self.model.eos_token_ids)[0]
+        for b in masked:
+            mask_logits(logits[b : b + 1], constraints[b].allowed([tokens[b, :i].tolist()]))
         return logits

@@ -47,14 +47,14 @@ class SharedCacheDrafter(ModelDrafter):
 
     @torch.inference_mode()
     def propose(self, sequences: list[list[int]], draft_len: int, sampling: list[SamplingParams], generators: list[torch.Generator],
-                stop: StopRule | None = None, branch: BranchRule | None = None) -> Draft:
+                stop: StopRule | None = None, branch: BranchRule | None = None, constraints=None) -> Draft:
         batch = len(sequences)
         if self.cache is None or draft_len == 0 or (self.max_rows is not None and batch > self.max_rows):
             return empty_draft(batch)
         start = self.cache.slots.length
         try:
             # The cache holds every token but each row's last, so the draft's first pass is that token.
-            return super().propose(sequences, draft_len, sampling, generators, stop, branch)
+            return super().propose(sequences, draft_len, sampling, generators, stop, branch, constraints)
         finally:
             self.cache.truncate(torch.full((batch,), start, dtype=torch.long))
             self._round = None

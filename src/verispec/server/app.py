@@ -35,14 +35,16 @@ from verispec import zoo
 from verispec.api import load, make_drafter, resolve_drafter
 from verispec.engine import Request as EngineRequest
 from verispec.errors import VerispecError
+from verispec.grammar import ll_tokenizer
 from verispec.options import DRAFTER_NAMES, WEIGHT_DTYPES, DraftLen, flag, positive_int
 from verispec.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, Metrics
 from verispec.server.protocol import (ApiError, ServerConfig, Spec, chat_messages, check_text_fits, parse_chat, parse_completion,
-                                      show)
+                                      render_chat, show)
 from verispec.sampling import TokenLogprob
 from verispec.server.scheduler import Job, JobFailed, QueueFull, Scheduler
+from verispec.server.tools import CallStream, ToolError, parse_calls, read_tools
 from verispec.stats import SpecStats
-from verispec.text import IncrementalText, StopSequences, encode_chat, final_text
+from verispec.text import IncrementalText, StopSequences, final_text
 
 DISCONNECT_POLL_SECONDS = 0.5  # how often a waiting non-streamed request checks that its client is still there
 RETRY_AFTER_SECONDS = 1  # the Retry-After a client gets with a 503 when the queue is full
@@ -94,6 +96,8 @@ class Choice:
     logprobs: list[TokenLogprob] = field(default_factory=list)  # per token, when the request asked for them
     logprobs_sent: int = 0  # how many of them a stream has sent
     text_offset: int = 0  # characters before the next token's text in a completion's logprobs (text_offset)
+    calls: CallStream | None = None  # a streamed chat answer with tools: its tool calls, parsed as they close
+    calls_sent: int = 0  # how many tool calls a stream has sent
 
 
 _job_ids = itertools.count()
@@ -122,10 +126,11 @@ class Generation:
                 stats = SpecStats()
                 request = EngineRequest(prompt=ids, sampling=sampling, max_new_tokens=spec.max_tokens[p],
                                         stop_checker=checker, id=next(_job_ids), stats=stats, logprobs=spec.logprobs,
-                                        processed_logprobs=spec.processed_logprobs)
+                                        processed_logprobs=spec.processed_logprobs, grammar=spec.grammar)
                 deliver = (lambda item, index=index: _post(loop, self.events, (index, item)))
                 job = Job(request, spec.draft, deliver)
-                self.choices.append(Choice(index, job, stats, IncrementalText(tokenizer, spec.stop), prompt=p))
+                calls = CallStream(spec.tools.parallel, spec.tools.names) if spec.tools is not None else None
+                self.choices.append(Choice(index, job, stats, IncrementalText(tokenizer, spec.stop), prompt=p, calls=calls))
 
     @property
     def finished(self) -> bool:
@@ -240,16 +245,28 @@ class Endpoint:
     def choice(self, choice: Choice, text: str, tokenizer, spec: Spec) -> dict:
         logprobs = self.logprobs(choice, tokenizer, spec)
         if self.chat:
-            return {"index": choice.index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                    "finish_reason": choice.finish_reason}
+            message, finish_reason = {"role": "assistant", "content": text}, choice.finish_reason
+            if spec.tools is not None:
+                content, calls = parse_calls(text, spec.tools.parallel, spec.tools.names)
+                if calls:
+                    message = {"role": "assistant", "content": content, "tool_calls": calls}
+                    finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
+            return {"index": choice.index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
         if spec.echo is not None:
             text = spec.echo[choice.prompt] + text
         return {"index": choice.index, "text": text, "logprobs": logprobs, "finish_reason": choice.finish_reason}
 
-    def chunk_choice(self, choice: Choice, delta: str | None, finish_reason: str | None, tokenizer=None, spec: Spec | None = None) -> dict:
+    def chunk_choice(self, choice: Choice, delta: str | None, finish_reason: str | None, tokenizer=None, spec: Spec | None = None,
+                     tool_calls: list[dict] | None = None) -> dict:
+        """tool_calls: calls that closed in this chunk (chat with tools), sent whole in OpenAI's delta shape."""
         logprobs = self.logprobs(choice, tokenizer, spec) if spec is not None and delta is not None else None
         if self.chat:
             content = {"role": "assistant", "content": ""} if delta is None else ({"content": delta} if delta else {})
+            if tool_calls:
+                content["tool_calls"] = [{"index": choice.calls_sent + i, **call} for i, call in enumerate(tool_calls)]
+                choice.calls_sent += len(tool_calls)
+            if finish_reason == "stop" and choice.calls_sent:
+                finish_reason = "tool_calls"
             return {"index": choice.index, "delta": content, "logprobs": logprobs, "finish_reason": finish_reason}
         return {"index": choice.index, "text": delta or "", "logprobs": logprobs, "finish_reason": finish_reason}
 
@@ -318,6 +335,10 @@ def build_app(target, draft=None, drafter: str = "auto", draft_len: DraftLen | i
     config = ServerConfig(target_model, name, draft_len if speculative else None, context)
     template = read_chat_template(chat_template) if chat_template is not None else None
     tokenizer = LockedTokenizer(target_model.tokenizer, template)
+    try:  # llguidance's view of the vocabulary, for response_format and tools: ~2 s for 150k tokens, paid now
+        ll_tokenizer(target_model.tokenizer, target_model.vocab_size, target_model.eos_token_ids)
+    except VerispecError as exc:
+        log.warning("structured output and forced tool calls are unavailable: %s", exc)
     stats = SpecStats()
     scheduler = Scheduler(
         target_model,
@@ -418,7 +439,11 @@ def build_app(target, draft=None, drafter: str = "auto", draft_len: DraftLen | i
 
     def tokenize_body(body: dict) -> dict:
         if "messages" in body:
-            ids = encode_chat(tokenizer, chat_messages(body["messages"]))
+            try:
+                tools = read_tools(body.get("tools"), None, None)
+            except ToolError as exc:
+                raise ApiError(400, str(exc), param=exc.param, code="invalid_value") from exc
+            ids = render_chat(tokenizer, chat_messages(body["messages"]), tools.tools if tools is not None else None)
         elif isinstance(body.get("prompt"), str):
             check_text_fits(tokenizer, body["prompt"], 2 * context, "prompt")
             ids = list(tokenizer(body["prompt"], add_special_tokens=body.get("add_special_tokens", True) is not False)["input_ids"])
@@ -538,9 +563,13 @@ def build_app(target, draft=None, drafter: str = "auto", draft_len: DraftLen | i
                 yield sse({**head, "choices": [endpoint.chunk_choice(c, spec.echo[c.prompt], None) for c in generation.choices]})
             async for choice, delta in generation.updates(is_disconnected=None):
                 # Starlette cancels this generator when the client disconnects; `finally` frees the slots.
-                # A chunk goes out with new text, at the end, and with log-probabilities of tokens whose text is held back.
-                if delta or choice.finish_reason is not None or len(choice.logprobs) > choice.logprobs_sent:
-                    yield sse({**head, "choices": [endpoint.chunk_choice(choice, delta, choice.finish_reason, tokenizer, spec)]})
+                # A chunk goes out with new text or tool calls, at the end, and with log-probabilities of tokens
+                # whose text is held back.
+                calls = None
+                if choice.calls is not None:  # text inside a tool call is held back until the call closes
+                    delta, calls = choice.calls.push(delta, choice.finish_reason is not None)
+                if delta or calls or choice.finish_reason is not None or len(choice.logprobs) > choice.logprobs_sent:
+                    yield sse({**head, "choices": [endpoint.chunk_choice(choice, delta, choice.finish_reason, tokenizer, spec, calls)]})
             if generation.spec.include_usage:
                 yield sse({**head, "choices": [], "usage": generation.usage()})
             status = 200

@@ -3,10 +3,12 @@
 Errors take OpenAI's shape, {"error": {"message", "type", "param", "code"}}, and quote a caller's value
 only in short (`show`): a 1 MB value does not come back inside its 400. Fields this server does not
 know (`metadata`, `store`, ...) are ignored, as vLLM does, and listed in `Spec.ignored` so the caller
-can be told; fields it knows but cannot honour yet (tools, structured output, echo with logprobs) are
-refused, since ignoring them would silently change the answer. Penalties, min_p, logit_bias, min_tokens
-and logprobs are honoured exactly under speculation (`sampling.process_logits`). Turns a body into a checked `Spec` (token ids,
-sampling, stop sequences, draft setting); knows nothing about decoding.
+can be told; fields it knows but cannot honour (the deprecated functions, echo with logprobs) are
+refused, since ignoring them would silently change the answer. Penalties, min_p, logit_bias, min_tokens,
+logprobs and response_format are honoured exactly under speculation (`sampling.process_logits`,
+`grammar`); tools go through the chat template and come back as tool_calls (`server.tools`). Turns a body
+into a checked `Spec` (token ids, sampling, stop sequences, grammar, tools, draft setting); knows nothing
+about decoding.
 """
 
 from __future__ import annotations
@@ -15,10 +17,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from verispec.errors import VerispecError
+from verispec.grammar import Grammar, ll_tokenizer, response_format_grammar
 from verispec.models.base import CausalLM
 from verispec.options import DraftLen
 from verispec.sampling import SamplingParams, default_coupled
 from verispec.server.scheduler import DraftSetting
+from verispec.server.tools import CLOSE, OPEN, ToolError, ToolSetup, call_grammar, read_tools, supports_tools, template_message
 from verispec.text import encode_chat
 
 MAX_DRAFT_LEN = 16  # largest per-request draft_len: each distinct value is a lane of its own
@@ -105,7 +109,8 @@ class Fields:
 
 COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "n", "stream", "stream_options", "stop", "seed",
                  "user", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens", "logit_bias",
-                 "logprobs", "draft_len", "speculate", "coupled", "blockwise", "typical_acceptance", "logprobs_mode"}
+                 "logprobs", "draft_len", "speculate", "coupled", "blockwise", "typical_acceptance", "logprobs_mode",
+                 "response_format"}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "suffix", "best_of"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "functions",
                                "function_call", "response_format", "parallel_tool_calls"}
@@ -127,6 +132,8 @@ class Spec:
     logprobs: int | None = None  # None: no log-probabilities; n: each token's, with the n most likely beside it
     processed_logprobs: bool = False  # logprobs_mode "processed": after logit_bias, min_tokens and penalties
     echo: list[str] | None = None  # completions with echo: each prompt's text, put before its choices' text
+    grammar: Grammar | None = None  # response_format, or a forced tool_choice: the output follows it
+    tools: ToolSetup | None = None  # chat with tools: tool calls are parsed from the output (unless tool_choice is "none")
 
 
 @dataclass
@@ -220,7 +227,24 @@ def parse_common(fields: Fields, config: ServerConfig, prompts: list[list[int]],
         raise ApiError(400, f'logprobs_mode must be "raw" (the model\'s logits, the default) or "processed" (after logit_bias, '
                             f'min_tokens and penalties), got {show(mode)}', param="logprobs_mode", code="invalid_value")
     return Spec(prompts, budgets, n, sampling, stop or [], parse_draft(fields, config), stream, include_usage, fields.ignored,
-                processed_logprobs=mode == "processed")
+                processed_logprobs=mode == "processed", grammar=response_format(fields, config, sampling))
+
+
+def response_format(fields: Fields, config: ServerConfig, sampling: SamplingParams) -> Grammar | None:
+    """response_format (OpenAI's json_object and json_schema, verispec's regex and lark) -> a grammar the output
+    follows, compiled and checked now (on the request's parsing thread, not the worker)."""
+    value = fields.body.get("response_format")
+    if value is None or value == {"type": "text"}:
+        return None
+    target = config.target
+    try:
+        grammar = response_format_grammar(value, target.tokenizer, target.vocab_size, target.eos_token_ids)
+    except VerispecError as exc:
+        raise ApiError(400, str(exc), param="response_format", code="invalid_value") from exc
+    if grammar is not None and sampling.min_tokens:
+        raise ApiError(400, "min_tokens cannot be combined with response_format: the grammar decides where the output ends",
+                       param="min_tokens", code="invalid_value")
+    return grammar
 
 
 def logit_bias(fields: Fields, vocab_size: int) -> tuple[tuple[int, float], ...]:
@@ -328,12 +352,8 @@ def parse_chat(body: Any, config: ServerConfig, tokenizer) -> Spec:
     top_logprobs = fields.integer("top_logprobs", None, 0, MAX_TOP_LOGPROBS)
     if top_logprobs is not None and not wants_logprobs:
         raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value")
-    fields.only_default("tools", [], why="(tool calling) is not supported by this server")
-    fields.only_default("tool_choice", "none", why="(tool calling) is not supported by this server")
-    fields.only_default("functions", [], why="(function calling) is not supported by this server")
-    fields.only_default("function_call", "none", why="(function calling) is not supported by this server")
-    fields.only_default("response_format", {"type": "text"}, why="(structured output) is not supported by this server")
-    fields.boolean("parallel_tool_calls", True)  # meaningless without tools, which are refused above
+    fields.only_default("functions", [], why="(the deprecated function calling) is not supported by this server: use tools")
+    fields.only_default("function_call", "none", why="(the deprecated function calling) is not supported by this server: use tool_choice")
     if fields.body.get("max_tokens") is not None and fields.body.get("max_completion_tokens") is not None:
         raise ApiError(400, "give max_tokens or max_completion_tokens, not both", param="max_tokens", code="invalid_value")
     max_tokens = fields.integer("max_tokens", None, 1)
@@ -341,16 +361,61 @@ def parse_chat(body: Any, config: ServerConfig, tokenizer) -> Spec:
         max_tokens = fields.integer("max_completion_tokens", None, 1)
     if not getattr(tokenizer, "chat_template", None):
         raise ApiError(400, f"{config.model_name} has no chat template: use /v1/completions", param="messages", code="unsupported_model")
+    try:
+        tools = read_tools(fields.body.get("tools"), fields.body.get("tool_choice"), fields.body.get("parallel_tool_calls"))
+    except ToolError as exc:
+        raise ApiError(400, str(exc), param=exc.param, code="invalid_value") from exc
+    if tools is not None and tools.parses and not supports_tools(tokenizer.chat_template):
+        raise ApiError(400, f"the chat template of {config.model_name} has no tool support (verispec reads tool calls in the "
+                            f"{OPEN}...{CLOSE} format of Qwen2.5 and Hermes templates): drop tools, or serve a model or "
+                            "--chat-template that has it", param="tools", code="unsupported_model")
     messages = chat_messages(fields.body.get("messages"))
-    check_text_fits(tokenizer, "".join(m["content"] for m in messages), config.max_model_len, "messages")
-    ids = encode_chat(tokenizer, messages)
+    check_text_fits(tokenizer, "".join(m.get("content") or "" for m in messages), config.max_model_len, "messages")
+    # tool_choice "none": the tools stay out of the prompt, so the model answers in text
+    ids = render_chat(tokenizer, messages, tools.tools if tools is not None and tools.parses else None)
     spec = parse_common(fields, config, [ids], "messages", max_tokens, default_max_tokens=None)
     spec.logprobs = (top_logprobs or 0) if wants_logprobs else None
+    if tools is not None and tools.parses:
+        spec.tools = tools
+        if tools.forced:
+            if spec.grammar is not None:
+                raise ApiError(400, f"tool_choice {show(fields.body.get('tool_choice'))} already decides the output's form: drop "
+                                    "response_format, or use tool_choice \"auto\"", param="response_format", code="invalid_value")
+            if spec.sampling.min_tokens:
+                raise ApiError(400, "min_tokens cannot be combined with a forced tool_choice", param="min_tokens", code="invalid_value")
+            spec.grammar = tool_call_grammar(tools, config, tokenizer)
     return spec
 
 
+def render_chat(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    """Checked messages (`chat_messages`) and tools -> the prompt's token ids through the chat template, with an
+    assistant's tool_calls in the form templates read (`tools.template_message`); /tokenize renders the same way."""
+    try:
+        return encode_chat(tokenizer, [template_message(m) for m in messages], tools=tools)
+    except Exception as exc:  # the template's own checks (jinja raise_exception), e.g. roles out of order
+        raise ApiError(400, f"the chat template cannot render these messages: {str(exc)[:200]}", param="messages",
+                       code="invalid_value") from exc
+
+
+def tool_call_grammar(tools: ToolSetup, config: ServerConfig, tokenizer) -> Grammar:
+    """The grammar of a forced tool_choice, naming <tool_call> and </tool_call> as the tokenizer's single tokens
+    where it has them."""
+    target = config.target
+    special = {}
+    for text in (OPEN, CLOSE):
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if len(ids) == 1:
+            special[text] = ids[0]
+    try:
+        return Grammar(ll_tokenizer(target.tokenizer, target.vocab_size, target.eos_token_ids), call_grammar(tools, special),
+                       target.vocab_size, target.eos_token_ids, description="tool call grammar (from the tools' parameters)")
+    except VerispecError as exc:
+        raise ApiError(400, str(exc), param="tools", code="invalid_value") from exc
+
+
 def chat_messages(messages: Any) -> list[dict]:
-    """OpenAI messages -> [{"role", "content": str}] for the chat template; text parts only."""
+    """OpenAI messages -> [{"role", "content": str, ...}] for the chat template; text parts only. Tool results
+    (role "tool", with tool_call_id) and an assistant's tool_calls (content may then be null) are kept."""
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "messages must be a non-empty list of {role, content} objects", param="messages",
                        code="missing_parameter" if messages is None else "invalid_type")
@@ -361,18 +426,50 @@ def chat_messages(messages: Any) -> list[dict]:
             raise ApiError(400, f"{param} must be an object with role and content", param=param, code="invalid_type")
         role, content = message.get("role"), message.get("content")
         role = "system" if role == "developer" else role
-        if role not in ("system", "user", "assistant"):
-            raise ApiError(400, f"{param}.role must be system, developer, user or assistant, got {show(role)}", param=f"{param}.role", code="invalid_value")
+        if role not in ("system", "user", "assistant", "tool"):
+            raise ApiError(400, f"{param}.role must be system, developer, user, assistant or tool, got {show(role)}",
+                           param=f"{param}.role", code="invalid_value")
+        tool_calls = message.get("tool_calls") if role == "assistant" else None
+        if tool_calls is not None:
+            tool_calls = checked_tool_calls(tool_calls, f"{param}.tool_calls")
         if isinstance(content, list):
             if not all(isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str) for part in content):
                 raise ApiError(400, f"{param}.content: only text parts are supported", param=f"{param}.content", code="invalid_value")
             content = "".join(part["text"] for part in content)
+        if content is None and tool_calls:
+            content = ""
         if not isinstance(content, str):
             raise ApiError(400, f"{param}.content must be a string or a list of text parts", param=f"{param}.content", code="invalid_type")
-        extra = set(message) - {"role", "content", "name"}
+        allowed = {"role", "content", "name"} | ({"tool_calls", "refusal", "annotations"} if role == "assistant" else set()) | (
+            {"tool_call_id"} if role == "tool" else set())
+        extra = set(message) - allowed
         if extra:
             raise ApiError(400, f"{param} has fields this server does not support: {show(sorted(extra))}", param=param, code="unsupported_parameter")
-        out.append({"role": role, "content": content})
+        entry = {"role": role, "content": content}
+        if tool_calls:
+            entry["tool_calls"] = tool_calls
+        if role == "tool":
+            call_id = message.get("tool_call_id")
+            if call_id is not None and not isinstance(call_id, str):
+                raise ApiError(400, f"{param}.tool_call_id must be text", param=f"{param}.tool_call_id", code="invalid_type")
+            entry["tool_call_id"] = call_id
+        if role == "tool" and isinstance(message.get("name"), str):
+            entry["name"] = message["name"]
+        out.append(entry)
     return out
 
 
+def checked_tool_calls(calls: Any, param: str) -> list[dict]:
+    """An assistant message's tool_calls: [{"id", "type": "function", "function": {"name", "arguments": JSON text}}]."""
+    if not isinstance(calls, list):
+        raise ApiError(400, f"{param} must be a list of tool calls", param=param, code="invalid_type")
+    out = []
+    for j, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if (not isinstance(function, dict) or not isinstance(function.get("name"), str)
+                or not isinstance(function.get("arguments", ""), (str, dict))):
+            raise ApiError(400, f'{param}[{j}] must be {{"id", "type": "function", "function": {{"name", "arguments"}}}}',
+                           param=f"{param}[{j}]", code="invalid_value")
+        out.append({"id": call.get("id"), "type": "function",
+                    "function": {"name": function["name"], "arguments": function.get("arguments", "")}})
+    return out
