@@ -190,6 +190,7 @@ def _time_peer(peer, gguf, tokenizer, ids: list[int], reference: list[int], m: "
     run = runs[(len(runs) - 1) // 2]
     m.seconds[peer.name], m.tokens[peer.name] = run.seconds, run.new_tokens
     m.stats["peer_prompt_tokens"] = run.prompt_tokens
+    m.stats["peer_read_the_same_prompt"] = run.prompt_tokens == len(ids)
     m.stats["peer_prompt_seconds"] = run.prompt_seconds
     theirs = tokenizer.encode(run.text, add_special_tokens=False)
     m.stats["peer_agreeing_tokens"] = next((i for i, (a, b) in enumerate(zip(theirs, reference)) if a != b),
