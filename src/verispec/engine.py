@@ -26,7 +26,7 @@ from verispec.grammar import Constraint, Grammar, mask_logits
 from verispec.models.base import CausalLM
 from verispec.options import DraftLen
 from verispec.policy import DraftPolicy, make_policy, start_pays
-from verispec.prefill import prefill
+from verispec.prefill import PromptReader, joined
 from verispec.sampling import SamplingParams, TokenLogprob, make_generator, process_logits, token_logprobs
 from verispec.stats import AlternateOutcome, SpecStats, StepRecord
 from verispec.verifiers import verifier_for
@@ -65,6 +65,34 @@ class TokenEvent:
     from_draft: list[bool]  # per token: accepted from the draft (True) or the target's own (False)
     finish_reason: str | None = None  # "stop" (EOS or stop sequence), "length", or None while running
     logprobs: list[TokenLogprob] | None = None  # per token, when the request asked for them
+
+
+def check_request(target: CausalLM, request: Request) -> None:
+    """Raise VerispecError if the request cannot run on this target."""
+    options.max_new_tokens(request.max_new_tokens)
+    if len(request.prompt) == 0:
+        raise VerispecError("the prompt is empty: give at least one token")
+    if len(request.prompt) >= target.max_context:
+        raise VerispecError(
+            f"the prompt has {len(request.prompt)} tokens but {target.name} has a context window of "
+            f"{target.max_context}: shorten the prompt"
+        )
+    bad = [t for t in request.prompt if not 0 <= t < target.vocab_size]
+    if bad:
+        raise VerispecError(f"the prompt has token ids outside the vocabulary [0, {target.vocab_size}): {bad[:5]}")
+    bad = [t for t, _ in request.sampling.logit_bias if t >= target.vocab_size]
+    if bad:
+        raise VerispecError(f"logit_bias names token ids outside the vocabulary [0, {target.vocab_size}): {bad[:5]}")
+    if request.sampling.min_tokens > request.max_new_tokens:
+        raise VerispecError(f"min_tokens ({request.sampling.min_tokens}) is more than max_new_tokens ({request.max_new_tokens}): "
+                            "lower min_tokens or raise max_new_tokens")
+    if request.grammar is not None and request.sampling.min_tokens:
+        raise VerispecError("min_tokens cannot be combined with a grammar (response_format): the grammar decides where "
+                            "the output ends; drop min_tokens")
+    if request.logprobs is not None and (not isinstance(request.logprobs, int) or isinstance(request.logprobs, bool)
+                                         or not 0 <= request.logprobs <= target.vocab_size):
+        raise VerispecError(f"logprobs must be None or an integer in [0, {target.vocab_size}] (how many most likely "
+                            f"tokens to list beside each one), got {request.logprobs!r}")
 
 
 @dataclass
@@ -114,43 +142,31 @@ class DecodeBatch:
 
     def check(self, request: Request) -> None:
         """Raise VerispecError if the request cannot run on this target."""
-        options.max_new_tokens(request.max_new_tokens)
-        if len(request.prompt) == 0:
-            raise VerispecError("the prompt is empty: give at least one token")
-        if len(request.prompt) >= self.target.max_context:
-            raise VerispecError(
-                f"the prompt has {len(request.prompt)} tokens but {self.target.name} has a context window of "
-                f"{self.target.max_context}: shorten the prompt"
-            )
-        bad = [t for t in request.prompt if not 0 <= t < self.target.vocab_size]
-        if bad:
-            raise VerispecError(f"the prompt has token ids outside the vocabulary [0, {self.target.vocab_size}): {bad[:5]}")
-        bad = [t for t, _ in request.sampling.logit_bias if t >= self.target.vocab_size]
-        if bad:
-            raise VerispecError(f"logit_bias names token ids outside the vocabulary [0, {self.target.vocab_size}): {bad[:5]}")
-        if request.sampling.min_tokens > request.max_new_tokens:
-            raise VerispecError(f"min_tokens ({request.sampling.min_tokens}) is more than max_new_tokens ({request.max_new_tokens}): "
-                                "lower min_tokens or raise max_new_tokens")
-        if request.grammar is not None and request.sampling.min_tokens:
-            raise VerispecError("min_tokens cannot be combined with a grammar (response_format): the grammar decides where "
-                                "the output ends; drop min_tokens")
-        if request.logprobs is not None and (not isinstance(request.logprobs, int) or isinstance(request.logprobs, bool)
-                                             or not 0 <= request.logprobs <= self.target.vocab_size):
-            raise VerispecError(f"logprobs must be None or an integer in [0, {self.target.vocab_size}] (how many most likely "
-                                f"tokens to list beside each one), got {request.logprobs!r}")
+        check_request(self.target, request)
 
     @torch.inference_mode()
-    def add(self, requests: list[Request]) -> None:
-        """Admit requests: prefill their prompts (all but the last token) and join the batch."""
+    def add(self, requests: list[Request], readers: list[PromptReader] | None = None) -> None:
+        """Admit requests: prefill their prompts (all but the last token) and join the batch.
+
+        readers: the requests' prompts already read (`prefill.PromptReader`, done), e.g. a few chunks at a
+        time between steps by the server, perhaps from a prefix cache; else they are read now."""
         for request in requests:
             self.check(request)
-        started = time.perf_counter()
         taps = self.drafter.target_taps  # a drafter that reads the target's hidden states
-        prefilled = prefill(self.target, [list(r.prompt[:-1]) for r in requests], taps=taps)
+        if readers is None:
+            readers = [PromptReader(self.target, r.prompt[:-1], taps=taps) for r in requests]
+            for reader in readers:
+                reader.advance()
+        if any(not reader.done or reader.tokens != list(r.prompt[:-1]) for reader, r in zip(readers, requests)):
+            raise ValueError("each reader must have read its request's prompt but the last token")
+        started = time.perf_counter()
+        prefilled = joined(self.target, readers, with_hidden=taps is not None)
         if taps is not None:
             prefilled, hidden = prefilled
         self.cache.concat(prefilled)
-        target_seconds = time.perf_counter() - started
+        # the target's prefill: the readers' passes (perhaps spread over earlier steps) and joining the batch
+        reading = sum(reader.seconds for reader in readers)
+        target_seconds = reading + time.perf_counter() - started
         tokens = sum(len(r.prompt) - 1 for r in requests)  # what both prefills process
         if self.fallback is not None:
             self.drafter = self._start_or_fall_back(requests, tokens, target_seconds)
@@ -161,7 +177,7 @@ class DecodeBatch:
         if taps is not None:
             self.drafter.observe_taps([None] * len(self.rows) + hidden)
         draft_model = self.drafter.prefill_model
-        if draft_model is not None and target_seconds > 0:
+        if draft_model is not None and target_seconds > 0 and not any(reader.reused for reader in readers):
             BOOK.record_relative_prefill(self.target, draft_model, tokens, (time.perf_counter() - drafting) / target_seconds)
         for r in requests:
             limit = min(r.max_new_tokens, self.target.max_context - len(r.prompt))
@@ -171,7 +187,7 @@ class DecodeBatch:
             constraint = r.grammar.constraint() if r.grammar is not None else None
             self.rows.append(_Row(request=r, sequence=list(r.prompt), limit=limit, generator=generator, sampling=sampling,
                                   constraint=constraint))
-        self.stats.prefill_seconds += time.perf_counter() - started
+        self.stats.prefill_seconds += reading + time.perf_counter() - started
         self.stats.prompt_tokens += sum(len(r.prompt) for r in requests)
 
     def _start_or_fall_back(self, requests: list[Request], tokens: int, target_seconds: float) -> Drafter:

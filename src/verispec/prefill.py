@@ -1,11 +1,14 @@
-"""Prompt prefill for a batch of new rows: prompts of similar length share a forward pass.
+"""Prompt prefill: each prompt read into its own one-row cache in the model's aligned chunks.
 
-One pass over prompts of 50 and 200 tokens would spend three quarters of its rows on padding, so
-prompts are grouped by length, each group prefilled in one pass, and the groups' caches joined
-back in the callers' order. The target and a draft model prefill the same way.
+A prompt is read in passes over fixed positions [0, C), [C, 2C), ... (`CausalLM.prefill_chunk`), alone,
+so the numbers of its keys and values depend on its own tokens only: not on batch mates, not on how
+many chunks were read at once, not on whether a prefix came from a `PrefixCache`. The target and a draft
+model prefill the same way. `left_pad` lays out rows of different lengths for a shared pass.
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 
@@ -24,50 +27,92 @@ def left_pad(rows: list[list[int]], pad_id: int = 0) -> tuple[torch.Tensor, torc
     return tokens, visible
 
 
-def prefill_groups(lengths: list[int], max_padding: float = 0.25) -> list[list[int]]:
-    """Indices of `lengths` grouped for prefill so that padding fills at most `max_padding` of a group's
-    slots (group rows x its longest length). Longest first; a group holds lengths next to each other."""
-    groups: list[list[int]] = []
-    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-        if groups:
-            group = groups[-1]
-            slots = (len(group) + 1) * lengths[group[0]]
-            tokens = sum(lengths[j] for j in group) + lengths[i]
-            if slots - tokens <= max_padding * slots:
-                group.append(i)
-                continue
-        groups.append([i])
-    return groups
+class PromptReader:
+    """One prompt read into a fresh one-row cache, in the model's aligned chunks (`CausalLM.prefill_chunk`):
+    passes over positions [0, C), [C, 2C), ... and a partial tail, each chunk a pass of its own, whatever
+    else is being read or decoded. So a chunk's keys and values are the same bits with or without a
+    prefix cache hit before it, and with or without pauses between chunks (the server reads a long prompt a
+    few chunks at a time between decoding steps). A model with `prefill_chunk` None reads any number of
+    tokens per pass.
+
+    prefix_cache: look the prompt up first (the hit is written into the cache, not computed), and store the
+    whole chunks computed here. taps (see `CausalLM.forward`): collect the tapped hidden states of every
+    token read ([tokens, n * hidden] in `hidden`); no prefix cache then, since it keeps no hidden states."""
+
+    def __init__(self, model: CausalLM, tokens: list[int], prefix_cache=None, taps: tuple[int, ...] | None = None):
+        self.model, self.tokens, self.taps = model, list(tokens), taps
+        self.prefix_cache = prefix_cache if taps is None else None
+        self.cache = model.new_cache(1)
+        self.hidden: list[torch.Tensor] = []
+        self.seconds = 0.0  # time spent in the model's passes
+        started = time.perf_counter()
+        self.reused = self.prefix_cache.load(self.tokens, self.cache) if self.prefix_cache is not None and self.tokens else 0
+        self.seconds += time.perf_counter() - started
+        self.read = self.reused  # tokens in the cache
+
+    @property
+    def done(self) -> bool:
+        return self.read >= len(self.tokens)
+
+    @property
+    def remaining(self) -> int:
+        return len(self.tokens) - self.read
+
+    @torch.inference_mode()
+    def advance(self, budget: float = float("inf"), at_least_one: bool = True) -> int:
+        """Read at most `budget` more tokens: whole chunks while they fit (a model without chunks reads
+        min(budget, remaining) tokens), and with `at_least_one` one chunk even past the budget, so a prompt
+        always moves on. Returns the tokens read."""
+        started, begin = time.perf_counter(), self.read
+        chunk = self.model.prefill_chunk
+        while not self.done:
+            if chunk:
+                end = min(len(self.tokens), (self.read // chunk + 1) * chunk)
+            else:
+                end = self.read + int(min(max(budget - (self.read - begin), 1), self.remaining))
+            if end - begin > budget and (self.read > begin or not at_least_one):
+                break
+            self._pass(self.read, end)
+            if not chunk:
+                break
+        if self.prefix_cache is not None:
+            # whole chunks only: a partial tail is a pass of another width (a granular cache keeps it too)
+            block = self.prefix_cache.block_tokens
+            stored = len(self.tokens) if self.prefix_cache.granular and self.done else self.read - self.read % block
+            if stored > self.reused:
+                self.prefix_cache.insert(self.tokens[:stored], self.cache)
+        self.seconds += time.perf_counter() - started
+        return self.read - begin
+
+    def _pass(self, begin: int, end: int) -> None:
+        tokens = torch.tensor([self.tokens[begin:end]], dtype=torch.long)
+        if self.taps is not None:
+            _, tapped = self.model.forward(tokens, self.cache, last_only=True, taps=self.taps)
+            self.hidden.append(tapped[0])
+        else:
+            self.model.forward(tokens, self.cache, last_only=True)
+        self.read = end
 
 
 @torch.inference_mode()
-def prefill(model: CausalLM, contexts: list[list[int]], taps: tuple[int, ...] | None = None):
+def prefill(model: CausalLM, contexts: list[list[int]], taps: tuple[int, ...] | None = None, prefix_cache=None):
     """A new cache of len(contexts) rows, row b holding contexts[b] (logits are not needed: the last
-    prompt token opens the first decode step).
+    prompt token opens the first decode step). Each context is read on its own (`PromptReader`), so a row's
+    numbers do not depend on its batch mates.
 
     taps (see `CausalLM.forward`): return (cache, hidden) instead, hidden[b] [len(contexts[b]), n * H] the
     tapped hidden states of context b's tokens, for a drafter that reads them (`drafters.eagle3`)."""
-    groups = prefill_groups([len(c) for c in contexts])
-    cache = None
-    hidden: dict[int, torch.Tensor] = {}
-    for group in groups:
-        part = model.new_cache(len(group))
-        tokens, visible = left_pad([contexts[i] for i in group])
-        if tokens.shape[1] and taps is not None:
-            _, tapped = model.forward(tokens, part, visible, last_only=True, taps=taps)
-            for row, i in enumerate(group):
-                hidden[i] = tapped[row, visible[row].to(tapped.device)]
-        elif tokens.shape[1]:
-            model.forward(tokens, part, visible, last_only=True)
-        if cache is None:
-            cache = part
-        else:
-            cache.concat(part)
-    if cache is None:
-        cache = model.new_cache(0)
-    grouped = [i for group in groups for i in group]  # context at each row of the cache
-    if grouped != sorted(grouped):
-        cache.select(sorted(range(len(grouped)), key=grouped.__getitem__))  # back to the callers' order
-    if taps is None:
+    readers = [PromptReader(model, context, prefix_cache, taps) for context in contexts]
+    for reader in readers:
+        reader.advance()
+    return joined(model, readers, taps is not None)
+
+
+def joined(model: CausalLM, readers: list[PromptReader], with_hidden: bool = False):
+    """The readers' one-row caches as one cache, in order (and their tapped hidden states, with_hidden)."""
+    cache = model.new_cache(0)
+    for reader in readers:
+        cache.concat(reader.cache)
+    if not with_hidden:
         return cache
-    return cache, [hidden.get(i) if i in hidden else torch.zeros(0, 0) for i in range(len(contexts))]
+    return cache, [torch.cat(r.hidden) if r.hidden else torch.zeros(0, 0) for r in readers]

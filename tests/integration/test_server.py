@@ -876,24 +876,19 @@ def test_cancelling_one_row_leaves_its_batch_mates_decoding(draft):
         scheduler.stop()
 
 
-def test_admission_prefills_similar_lengths_together_and_bounds_the_stall(monkeypatch):
-    """Prompts are prefilled in groups of similar length; while rows decode, a few new prompts are read
-    a bounded number of tokens per step, and a burst that outnumbers the running rows at once."""
-    from verispec.prefill import prefill_groups
-
-    assert prefill_groups([52, 209, 60, 55, 200]) == [[1, 4], [2, 3, 0]]
-    assert prefill_groups([]) == [] and prefill_groups([0, 0]) == [[0, 1]]
-
+def test_admission_bounds_the_stall(monkeypatch):
+    """While rows decode, a few new prompts are read a bounded number of tokens per step, and a burst that
+    outnumbers the running rows at once."""
     torch.set_num_threads(1)
     target = tiny_llama(seed=0)
     target.eos_token_ids = frozenset()  # the long rows must still be decoding when the newcomers arrive
     admitted: list[int] = []
     real_add = DecodeBatch.add
 
-    def add(self, requests):
+    def add(self, requests, readers=None):
         if threading.current_thread() is scheduler.thread:  # not the reference decoding in this thread
             admitted.append(len(requests))
-        return real_add(self, requests)
+        return real_add(self, requests, readers)
 
     monkeypatch.setattr(DecodeBatch, "add", add)
     scheduler = Scheduler(target, lambda speculate: make_drafter(target, None, "none"), max_batch=8, prefill_tokens=4)

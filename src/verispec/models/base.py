@@ -32,6 +32,17 @@ class KVStore(Protocol):
         slots yet); the shorter slot axis is padded, and the padding is never visible."""
         ...
 
+    # For a backend with `CausalLM.shares_prefixes` (a prefix cache copies keys/values out and back):
+
+    def gather(self, row: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Row `row`'s keys and values at `slots` [n] long, as copies [layers, kv_heads, n, head_dim]."""
+        ...
+
+    def put(self, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Write keys/values [layers, kv_heads, n, head_dim] (from `gather`) at slots start .. start+n-1 of
+        every row (a one-row store, being prefilled), and extend the stored length to there."""
+        ...
+
 
 @dataclass
 class ModelCache:
@@ -91,6 +102,16 @@ class CausalLM(Protocol):
     # `lower_precision_copy(weight_dtype)` makes a cheaper copy with this model's layer shapes, which can
     # draft on this model's own cache (drafter="self").
     makes_lower_precision_copies: bool = False
+    # Prompt prefill proceeds in chunks at fixed absolute positions [0, C), [C, 2C), ... (`prefill.PromptReader`),
+    # with or without a prefix cache: a chunk is then computed by the same pass whether the chunks before it
+    # were computed now or taken from a cache, so its keys and values are bitwise the same either way (a
+    # backend whose big passes round differently at different widths needs this). None: every token row
+    # gets the same numbers at any pass width and split (row-exact passes), so prompts may be read and
+    # reused at any token.
+    prefill_chunk: int | None = 512
+    # The cache's store can copy a row's keys and values out and write them back (`KVStore.gather` / `put`):
+    # what a prefix cache needs.
+    shares_prefixes: bool = False
 
     def same_layer_shapes(self, other: "CausalLM") -> bool:
         """Whether `other` can run on this model's cache (the same layers, key/value heads and head size)."""

@@ -57,6 +57,13 @@ STATIC_ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn"})
 # blocked GEMM (see NativeCausalLM._prefills_in_chunks).
 CHUNKED_PREFILL_ROWS = 256
 
+# Prompt tokens per prefill chunk of the float32 model (`CausalLM.prefill_chunk`). Its big passes run on
+# PyTorch's GEMM or the blocked one, whose rounding of a row may change with the pass width, so a prompt is
+# always read in chunks at positions [0, C), [C, 2C), ... and a prefix cache reuses whole chunks only.
+# 256 measured within the noise of one-shot prefill on 2 cores (bench/reports/prefix_cache.md); smaller
+# chunks cost more (128: up to 2-3x), larger ones leave longer gaps between other streams' steps.
+PREFILL_CHUNK = 256
+
 
 def _rope_type(config) -> str:
     params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
@@ -193,6 +200,24 @@ class NativeStore:
     def trim(self, length: int) -> None:
         self.length = min(self.length, length)
 
+    def gather(self, row: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Row `row`'s keys and values at `slots` [n] long: copies [layers, kv_heads, n, head_dim]."""
+        slots = slots.to(self.keys.device)
+        # advanced indices on the block and lane axes (split by a slice) put the slot axis first
+        keys = self.keys[:, row][:, :, slots // kernels.SLOT_BLOCK, :, slots % kernels.SLOT_BLOCK]
+        return keys.permute(1, 2, 0, 3).contiguous(), self.values[:, row, :, slots].contiguous()
+
+    def put(self, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Write keys/values [layers, kv_heads, n, head_dim] at slots start .. start+n-1 of every row
+        (a one-row store being prefilled), and extend `length` to there."""
+        end = start + keys.shape[2]
+        self.reserve(end)
+        slots = torch.arange(start, end, device=self.keys.device)
+        for b in range(self.batch_size):
+            self.keys[:, b][:, :, slots // kernels.SLOT_BLOCK, :, slots % kernels.SLOT_BLOCK] = keys.permute(2, 0, 1, 3)
+            self.values[:, b, :, start:end] = values
+        self.length = max(self.length, end)
+
     def select(self, index: torch.Tensor) -> None:
         rows = index.tolist()
         if rows == sorted(set(rows)):
@@ -240,6 +265,13 @@ class NativeCausalLM(CausalLM):
     """A Llama/Qwen2-family causal LM behind the verispec `CausalLM` contract; see the module docstring."""
 
     makes_lower_precision_copies = True  # `lower_precision_copy`, for drafter="self"
+    shares_prefixes = True  # `NativeStore.gather` / `put`, for a prefix cache
+
+    @property
+    def prefill_chunk(self) -> int | None:
+        """Aligned prefill chunks for the float32 numbers (`PREFILL_CHUNK`); none under numerics="q8",
+        whose kernels give every token row the same numbers at any pass width."""
+        return None if self.numerics == "q8" else PREFILL_CHUNK
 
     def __init__(self, hf_model, tokenizer=None, name: str | None = None, weight_dtype: torch.dtype | None = None,
                  panels: bool | None = None):

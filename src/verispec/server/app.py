@@ -36,6 +36,7 @@ from verispec.api import load, make_drafter, resolve_drafter
 from verispec.engine import Request as EngineRequest
 from verispec.errors import VerispecError
 from verispec.grammar import ll_tokenizer
+from verispec.prefix_cache import PrefixCache
 from verispec.options import DRAFTER_NAMES, WEIGHT_DTYPES, DraftLen, flag, positive_int
 from verispec.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, Metrics
 from verispec.server.protocol import (ApiError, ServerConfig, Spec, chat_messages, check_text_fits, parse_chat, parse_completion,
@@ -49,6 +50,8 @@ from verispec.text import IncrementalText, StopSequences, final_text
 DISCONNECT_POLL_SECONDS = 0.5  # how often a waiting non-streamed request checks that its client is still there
 RETRY_AFTER_SECONDS = 1  # the Retry-After a client gets with a 503 when the queue is full
 MAX_BODY_BYTES = 4 * 2**20  # default limit of a request body: ~1M tokens of text, far past any context here
+# default prefix cache budget: ~20k tokens of a Qwen2.5 0.5B's keys and values (24 KiB a token), ~11k of SmolLM2 135M's
+PREFIX_CACHE_BYTES = 512 * 2**20
 
 log = logging.getLogger(__name__)
 
@@ -300,7 +303,7 @@ DRAFT_DTYPES = WEIGHT_DTYPES
 def build_app(target, draft=None, drafter: str = "auto", draft_len: DraftLen | int | str = "auto", api_key: str | None = None,
               max_batch: int = 8, max_queue: int = 256, draft_dtype: str = "fp32", model_name: str | None = None,
               max_body_bytes: int = MAX_BODY_BYTES, max_model_len: int | None = None, chat_template: str | None = None,
-              numerics: str = "float32"):
+              numerics: str = "float32", prefix_cache_bytes: int = PREFIX_CACHE_BYTES):
     """A FastAPI app serving `target` (a zoo name, path or loaded model) with OpenAI's API.
 
     draft / drafter / draft_len: as for `verispec.generate` (drafter "none" serves plain decoding);
@@ -311,9 +314,12 @@ def build_app(target, draft=None, drafter: str = "auto", draft_len: DraftLen | i
     model_name: the name clients send and see (default: the target's). max_model_len: most tokens of prompt
     plus answer a request may ask for (default and upper bound: the model's context). chat_template: a Jinja
     chat template (text, or a path to a file holding it) in place of the tokenizer's. numerics: the target's,
-    as for `verispec.load` ("float32" or "q8"). The models load now; the worker starts with the app.
+    as for `verispec.load` ("float32" or "q8"). prefix_cache_bytes: most bytes of prompt keys and values
+    kept for reuse by later requests (`prefix_cache.PrefixCache`; 0 turns it off). The models load now; the
+    worker starts with the app.
     """
     for option, value, low in (("max_batch", max_batch, 1), ("max_queue", max_queue, 0), ("max_body_bytes", max_body_bytes, 1),
+                               ("prefix_cache_bytes", prefix_cache_bytes, 0),
                                ("max_model_len", 2 if max_model_len is None else max_model_len, 2)):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise VerispecError(f"{option} must be an integer >= {low}, got {value!r}")
@@ -347,6 +353,7 @@ def build_app(target, draft=None, drafter: str = "auto", draft_len: DraftLen | i
         max_queue=max_queue,
         stats=stats,
         on_admit=lambda job: metrics.count_admitted(len(job.request.prompt), job.request.sampling.lossy),
+        prefix_cache=PrefixCache.for_model(target_model, prefix_cache_bytes),
     )
     metrics = Metrics(name, stats, scheduler)  # on_admit above reaches it once the worker starts
     created = int(time.time())
@@ -645,6 +652,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="most sequences waiting for a free row; beyond it requests get 503 (default: %(default)s)")
     parser.add_argument("--max-body-mb", type=float, default=MAX_BODY_BYTES / 2**20,
                         help="largest request body read, in MiB; larger ones get 413 (default: %(default)s)")
+    parser.add_argument("--prefix-cache-mb", type=float, default=PREFIX_CACHE_BYTES / 2**20,
+                        help="MiB of prompt keys and values kept for reuse by later requests (a conversation's next turn, a "
+                             "shared system prompt); least recently used out first; 0 turns it off (default: %(default)s)")
     parser.add_argument("--served-model-name", default=None, help="the model name clients send and see (default: --target)")
     parser.add_argument("--max-model-len", type=flag(lambda text: positive_int("--max-model-len", text)), default=None,
                         help="most tokens of prompt plus answer per request (default: the model's context window)")
@@ -665,6 +675,7 @@ def main(argv: list[str] | None = None) -> None:
         serve(args.target, host=args.host, port=args.port, log_level=args.log_level, draft=args.draft, draft_dtype=args.draft_dtype,
               drafter=args.drafter, draft_len=args.draft_len, api_key=args.api_key, max_batch=args.max_batch,
               max_queue=args.max_queue, max_body_bytes=max(1, int(args.max_body_mb * 2**20)), model_name=args.served_model_name,
+              prefix_cache_bytes=max(0, int(args.prefix_cache_mb * 2**20)),
               max_model_len=args.max_model_len, chat_template=args.chat_template, numerics=args.numerics)
     except VerispecError as exc:
         parser.exit(2, f"verispec serve: error: {exc}\n")

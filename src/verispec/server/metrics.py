@@ -152,8 +152,19 @@ class _EngineCollector(Collector):
                  "width", [(w, s) for w, (_, s, _) in sorted(widths.items())])
         yield by(CounterMetricFamily, "verispec_target_pass_rows", "Rows (sequences) in target passes, by width: rows / passes = "
                  "mean batch size.", "width", [(w, r) for w, (_, _, r) in sorted(widths.items())])
+        cache = scheduler.prefix_cache
+        if cache is not None:
+            yield gauge("verispec_prefix_cache_bytes", "Bytes of keys and values held by the prefix cache.", cache.bytes)
+            yield gauge("verispec_prefix_cache_capacity_bytes", "The prefix cache's budget (--prefix-cache-mb).", cache.capacity_bytes)
+            yield gauge("verispec_prefix_cache_blocks", "Blocks (prefill chunks) held by the prefix cache.", len(cache))
+            yield counter("verispec_prefix_cache_evictions", "Blocks dropped from the prefix cache for room.", cache.evicted)
         # vLLM's names and meanings.
         labels, values = ["model_name"], model
+        if cache is not None:
+            yield counter("verispec:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", cache.queries,
+                          labels, values)
+            yield counter("verispec:prefix_cache_hits", "Of the prompt tokens looked up, those found in the prefix cache.",
+                          cache.hits, labels, values)
         yield gauge("verispec:num_requests_running", "Sequences being decoded.", scheduler.running, labels, values)
         yield gauge("verispec:num_requests_waiting", "Sequences waiting to be admitted.", scheduler.queue_depth, labels, values)
         yield counter("verispec:prompt_tokens", "Prefill tokens processed.", self.metrics.prompt_tokens, labels, values)

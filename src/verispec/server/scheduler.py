@@ -1,13 +1,16 @@
 """Continuous batching on one worker thread: the models and every `DecodeBatch` belong to it.
 
-Between steps the worker takes new jobs and cancellations from its inbox, admits waiting jobs (at
-most `max_batch` rows in flight), steps every lane once and hands each job its `TokenEvent`s through
-a callback. `submit` refuses jobs beyond `max_batch` running plus `max_queue` waiting (`QueueFull`),
-so a burst cannot pile up unbounded work. Admitting reads prompts (prefill) while the running rows
-wait, so between two steps it reads at most `prefill_tokens` prompt tokens (always at least one
-job), scaled up by the ratio of admissible jobs to running rows where they outnumber them: a few
-prompts joining many decoding rows delay them by a bounded prefill per step, while a burst that
-outnumbers the running rows is read at once (the few rows it delays gain more from a full batch).
+Between steps the worker takes new jobs and cancellations from its inbox, gives waiting jobs free rows
+(at most `max_batch` reading or decoding), reads prompts, steps every lane once and hands each job its
+`TokenEvent`s through a callback. `submit` refuses jobs beyond `max_batch` running plus `max_queue`
+waiting (`QueueFull`), so a burst cannot pile up unbounded work. Reading prompts (prefill) makes the
+decoding rows wait, so a prompt is read in the model's aligned chunks (`prefill.PromptReader`), at most
+`prefill_tokens` prompt tokens between two steps (always at least one chunk), scaled up by the ratio of
+reading jobs to decoding rows where they outnumber them: a 6000-token prompt delays the running streams
+by about one chunk's pass per step, not by its whole prefill, while a burst that outnumbers the running
+rows is read at once (the few rows it delays gain more from a full batch). A job whose prompt is read
+joins its lane. With a `PrefixCache`, a prompt starts from the longest prefix of it already read (bitwise
+the keys and values a fresh read computes) and its chunks are stored for later requests.
 
 Jobs are grouped into *lanes* by how they are decoded: the server's draft length, a per-request
 `draft_len`, or plain decoding. Each lane is a `DecodeBatch` with its own drafter. A lane stops
@@ -28,11 +31,13 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from verispec.drafters.base import Drafter
-from verispec.engine import DecodeBatch, Request as EngineRequest, TokenEvent
+from verispec.engine import DecodeBatch, Request as EngineRequest, TokenEvent, check_request
 from verispec.errors import VerispecError
 from verispec.models.base import CausalLM
 from verispec.options import DraftLen
 from verispec.policy import DraftPolicy, FixedDraftLen, make_policy
+from verispec.prefill import PromptReader
+from verispec.prefix_cache import PrefixCache
 from verispec.stats import SpecStats
 
 log = logging.getLogger("verispec.server")
@@ -128,7 +133,7 @@ class Scheduler:
 
     def __init__(self, target: CausalLM, new_drafter: Callable[[bool], Drafter], max_batch: int, max_queue: int = 256,
                  stats: SpecStats | None = None, on_admit: Callable[[Job], None] | None = None,
-                 prefill_tokens: int = PREFILL_TOKENS_PER_STEP):
+                 prefill_tokens: int = PREFILL_TOKENS_PER_STEP, prefix_cache: PrefixCache | None = None):
         self.target = target
         self.new_drafter = new_drafter  # speculate? -> a fresh drafter (a DecodeBatch needs its own)
         self.max_batch = max_batch
@@ -140,6 +145,9 @@ class Scheduler:
         self.policies: dict[DraftSetting, DraftPolicy] = {}  # kept across lanes, so adaptive estimates survive
         self.inbox: queue.Queue = queue.Queue()
         self.waiting: list[Job] = []
+        self.reading: list[tuple[Job, PromptReader]] = []  # jobs with a row, their prompts being read
+        self.prefix_cache = prefix_cache  # shared by every lane: one target, one set of numbers
+        self._lane_taps: dict[DraftSetting, tuple[int, ...] | None] = {}
         self.lanes: list[Lane] = []
         self.step_failures = 0
         self.failed: dict[int, int] = defaultdict(int)  # JobFailed status -> sequences failed with it
@@ -172,7 +180,8 @@ class Scheduler:
 
     @property
     def running(self) -> int:
-        return sum(len(lane.jobs) for lane in list(self.lanes))
+        """Jobs holding a row: decoding, or reading their prompts."""
+        return sum(len(lane.jobs) for lane in list(self.lanes)) + len(self.reading)
 
     @property
     def in_flight(self) -> int:
@@ -189,7 +198,7 @@ class Scheduler:
     def _run(self) -> None:
         while True:
             try:
-                if not self._take_messages(block=not self.waiting and not self.lanes):
+                if not self._take_messages(block=not self.waiting and not self.lanes and not self.reading):
                     break
                 self._admit()
                 for lane in list(self.lanes):
@@ -200,7 +209,10 @@ class Scheduler:
                 for lane in self.lanes:
                     self._fail_lane(lane, "internal error in the decoding loop")
                 self.lanes = []
-        for job in self.waiting + [job for lane in self.lanes for job in lane.jobs.values()]:
+                for job, _ in self.reading:
+                    self._finish(job, JobFailed(500, "internal error in the decoding loop"))
+                self.reading = []
+        for job in self.waiting + [job for job, _ in self.reading] + [job for lane in self.lanes for job in lane.jobs.values()]:
             self._finish(job, JobFailed(503, "the server is shutting down"))
 
     def _finish(self, job: Job, item: TokenEvent | JobFailed) -> None:
@@ -232,6 +244,7 @@ class Scheduler:
     def _cancel(self, job_ids: set[int]) -> None:
         self._release(job_ids)
         self.waiting = [job for job in self.waiting if job.id not in job_ids]
+        self.reading = [(job, reader) for job, reader in self.reading if job.id not in job_ids]
         for lane in self.lanes:
             for job_id in job_ids & lane.jobs.keys():
                 del lane.jobs[job_id]
@@ -248,53 +261,91 @@ class Scheduler:
         self.lanes = [lane for lane in self.lanes if lane.jobs]
 
     def _admit(self) -> None:
+        """Waiting jobs take free rows and start reading their prompts; prompts are read, within the step's
+        budget; the jobs whose prompts are read join a lane."""
+        self._start_reading()
+        self._read_prompts()
+
+    def _start_reading(self) -> None:
+        """First come, first served, within the free rows: each job is checked, looked up in the prefix cache,
+        and queued for reading."""
         room = self.max_batch - self.running
         if room <= 0 or not self.waiting:
             return
-        # First come, first served, within the room and (while rows decode) the prefill budget.
-        candidates = self.waiting[:room]
-        running = self.running
-        budget = self.prefill_tokens * max(1.0, len(candidates) / running) if running else float("inf")
-        count, tokens = 0, 0
-        for job in candidates:
-            tokens += len(job.request.prompt)
-            if count and tokens > budget:
-                break
-            count += 1
-        admitted, self.waiting = self.waiting[:count], self.waiting[count:]
-        by_setting: dict[DraftSetting, list[Job]] = defaultdict(list)
-        for job in admitted:
-            by_setting[job.draft].append(job)
-        for setting, jobs in by_setting.items():
-            lane = self._open_lane(setting)
-            accepted = []
-            for job in jobs:
-                try:
-                    lane.batch.check(job.request)
-                except VerispecError as exc:  # this request alone is bad
-                    self._finish(job, JobFailed(400, str(exc)))
-                    continue
-                accepted.append(job)
-            if not accepted:
-                continue
-            started = time.perf_counter()
+        taken, self.waiting = self.waiting[:room], self.waiting[room:]
+        for job in taken:
             try:
-                lane.batch.add([job.request for job in accepted])
-            except Exception:
-                # The batch may be half-updated: drop it with everything in it.
-                log.exception("admitting %d requests failed", len(accepted))
-                self.step_failures += 1
-                for job in accepted:
-                    self._finish(job, JobFailed(500, "internal error while reading the prompt"))
-                self._fail_lane(lane, "internal error while admitting another request into this batch")
-                self.lanes.remove(lane)
+                check_request(self.target, job.request)
+            except VerispecError as exc:  # this request alone is bad
+                self._finish(job, JobFailed(400, str(exc)))
                 continue
-            finally:
-                self.clock.add_prefill(time.perf_counter() - started)
-            for job in accepted:
-                lane.jobs[job.id] = job
-                if self.on_admit is not None:
-                    self.on_admit(job)
+            try:
+                reader = PromptReader(self.target, job.request.prompt[:-1], self.prefix_cache, self._taps(job.draft))
+            except Exception:
+                log.exception("looking up a prompt in the prefix cache failed")
+                self.step_failures += 1
+                self._finish(job, JobFailed(500, "internal error while reading the prompt"))
+                continue
+            self.reading.append((job, reader))
+
+    def _read_prompts(self) -> None:
+        """Read prompts in arrival order. While rows decode, read at most `prefill_tokens` tokens between two
+        steps (at least one chunk), scaled up by the ratio of reading jobs to decoding rows where they
+        outnumber them; with none decoding, read everything at once."""
+        if not self.reading:
+            return
+        decoding = sum(len(lane.jobs) for lane in self.lanes)
+        budget = self.prefill_tokens * max(1.0, len(self.reading) / decoding) if decoding else float("inf")
+        started = time.perf_counter()
+        ready: dict[DraftSetting, list[tuple[Job, PromptReader]]] = defaultdict(list)
+        still = []
+        moved = False  # whether a prompt moved on this time (the first one always does)
+        for job, reader in self.reading:
+            if budget > 0 and not reader.done:
+                try:
+                    budget -= reader.advance(budget, at_least_one=not moved)
+                    moved = True
+                except Exception:
+                    log.exception("reading a prompt of %d tokens failed", len(reader.tokens))
+                    self.step_failures += 1
+                    self._finish(job, JobFailed(500, "internal error while reading the prompt"))
+                    continue
+            if reader.done:
+                ready[job.draft].append((job, reader))
+            else:
+                still.append((job, reader))
+        self.reading = still
+        self.clock.add_prefill(time.perf_counter() - started)
+        for setting, pairs in ready.items():
+            self._join(self._open_lane(setting), pairs)
+
+    def _join(self, lane: Lane, pairs: list[tuple[Job, PromptReader]]) -> None:
+        """Jobs whose prompts are read join `lane`'s batch."""
+        started = time.perf_counter()
+        try:
+            lane.batch.add([job.request for job, _ in pairs], [reader for _, reader in pairs])
+        except Exception:
+            # The batch may be half-updated: drop it with everything in it.
+            log.exception("admitting %d requests failed", len(pairs))
+            self.step_failures += 1
+            for job, _ in pairs:
+                self._finish(job, JobFailed(500, "internal error while reading the prompt"))
+            self._fail_lane(lane, "internal error while admitting another request into this batch")
+            self.lanes.remove(lane)
+            return
+        finally:
+            self.clock.add_prefill(time.perf_counter() - started)
+        for job, _ in pairs:
+            lane.jobs[job.id] = job
+            if self.on_admit is not None:
+                self.on_admit(job)
+
+    def _taps(self, setting: DraftSetting) -> tuple[int, ...] | None:
+        """The target layers whose hidden states the drafter of `setting` reads (`Drafter.target_taps`):
+        a prompt read for it collects them. Learnt from the first lane of that setting."""
+        if setting not in self._lane_taps:
+            self._open_lane(setting)
+        return self._lane_taps[setting]
 
     def _open_lane(self, setting: DraftSetting) -> Lane:
         for lane in self.lanes:
@@ -306,6 +357,7 @@ class Scheduler:
             drafter = self.new_drafter(True)
             policy = self.policies.setdefault(setting, make_policy(setting))
         lane = Lane(setting, DecodeBatch(self.target, drafter, policy, stats=self.stats))
+        self._lane_taps[setting] = drafter.target_taps
         self.lanes.append(lane)
         return lane
 
