@@ -39,6 +39,7 @@ class PromptReader:
     whole chunks computed here. taps (see `CausalLM.forward`): collect the tapped hidden states of every
     token read ([tokens, n * hidden] in `hidden`); no prefix cache then, since it keeps no hidden states."""
 
+    @torch.inference_mode()  # the cache's tensors are written in inference mode only, here as in `advance`
     def __init__(self, model: CausalLM, tokens: list[int], prefix_cache=None, taps: tuple[int, ...] | None = None):
         self.model, self.tokens, self.taps = model, list(tokens), taps
         self.prefix_cache = prefix_cache if taps is None else None
