@@ -27,6 +27,7 @@ from verispec.models.base import CausalLM
 from verispec.options import DraftLen
 from verispec.policy import DraftPolicy, make_policy, start_pays
 from verispec.prefill import PromptReader, joined
+from verispec.prefix_cache import PrefixCache
 from verispec.sampling import SamplingParams, TokenLogprob, make_generator, process_logits, token_logprobs
 from verispec.stats import AlternateOutcome, SpecStats, StepRecord
 from verispec.verifiers import verifier_for
@@ -120,8 +121,11 @@ class DecodeBatch:
     """
 
     def __init__(self, target: CausalLM, drafter: Drafter, policy: DraftPolicy, stats: SpecStats | None = None,
-                 fallback: Drafter | None = None):
+                 fallback: Drafter | None = None, prefix_cache: PrefixCache | None = None):
         self.target = target
+        # A granular one (row-exact numbers: a decode step writes the keys and values a prompt read would) also
+        # keeps what finished rows decoded, so a conversation's next turn reuses the answer too.
+        self.prefix_cache = prefix_cache
         self.drafter = drafter
         # Decided at the first `add`: `drafter` if its prompt prefill can pay for itself, else this one.
         self.fallback = fallback
@@ -275,8 +279,19 @@ class DecodeBatch:
             extra_rows=draft.tree[0].shape[1] if trees else 0,
             alternates=AlternateOutcome(draft.alternates >= 0, draft.alternate_confidence, verdict.alternate) if trees else None,
             emitted=torch.tensor([len(event.tokens) for event in events]), lossy=torch.tensor([s.lossy for s in sampling])))
+        if self.prefix_cache is not None and self.prefix_cache.granular:
+            for b, event in enumerate(events):
+                if event.finish_reason is not None:
+                    self._store_decoded(b)
         self._keep([b for b, event in enumerate(events) if event.finish_reason is None])
         return events
+
+    def _store_decoded(self, b: int) -> None:
+        """Row b's tokens and the keys and values its cache holds for them (prompt and answer) into the
+        granular prefix cache. Its visible slots hold its tokens in order (holes are other passes' columns)."""
+        slots = self.cache.slots.visible[b].nonzero().squeeze(1)
+        held = min(len(slots), len(self.rows[b].sequence))  # a cut at a stop may leave more slots than tokens
+        self.prefix_cache.insert(self.rows[b].sequence[:held], self.cache, row=b, slots=slots[:held])
 
     def _propose(self, k: int, sampling: list[SamplingParams], generators: list[torch.Generator],
                  verifier: Verifier) -> Draft:

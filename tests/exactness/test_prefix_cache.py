@@ -200,3 +200,28 @@ def test_a_long_prompt_is_read_between_the_steps_of_running_streams(model):
     finally:
         scheduler.stop()
     assert got == expected_runner
+
+
+def test_a_granular_model_keeps_what_its_rows_decoded(model, monkeypatch):
+    """Where a decode step writes the very keys and values a prompt read computes (row-exact numbers), a
+    finished row's answer is stored too: the next turn reuses the whole first turn, and answers as plain."""
+    if not model._kernels:
+        pytest.skip("exact kernels unavailable here")
+    monkeypatch.setattr(NativeCausalLM, "prefill_chunk", property(lambda self: None))
+    model.eos_token_ids = frozenset()
+    first = tokens(9, seed=15)
+    answer = verispec.generate(model, first, drafter="none", max_new_tokens=12).token_ids
+    second = first + answer + tokens(6, seed=16)  # 27 tokens: every pass within the exact small passes
+    expected = verispec.generate(model, second, drafter="none", max_new_tokens=5).token_ids
+    cache = PrefixCache.for_model(model, 1 << 30)
+    scheduler = scheduler_for(model, cache)
+    scheduler.start()
+    try:
+        for prompt, n, want in ((first, 12, answer), (second, 5, expected)):
+            j, collector = job(prompt, max_new_tokens=n)  # drafted by prompt lookup: verify passes write the cache
+            scheduler.submit([j])
+            assert collector.result() == want
+    finally:
+        scheduler.stop()
+    # the first turn's prompt and all of its answer but the last token (never fed back) were found
+    assert cache.hits == len(first) + len(answer) - 1

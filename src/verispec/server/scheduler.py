@@ -356,7 +356,7 @@ class Scheduler:
         else:
             drafter = self.new_drafter(True)
             policy = self.policies.setdefault(setting, make_policy(setting))
-        lane = Lane(setting, DecodeBatch(self.target, drafter, policy, stats=self.stats))
+        lane = Lane(setting, DecodeBatch(self.target, drafter, policy, stats=self.stats, prefix_cache=self.prefix_cache))
         self._lane_taps[setting] = drafter.target_taps
         self.lanes.append(lane)
         return lane

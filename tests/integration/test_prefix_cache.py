@@ -1,0 +1,175 @@
+"""The prefix cache through the real server: a conversation's second turn reuses the first turn's prompt, and
+every answer is the same with the cache on, off or starved, and the same as plain decoding in this process.
+
+The negative controls show why the cache keeps what it keeps: on the float32 model, the keys and values
+of a prompt read in one pass, or written by decode steps, differ in their last bits from those of the
+aligned chunks a fresh read computes, so a cache that reused them would change the numbers. Under
+numerics="q8" they do not differ, and the cache reuses a first turn's answer too.
+"""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+import torch
+
+import verispec
+from verispec import zoo
+from verispec.prefill import PromptReader
+from verispec.server import ServerProcess
+from verispec.text import encode_chat
+
+MODEL = "smollm2-135m"
+SYSTEM = "You answer from these notes only.\n" + "\n".join(
+    f"Note {i}: the {word} in room {i} weighs {i * 7 % 50 + 3} kilograms." for i, word in
+    enumerate(["lamp", "chair", "clock", "vase", "crate", "drum", "kettle", "mirror"] * 8))
+TURNS = ["Which note mentions the kettle in room 6?", "And how much does the mirror in room 7 weigh?"]
+MAX_TOKENS = 24
+
+
+def conversation(client: openai.OpenAI, model: str, turns=TURNS, system=SYSTEM, max_tokens=MAX_TOKENS) -> list[str]:
+    """Each turn's answer, greedy, every answer fed back into the next turn's messages."""
+    messages, answers = [{"role": "system", "content": system}], []
+    for turn in turns:
+        messages.append({"role": "user", "content": turn})
+        reply = client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens, temperature=0)
+        answers.append(reply.choices[0].message.content)
+        messages.append({"role": "assistant", "content": answers[-1]})
+    return answers
+
+
+def plain_conversation(target, turns=TURNS, system=SYSTEM, max_tokens=MAX_TOKENS) -> tuple[list[str], list[list[int]]]:
+    """The same conversation decoded plainly in this process: (answers, each turn's prompt ids)."""
+    messages, answers, prompts = [{"role": "system", "content": system}], [], []
+    for turn in turns:
+        messages.append({"role": "user", "content": turn})
+        prompts.append(encode_chat(target.tokenizer, messages))
+        answers.append(verispec.generate(target, prompts[-1], drafter="none", max_new_tokens=max_tokens).text)
+        messages.append({"role": "assistant", "content": answers[-1]})
+    return answers, prompts
+
+
+def metrics(process: ServerProcess) -> dict[str, float]:
+    """/metrics as {'name{labels}': value}."""
+    samples = {}
+    for line in httpx.get(process.url + "/metrics", timeout=30).text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            samples[name] = float(value)
+    return samples
+
+
+def client_of(process: ServerProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=process.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def servers():
+    """The same server three times: the prefix cache on (the default), off, and starved (12 MiB: one 256-token
+    chunk of SmolLM2's keys and values, 11.25 MiB)."""
+    zoo.pull(MODEL)
+    budgets = {"on": None, "off": "0", "starved": "12"}
+    processes = {}
+    try:
+        for name, budget in budgets.items():
+            args = ["--target", MODEL, "--draft-len", "4"] + (["--prefix-cache-mb", budget] if budget else [])
+            processes[name] = ServerProcess(args, threads=1).start()
+        torch.set_num_threads(1)
+        target = verispec.load(MODEL)
+        plain = plain_conversation(target)
+        for process in processes.values():
+            process.wait_ready(timeout=300)
+        yield processes, plain
+    finally:
+        for process in processes.values():
+            process.stop()
+
+
+def test_turn_two_reuses_turn_ones_chunks_and_answers_as_without_the_cache(servers):
+    processes, (plain, prompts) = servers
+    assert len(prompts[0]) > 600  # more than two whole 256-token chunks before turn 2 is even asked
+    on = processes["on"]
+    assert conversation(client_of(on), MODEL) == plain
+    assert conversation(client_of(processes["off"]), MODEL) == plain
+    m = metrics(on)
+    hits, queries = m[f'verispec:prefix_cache_hits_total{{model_name="{MODEL}"}}'], m[f'verispec:prefix_cache_queries_total{{model_name="{MODEL}"}}']
+    assert queries == len(prompts[0]) - 1 + len(prompts[1]) - 1
+    # turn 2 found every whole chunk of turn 1's prompt (the tail chunk and the answer are read again)
+    assert hits == (len(prompts[0]) - 1) // 256 * 256 > 0
+    assert m["verispec_prefix_cache_bytes"] == m["verispec_prefix_cache_blocks"] * 256 * 30 * 3 * 64 * 4 * 2
+    assert not any(name.startswith("verispec:prefix_cache") for name in metrics(processes["off"]))
+    # the same conversation again: now turn 1 is a hit too, and nothing changes
+    assert conversation(client_of(on), MODEL) == plain
+    assert metrics(on)[f'verispec:prefix_cache_hits_total{{model_name="{MODEL}"}}'] > hits
+
+
+def test_a_starved_cache_evicts_and_changes_nothing(servers):
+    processes, (plain, _) = servers
+    starved = processes["starved"]
+    for _ in range(2):
+        assert conversation(client_of(starved), MODEL) == plain
+    m = metrics(starved)
+    assert m["verispec_prefix_cache_evictions_total"] > 0
+    assert m["verispec_prefix_cache_bytes"] <= m["verispec_prefix_cache_capacity_bytes"] == 12 * 2**20
+    assert m[f'verispec:prefix_cache_hits_total{{model_name="{MODEL}"}}'] > 0
+
+
+def kv(cache, begin: int, end: int):
+    return cache.store.gather(0, torch.arange(begin, end))
+
+
+@torch.inference_mode()
+def test_negative_controls_what_the_float32_cache_must_not_reuse():
+    """On the float32 model, keys and values of the same tokens at the same positions differ in their last bits
+    when computed in a pass of another width (a one-shot prefill, a partial tail) or by decode steps: reusing
+    them would give another prefix than a fresh read, and so possibly another answer. The aligned chunks
+    are the computation that stays the same."""
+    torch.set_num_threads(1)
+    target = verispec.load(MODEL)
+    assert target.prefill_chunk == 256
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(100, 20000, (300,), generator=g).tolist()
+    answer = torch.randint(100, 20000, (20,), generator=g).tolist()
+    chunked = PromptReader(target, prompt + answer)
+    chunked.advance()
+    # one pass of 320 rows against chunks of 256 + 64
+    one_shot = target.new_cache(1)
+    target.forward(torch.tensor([prompt + answer]), one_shot, last_only=True)
+    assert any(not torch.equal(a, b) for a, b in zip(kv(one_shot, 0, 256), kv(chunked.cache, 0, 256)))
+    # the answer's tokens written by 20 decode steps against the same tokens read in the tail chunk
+    decoded = PromptReader(target, prompt)
+    decoded.advance()
+    for token in answer:
+        target.forward(torch.tensor([[token]]), decoded.cache)
+    assert any(not torch.equal(a, b) for a, b in zip(kv(decoded.cache, 300, 320), kv(chunked.cache, 300, 320)))
+    # and what a hit does take, chunk [0, 256), is the bits a fresh read computes: the same pass
+    again = PromptReader(target, prompt)
+    again.advance(256)
+    assert all(torch.equal(a, b) for a, b in zip(kv(again.cache, 0, 256), kv(chunked.cache, 0, 256)))
+
+
+Q8_MODEL = "qwen2.5-coder-1.5b"  # the 0.5B's file has a Q8_0 head, which numerics="q8" does not take
+
+
+def test_q8_reuses_to_the_token_and_keeps_what_was_decoded():
+    """Under llama.cpp's numerics every row is computed alike at any width, so the cache reuses a prefix to the
+    token, the first turn's answer included (written by decode steps), and answers as plain decoding."""
+    zoo.pull(Q8_MODEL)
+    turns, system, max_tokens = ["Write a Python function that adds two numbers."], "You are a terse coding assistant.", 16
+    turns = turns + ["Now make it multiply them."]
+    process = ServerProcess(["--target", Q8_MODEL, "--numerics", "q8", "--drafter", "ngram"], threads=1).start()
+    try:
+        torch.set_num_threads(1)
+        target = verispec.load(Q8_MODEL, numerics="q8")
+        assert target.prefill_chunk is None
+        plain, prompts = plain_conversation(target, turns, system, max_tokens)
+        process.wait_ready(timeout=300)
+        assert conversation(client_of(process), Q8_MODEL, turns, system, max_tokens) == plain
+        m = metrics(process)
+        hits = m[f'verispec:prefix_cache_hits_total{{model_name="{Q8_MODEL}"}}']
+        # more than turn 1's prompt: the answer's keys and values, written by decode steps, were reused
+        assert hits > len(prompts[0])
+        assert hits <= len(prompts[1]) - 1
+    finally:
+        process.stop()
