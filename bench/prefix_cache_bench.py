@@ -29,6 +29,7 @@ import torch
 import verispec
 from verispec.prefill import PromptReader
 from verispec.server import ServerProcess
+from verispec.text import encode_chat
 
 WORDS = ["lamp", "chair", "clock", "vase", "crate", "drum", "kettle", "mirror", "violin", "tulip", "comet", "otter"]
 
@@ -103,7 +104,7 @@ def measure_ttft(model: str, runs: int, notes: int, max_tokens: int, threads: in
                 results[name]["turn2"].append(ttft2)
                 answers[name] = (first, second)
                 if name == "on":
-                    prompt_tokens.append(len(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)))
+                    prompt_tokens.append(len(encode_chat(tokenizer, messages)))
             identical += answers["on"] == answers["off"]
             print(f"run {run}: turn 2 ttft on {results['on']['turn2'][-1]:.2f}s off {results['off']['turn2'][-1]:.2f}s", flush=True)
         hits = httpx.get(servers["on"].url + "/metrics", timeout=30).text
@@ -127,13 +128,19 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--skip-prefill", action="store_true")
+    p.add_argument("--skip-ttft", action="store_true")
+    p.add_argument("--prefill-threads", type=int, default=None, help="torch threads for the prefill measurement")
     p.add_argument("--server-args", default="--drafter ngram", help="more `verispec serve` options, one string")
     args = p.parse_args()
     report = {"target": args.target, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    if args.prefill_threads:
+        torch.set_num_threads(args.prefill_threads)
+    report["threads"] = torch.get_num_threads()
     if not args.skip_prefill:
         report["prefill"] = measure_prefill(verispec.load(args.target), args.prefill_tokens, args.rounds)
         print(json.dumps(report["prefill"]), flush=True)
-    report["ttft"] = measure_ttft(args.target, args.runs, args.notes, args.max_tokens, args.threads, args.server_args.split())
+    if not args.skip_ttft:
+        report["ttft"] = measure_ttft(args.target, args.runs, args.notes, args.max_tokens, args.threads, args.server_args.split())
     print(json.dumps(report, indent=1))
 
 

@@ -35,25 +35,23 @@ class PromptReader:
     few chunks at a time between decoding steps). A model with `prefill_chunk` None reads any number of
     tokens per pass.
 
-    prefix_cache: look the prompt up first (the hit is written into the cache, not computed), and store the
-    whole chunks computed here. taps (see `CausalLM.forward`): collect the tapped hidden states of every
+    prefix_cache: look the prompt up at the first `advance` (the hit is written into the cache, not computed),
+    and store the whole chunks computed here. taps (see `CausalLM.forward`): collect the tapped hidden states of every
     token read ([tokens, n * hidden] in `hidden`); no prefix cache then, since it keeps no hidden states."""
 
-    @torch.inference_mode()  # the cache's tensors are written in inference mode only, here as in `advance`
     def __init__(self, model: CausalLM, tokens: list[int], prefix_cache=None, taps: tuple[int, ...] | None = None):
         self.model, self.tokens, self.taps = model, list(tokens), taps
         self.prefix_cache = prefix_cache if taps is None else None
         self.cache = model.new_cache(1)
         self.hidden: list[torch.Tensor] = []
         self.seconds = 0.0  # time spent in the model's passes
-        started = time.perf_counter()
-        self.reused = self.prefix_cache.load(self.tokens, self.cache) if self.prefix_cache is not None and self.tokens else 0
-        self.seconds += time.perf_counter() - started
-        self.read = self.reused  # tokens in the cache
+        self.reused = 0  # tokens taken from the prefix cache
+        self.read = 0  # tokens in the cache
+        self._looked_up = self.prefix_cache is None or not self.tokens
 
     @property
     def done(self) -> bool:
-        return self.read >= len(self.tokens)
+        return self._looked_up and self.read >= len(self.tokens)
 
     @property
     def remaining(self) -> int:
@@ -64,7 +62,13 @@ class PromptReader:
         """Read at most `budget` more tokens: whole chunks while they fit (a model without chunks reads
         min(budget, remaining) tokens), and with `at_least_one` one chunk even past the budget, so a prompt
         always moves on. Returns the tokens read."""
-        started, begin = time.perf_counter(), self.read
+        started = time.perf_counter()
+        if not self._looked_up:
+            # at the first read, not before: a prompt queued behind the same prompt (n choices, a retry) finds
+            # the chunks the first one stored meanwhile
+            self._looked_up = True
+            self.reused = self.read = self.prefix_cache.load(self.tokens, self.cache)
+        begin = self.read
         chunk = self.model.prefill_chunk
         while not self.done:
             if chunk:

@@ -9,6 +9,8 @@ numerics="q8" they do not differ, and the cache reuses a first turn's answer too
 
 from __future__ import annotations
 
+import threading
+
 import httpx
 import openai
 import pytest
@@ -21,6 +23,7 @@ from verispec.server import ServerProcess
 from verispec.text import encode_chat
 
 MODEL = "smollm2-135m"
+CHUNK = 128  # its prefill chunk (`CausalLM.prefill_chunk`)
 SYSTEM = "You answer from these notes only.\n" + "\n".join(
     f"Note {i}: the {word} in room {i} weighs {i * 7 % 50 + 3} kilograms." for i, word in
     enumerate(["lamp", "chair", "clock", "vase", "crate", "drum", "kettle", "mirror"] * 8))
@@ -66,8 +69,8 @@ def client_of(process: ServerProcess) -> openai.OpenAI:
 
 @pytest.fixture(scope="module")
 def servers():
-    """The same server three times: the prefix cache on (the default), off, and starved (12 MiB: one 256-token
-    chunk of SmolLM2's keys and values, 11.25 MiB)."""
+    """The same server three times: the prefix cache on (the default), off, and starved (12 MiB: two 128-token
+    chunks of SmolLM2's keys and values, 5.6 MiB each)."""
     zoo.pull(MODEL)
     budgets = {"on": None, "off": "0", "starved": "12"}
     processes = {}
@@ -88,7 +91,7 @@ def servers():
 
 def test_turn_two_reuses_turn_ones_chunks_and_answers_as_without_the_cache(servers):
     processes, (plain, prompts) = servers
-    assert len(prompts[0]) > 600  # more than two whole 256-token chunks before turn 2 is even asked
+    assert len(prompts[0]) > 600  # several whole chunks before turn 2 is even asked
     on = processes["on"]
     assert conversation(client_of(on), MODEL) == plain
     assert conversation(client_of(processes["off"]), MODEL) == plain
@@ -96,8 +99,8 @@ def test_turn_two_reuses_turn_ones_chunks_and_answers_as_without_the_cache(serve
     hits, queries = m[f'verispec:prefix_cache_hits_total{{model_name="{MODEL}"}}'], m[f'verispec:prefix_cache_queries_total{{model_name="{MODEL}"}}']
     assert queries == len(prompts[0]) - 1 + len(prompts[1]) - 1
     # turn 2 found every whole chunk of turn 1's prompt (the tail chunk and the answer are read again)
-    assert hits == (len(prompts[0]) - 1) // 256 * 256 > 0
-    assert m["verispec_prefix_cache_bytes"] == m["verispec_prefix_cache_blocks"] * 256 * 30 * 3 * 64 * 4 * 2
+    assert hits == (len(prompts[0]) - 1) // CHUNK * CHUNK > 0
+    assert m["verispec_prefix_cache_bytes"] == m["verispec_prefix_cache_blocks"] * CHUNK * 30 * 3 * 64 * 4 * 2
     assert not any(name.startswith("verispec:prefix_cache") for name in metrics(processes["off"]))
     # the same conversation again: now turn 1 is a hit too, and nothing changes
     assert conversation(client_of(on), MODEL) == plain
@@ -115,6 +118,35 @@ def test_a_starved_cache_evicts_and_changes_nothing(servers):
     assert m[f'verispec:prefix_cache_hits_total{{model_name="{MODEL}"}}'] > 0
 
 
+def test_a_running_stream_keeps_flowing_while_a_4000_token_prompt_is_read(servers):
+    """The long prompt is read 512 tokens between two steps: the running stream gets a step after each, and
+    the long prompt's answer is plain decoding's (the cache is off on this server: all of it is read)."""
+    processes, _ = servers
+    client = client_of(processes["off"])
+    target = verispec.load(MODEL)
+    text = " ".join(f"Line {i}: the {['lamp', 'chair', 'clock', 'vase'][i % 4]} costs {i * 13 % 97} coins." for i in range(300))
+    ids = target.tokenizer(text)["input_ids"]
+    assert len(ids) > 4000
+    expected = verispec.generate(target, ids, drafter="none", max_new_tokens=8).text
+    stream = client.completions.create(model=MODEL, prompt="Count from one to one hundred: one, two,", max_tokens=200,
+                                       temperature=0, stream=True, extra_body={"speculate": False, "min_tokens": 200})
+    chunks = iter(stream)
+    next(chunks)  # the stream is decoding
+    answer: dict = {}
+    reader = threading.Thread(target=lambda: answer.update(
+        r=client.completions.create(model=MODEL, prompt=ids, max_tokens=8, temperature=0)))
+    reader.start()
+    during = 0  # the stream's deliveries while the long prompt is read and answered
+    for _ in chunks:
+        if not reader.is_alive():
+            break
+        during += 1
+    reader.join()
+    stream.close()
+    assert answer["r"].choices[0].text == expected
+    assert during >= 4000 // 512 - 1  # a step after every 512 tokens read (at once, the stream would wait)
+
+
 def kv(cache, begin: int, end: int):
     return cache.store.gather(0, torch.arange(begin, end))
 
@@ -127,26 +159,29 @@ def test_negative_controls_what_the_float32_cache_must_not_reuse():
     are the computation that stays the same."""
     torch.set_num_threads(1)
     target = verispec.load(MODEL)
-    assert target.prefill_chunk == 256
+    chunk = target.prefill_chunk
+    assert chunk == 128
     g = torch.Generator().manual_seed(0)
-    prompt = torch.randint(100, 20000, (300,), generator=g).tolist()
+    prompt = torch.randint(100, 20000, (2 * chunk + 44,), generator=g).tolist()
     answer = torch.randint(100, 20000, (20,), generator=g).tolist()
     chunked = PromptReader(target, prompt + answer)
     chunked.advance()
-    # one pass of 320 rows against chunks of 256 + 64
+    # one pass of 320 rows against chunks of 128, 128 and 64
     one_shot = target.new_cache(1)
     target.forward(torch.tensor([prompt + answer]), one_shot, last_only=True)
-    assert any(not torch.equal(a, b) for a, b in zip(kv(one_shot, 0, 256), kv(chunked.cache, 0, 256)))
+    assert any(not torch.equal(a, b) for a, b in zip(kv(one_shot, 0, chunk), kv(chunked.cache, 0, chunk)))
     # the answer's tokens written by 20 decode steps against the same tokens read in the tail chunk
     decoded = PromptReader(target, prompt)
     decoded.advance()
     for token in answer:
         target.forward(torch.tensor([[token]]), decoded.cache)
-    assert any(not torch.equal(a, b) for a, b in zip(kv(decoded.cache, 300, 320), kv(chunked.cache, 300, 320)))
-    # and what a hit does take, chunk [0, 256), is the bits a fresh read computes: the same pass
+    n = len(prompt)
+    assert any(not torch.equal(a, b) for a, b in zip(kv(decoded.cache, n, n + 20), kv(chunked.cache, n, n + 20)))
+    # and what a hit does take, chunk [0, C), is the bits a fresh read computes: the same pass
     again = PromptReader(target, prompt)
-    again.advance(256)
-    assert all(torch.equal(a, b) for a, b in zip(kv(again.cache, 0, 256), kv(chunked.cache, 0, 256)))
+    again.advance(chunk)
+    assert again.read == chunk
+    assert all(torch.equal(a, b) for a, b in zip(kv(again.cache, 0, chunk), kv(chunked.cache, 0, chunk)))
 
 
 Q8_MODEL = "qwen2.5-coder-1.5b"  # the 0.5B's file has a Q8_0 head, which numerics="q8" does not take

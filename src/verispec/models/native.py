@@ -60,9 +60,10 @@ CHUNKED_PREFILL_ROWS = 256
 # Prompt tokens per prefill chunk of the float32 model (`CausalLM.prefill_chunk`). Its big passes run on
 # PyTorch's GEMM or the blocked one, whose rounding of a row may change with the pass width, so a prompt is
 # always read in chunks at positions [0, C), [C, 2C), ... and a prefix cache reuses whole chunks only.
-# 256 measured within the noise of one-shot prefill on 2 cores (bench/reports/prefix_cache.md); smaller
-# chunks cost more (128: up to 2-3x), larger ones leave longer gaps between other streams' steps.
-PREFILL_CHUNK = 256
+# The finer the chunks, the more of a conversation's history a cache hit covers (it re-reads up to C - 1
+# tokens of the previous prompt's tail); on one thread, a 1024-token SmolLM2 prefill took 4.1 s in 128-token
+# chunks against 4.7 s at once and 5.2 s in 64-token chunks (bench/reports/prefix_cache.md).
+PREFILL_CHUNK = 128
 
 
 def _rope_type(config) -> str:

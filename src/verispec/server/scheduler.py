@@ -303,8 +303,9 @@ class Scheduler:
         for job, reader in self.reading:
             if budget > 0 and not reader.done:
                 try:
-                    budget -= reader.advance(budget, at_least_one=not moved)
-                    moved = True
+                    read = reader.advance(budget, at_least_one=not moved)
+                    budget -= read
+                    moved = moved or read > 0
                 except Exception:
                     log.exception("reading a prompt of %d tokens failed", len(reader.tokens))
                     self.step_failures += 1
