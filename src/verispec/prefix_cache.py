@@ -94,7 +94,7 @@ class PrefixCache:
             chain.append((parent, block))
         return chain
 
-    def lookup(self, tokens: list[int]) -> list[torch.Tensor | tuple]:
+    def lookup(self, tokens: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The stored keys and values of the longest stored prefix of `tokens`: a list of (keys, values)
         pieces [layers, kv_heads, n, head_dim] in position order (empty on a miss). Counts the query."""
         self.queries += len(tokens)
