@@ -23,7 +23,7 @@ from verispec.server import ServerProcess
 from verispec.text import encode_chat
 
 MODEL = "smollm2-135m"
-CHUNK = 128  # its prefill chunk (`CausalLM.prefill_chunk`)
+CHUNK = 256  # its prefill chunk (`CausalLM.prefill_chunk`)
 SYSTEM = "You answer from these notes only.\n" + "\n".join(
     f"Note {i}: the {word} in room {i} weighs {i * 7 % 50 + 3} kilograms." for i, word in
     enumerate(["lamp", "chair", "clock", "vase", "crate", "drum", "kettle", "mirror"] * 8))
@@ -69,8 +69,8 @@ def client_of(process: ServerProcess) -> openai.OpenAI:
 
 @pytest.fixture(scope="module")
 def servers():
-    """The same server three times: the prefix cache on (the default), off, and starved (12 MiB: two 128-token
-    chunks of SmolLM2's keys and values, 5.6 MiB each)."""
+    """The same server three times: the prefix cache on (the default), off, and starved (12 MiB: one 256-token
+    chunk of SmolLM2's keys and values, 11.25 MiB)."""
     zoo.pull(MODEL)
     budgets = {"on": None, "off": "0", "starved": "12"}
     processes = {}
@@ -160,13 +160,13 @@ def test_negative_controls_what_the_float32_cache_must_not_reuse():
     torch.set_num_threads(1)
     target = verispec.load(MODEL)
     chunk = target.prefill_chunk
-    assert chunk == 128
+    assert chunk == CHUNK
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(100, 20000, (2 * chunk + 44,), generator=g).tolist()
     answer = torch.randint(100, 20000, (20,), generator=g).tolist()
     chunked = PromptReader(target, prompt + answer)
     chunked.advance()
-    # one pass of 320 rows against chunks of 128, 128 and 64 (here the first chunk's rows agree; later ones do not)
+    # one pass of 2 C + 64 rows against chunks of C, C and 64 (the first chunk's rows may agree; later ones do not)
     one_shot = target.new_cache(1)
     target.forward(torch.tensor([prompt + answer]), one_shot, last_only=True)
     end = len(prompt) + len(answer)

@@ -61,9 +61,11 @@ CHUNKED_PREFILL_ROWS = 256
 # PyTorch's GEMM or the blocked one, whose rounding of a row may change with the pass width, so a prompt is
 # always read in chunks at positions [0, C), [C, 2C), ... and a prefix cache reuses whole chunks only.
 # The finer the chunks, the more of a conversation's history a cache hit covers (it re-reads up to C - 1
-# tokens of the previous prompt's tail); on one thread, a 1024-token SmolLM2 prefill took 4.1 s in 128-token
-# chunks against 4.7 s at once and 5.2 s in 64-token chunks (bench/reports/prefix_cache.md).
-PREFILL_CHUNK = 128
+# tokens of the previous prompt's tail), but the slower every prefill: on 2 threads of a quiet Zen 5, the
+# 1.5B target read 1024 tokens in 18.5 s in 256-token chunks, 16.9 s in 512s and 16.9 s at once (768 tokens:
+# 16.4 s in 128s, 13.3 s in 256s, 11.8 s at once), SmolLM2 1024 tokens in 2.17 / 1.88 / 1.85 s for 128 / 256 /
+# at once. 256 keeps the prefill within ~10% of one pass (bench/reports/prefix_cache.md).
+PREFILL_CHUNK = 256
 
 
 def _rope_type(config) -> str:
