@@ -67,6 +67,9 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
                    help="also time llama.cpp's plain decoding of the target's GGUF file, greedy, same prompts and threads "
                         "(build it with bench/peers/build_llama_cpp.sh; --peer-bin or VERISPEC_LLAMA_CPP to point elsewhere)")
     p.add_argument("--peer-bin", default=None, help="folder holding llama.cpp's llama-completion")
+    p.add_argument("--peer-draft", default=None,
+                   help="also time llama.cpp's own speculative decoding (llama-speculative-simple) with this draft GGUF "
+                        "(a zoo name or a .gguf file)")
     p.add_argument("--sweep", default="1,2,3,4,6,8", help="fixed draft lengths to measure against the formula ('' to skip)")
     p.add_argument("--sweep-prompts", type=int, default=3, help="prompts used for the draft-length sweep")
     p.add_argument("--widths", default="1,2,3,4,5,6,8,9,12,16", help="target forward widths for the verify cost curve")
@@ -195,6 +198,14 @@ def _time_peer(peer, gguf, tokenizer, ids: list[int], reference: list[int], m: "
     theirs = tokenizer.encode(run.text, add_special_tokens=False)
     m.stats["peer_agreeing_tokens"] = next((i for i, (a, b) in enumerate(zip(theirs, reference)) if a != b),
                                            min(len(theirs), len(reference)))
+    if args.peer_draft:
+        draft = Path(args.peer_draft) if args.peer_draft.endswith(".gguf") else zoo.gguf_path(args.peer_draft)
+        runs = [peer.speculative(gguf, draft, text, args.max_new_tokens, getattr(args, "threads", None) or torch.get_num_threads())
+                for _ in range(args.rounds)]
+        runs.sort(key=lambda r: r.seconds)
+        run = runs[(len(runs) - 1) // 2]
+        m.seconds["llama.cpp speculative"], m.tokens["llama.cpp speculative"] = run.seconds, run.new_tokens
+        m.stats["peer_speculative_accepted"] = [run.accepted, run.drafted]
 
 
 def _hf_generate(model, input_ids, max_new_tokens, eos_ids, pad_id, **extra):
@@ -274,7 +285,7 @@ def run_bench(args) -> dict:
             _time_peer(peer, peer_gguf, target.tokenizer, ids, base.token_ids, m, args)
         results.append(m)
         ratio = _speedups([m], "plain", "verispec")[0]  # tokens/s, as in the tables (sampled runs differ in length)
-        extra = "".join(f", {k} {m.seconds[k]:.1f}s" for k in ("hf", "hf_assisted", "hf_prompt_lookup", "llama.cpp") if k in m.seconds)
+        extra = "".join(f", {k} {m.seconds[k]:.1f}s" for k in ("hf", "hf_assisted", "hf_prompt_lookup", "llama.cpp", "llama.cpp speculative") if k in m.seconds)
         print(f"[bench] {i + 1}/{len(prompts)} {p.category}/{p.id}: plain {m.tokens['plain']} tokens in {m.seconds['plain']:.1f}s, "
               f"verispec {m.tokens['verispec']} in {m.seconds['verispec']:.1f}s ({ratio:.2f}x tokens/s, "
               f"{m.stats['mean_accepted_tokens']:.2f} tok/pass, identical={m.identical}){extra}", file=sys.stderr)
@@ -459,6 +470,7 @@ def summarize(results: list[Measurement], args, verify_ratio: dict[int, float]) 
             "verispec_vs_hf_prompt_lookup": _median(_speedups(ms, "hf_prompt_lookup", "verispec")),
             "speedup_vs_llama_cpp": _median(_speedups(ms, "llama.cpp", "verispec")),
             "plain_vs_llama_cpp": _median(_speedups(ms, "llama.cpp", "plain")),
+            "llama_cpp_speculative_vs_llama_cpp": _median(_speedups(ms, "llama.cpp", "llama.cpp speculative")),
             "mean_accepted_tokens": statistics.mean(m.stats["mean_accepted_tokens"] for m in ms),
             "acceptance_rate": statistics.mean(m.stats["acceptance_rate"] for m in ms),
             "acceptance_by_position": [statistics.mean(a[i] for a in accepted_pos if len(a) > i) for i in range(depth)],
@@ -547,11 +559,12 @@ def write_reports(report: dict, results: list[Measurement], args) -> None:
         extra += (f"\nThe draft model's prompt prefill could not pay for itself on {len(gave_way)} prompt(s), which drafted by "
                   f"prompt lookup instead: {', '.join(gave_way)}.\n")
     if any(r.get("speedup_vs_llama_cpp") for r in report["categories"].values()):
-        extra += ("\n| category | verispec vs llama.cpp plain | verispec plain vs llama.cpp plain | leading tokens equal to llama.cpp's |\n"
-                  "| --- | --- | --- | --- |\n")
+        extra += ("\n| category | verispec vs llama.cpp plain | verispec plain vs llama.cpp plain | llama.cpp speculative vs llama.cpp plain | leading tokens equal to llama.cpp's |\n"
+                  "| --- | --- | --- | --- | --- |\n")
         for cat, r in report["categories"].items():
             agree = [p["stats"].get("peer_agreeing_tokens") for p in report["prompts"] if cat in ("overall", p["category"])]
             extra += (f"| {cat} | {_fmt(r.get('speedup_vs_llama_cpp'))} | {_fmt(r.get('plain_vs_llama_cpp'))} | "
+                      f"{_fmt(r.get('llama_cpp_speculative_vs_llama_cpp'))} | "
                       f"median {_median([a for a in agree if a is not None])} |\n")
     if report.get("sweep", {}).get("measured"):
         sw = report["sweep"]

@@ -23,6 +23,10 @@ BUILD_HINT = "build it with `bash bench/peers/build_llama_cpp.sh` (~10 min) or p
 
 _PROMPT = re.compile(r"prompt eval time =\s*([\d.]+) ms /\s*(\d+) tokens")
 _EVAL = re.compile(r"\beval time =\s*([\d.]+) ms /\s*(\d+) runs")
+_ENCODED = re.compile(r"encoded\s+(\d+) tokens in\s+([\d.]+) seconds")  # llama-speculative-simple
+_DECODED = re.compile(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds")
+_DRAFTED = re.compile(r"n_drafted\s*=\s*(\d+)")
+_ACCEPTED = re.compile(r"n_accept\s*=\s*(\d+)")
 
 
 @dataclass
@@ -34,6 +38,8 @@ class PeerRun:
     new_tokens: int
     prompt_seconds: float
     decode_seconds: float
+    drafted: int = 0  # speculative runs: draft tokens proposed and accepted
+    accepted: int = 0
 
     @property
     def seconds(self) -> float:
@@ -55,6 +61,7 @@ class LlamaCpp:
     def __init__(self, bin_dir: str | os.PathLike | None = None):
         where = Path(bin_dir or os.environ.get("VERISPEC_LLAMA_CPP") or default_bin_dir())
         self.binary = where / "llama-completion"
+        self.speculative_binary = where / "llama-speculative-simple"
         if not self.binary.is_file():
             found = shutil.which("llama-completion")
             if bin_dir is None and found:
@@ -82,3 +89,26 @@ class LlamaCpp:
         # eval runs: every generated token after the first, which the prompt's pass samples
         return PeerRun(text=done.stdout, prompt_tokens=int(prompt_match.group(2)), new_tokens=runs + 1,
                        prompt_seconds=float(prompt_match.group(1)) / 1000, decode_seconds=float(eval_match.group(1)) / 1000)
+
+    def speculative(self, gguf: str | os.PathLike, draft_gguf: str | os.PathLike, prompt: str, max_new_tokens: int,
+                    threads: int, draft_max: int = 16, timeout: float = 600.0) -> PeerRun:
+        """Greedy speculative completion by llama.cpp's `llama-speculative-simple`: `draft_gguf` drafts up to
+        `draft_max` tokens a step for `gguf` (llama.cpp's own draft-model speculation, its defaults otherwise)."""
+        if not self.speculative_binary.is_file():
+            raise VerispecError(f"llama.cpp's llama-speculative-simple is not at {self.speculative_binary.parent}: {BUILD_HINT}")
+        done = subprocess.run(
+            [str(self.speculative_binary), "-m", str(gguf), "-md", str(draft_gguf), "--spec-type", "draft-simple", "-p", prompt, "--no-escape",
+             "-n", str(max_new_tokens), "-t", str(threads), "-tb", str(threads), "-td", str(threads),
+             "--temp", "0", "--top-k", "1", "-c", "4096", "--spec-draft-n-max", str(draft_max), "--seed", "0"],
+            capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+        if done.returncode != 0:
+            tail = "\n".join(done.stderr.strip().splitlines()[-5:])
+            raise VerispecError(f"llama-speculative-simple failed (exit {done.returncode}): {tail}")
+        log = done.stderr + done.stdout
+        encoded, decoded = _ENCODED.search(log), _DECODED.search(log)
+        if not (encoded and decoded):
+            raise VerispecError("llama-speculative-simple printed no timings (an unexpected llama.cpp version?)")
+        drafted, accepted = _DRAFTED.search(log), _ACCEPTED.search(log)
+        return PeerRun(text=done.stdout, prompt_tokens=int(encoded.group(1)), new_tokens=int(decoded.group(1)),
+                       prompt_seconds=float(encoded.group(2)), decode_seconds=float(decoded.group(2)),
+                       drafted=int(drafted.group(1)) if drafted else 0, accepted=int(accepted.group(1)) if accepted else 0)

@@ -61,3 +61,12 @@ def test_llama_cpp_reads_the_same_prompt_and_agrees_with_q8(peer):
     torch.set_num_threads(2)
     agreeing = _agreeing(peer, verispec.load(Q8_MODEL, numerics="q8"), Q8_MODEL)
     assert max(agreeing) >= 16, agreeing
+
+
+def test_llama_cpp_speculative_runs_and_reports_its_acceptance(peer):
+    """llama.cpp's own speculation (llama-speculative-simple), the file drafting for itself: every draft is
+    accepted, and the timings are read."""
+    gguf = zoo.gguf_path("smollm2-135m")
+    run = peer.speculative(gguf, gguf, PROMPTS[0], max_new_tokens=24, threads=2)
+    assert run.prompt_tokens > 0 and run.new_tokens >= 24 and run.seconds > 0
+    assert run.drafted > 0 and run.accepted == run.drafted
