@@ -1,7 +1,7 @@
 """Prefill in aligned chunks and the prefix cache: a hit, a pause between chunks or a batch mate changes no bit.
 
 Tiny native models with small chunks (`native.PREFILL_CHUNK` patched to 16), so every claim is checked
-offline on the same code paths a real model takes; `integration/test_prefix_cache.py` repeats the
+offline on the same code paths a real model takes; `integration/test_prefix_cache_server.py` repeats the
 important ones on real models through the server, with the negative controls that show what would differ.
 """
 
