@@ -26,7 +26,7 @@ from verispec.grammar import Constraint, Grammar, mask_logits
 from verispec.models.base import CausalLM
 from verispec.options import DraftLen
 from verispec.policy import DraftPolicy, make_policy, start_pays
-from verispec.prefill import PromptReader, joined
+from verispec.prefill import PromptReader, joined, read_once
 from verispec.prefix_cache import PrefixCache
 from verispec.sampling import SamplingParams, TokenLogprob, make_generator, process_logits, token_logprobs
 from verispec.stats import AlternateOutcome, SpecStats, StepRecord
@@ -158,9 +158,7 @@ class DecodeBatch:
             self.check(request)
         taps = self.drafter.target_taps  # a drafter that reads the target's hidden states
         if readers is None:
-            readers = [PromptReader(self.target, r.prompt[:-1], taps=taps) for r in requests]
-            for reader in readers:
-                reader.advance()
+            readers = read_once(self.target, [r.prompt[:-1] for r in requests], taps=taps)
         if any(not reader.done or reader.tokens != list(r.prompt[:-1]) for reader, r in zip(readers, requests)):
             raise ValueError("each reader must have read its request's prompt but the last token")
         started = time.perf_counter()
@@ -169,7 +167,7 @@ class DecodeBatch:
             prefilled, hidden = prefilled
         self.cache.concat(prefilled)
         # the target's prefill: the readers' passes (perhaps spread over earlier steps) and joining the batch
-        reading = sum(reader.seconds for reader in readers)
+        reading = sum(reader.seconds for reader in {id(reader): reader for reader in readers}.values())  # each read once
         target_seconds = reading + time.perf_counter() - started
         tokens = sum(len(r.prompt) - 1 for r in requests)  # what both prefills process
         if self.fallback is not None:

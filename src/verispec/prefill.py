@@ -107,17 +107,36 @@ def prefill(model: CausalLM, contexts: list[list[int]], taps: tuple[int, ...] | 
 
     taps (see `CausalLM.forward`): return (cache, hidden) instead, hidden[b] [len(contexts[b]), n * H] the
     tapped hidden states of context b's tokens, for a drafter that reads them (`drafters.eagle3`)."""
-    readers = [PromptReader(model, context, prefix_cache, taps) for context in contexts]
-    for reader in readers:
-        reader.advance()
+    readers = read_once(model, contexts, taps=taps, prefix_cache=prefix_cache)
     return joined(model, readers, taps is not None)
 
 
+def read_once(model: CausalLM, contexts: list[list[int]], taps: tuple[int, ...] | None = None,
+              prefix_cache=None) -> list[PromptReader]:
+    """A done `PromptReader` per context, the same reader for equal contexts: n samples of one prompt (a
+    request's `n`, a statistical test's thousands of seeded rows) read it once, and `joined` copies its
+    row. A reader's numbers depend on its own tokens only, so sharing one is the same as reading again."""
+    distinct: dict[tuple[int, ...], PromptReader] = {}
+    readers = []
+    for context in contexts:
+        key = tuple(context)
+        if key not in distinct:
+            distinct[key] = PromptReader(model, context, prefix_cache, taps)
+            distinct[key].advance()
+        readers.append(distinct[key])
+    return readers
+
+
 def joined(model: CausalLM, readers: list[PromptReader], with_hidden: bool = False):
-    """The readers' one-row caches as one cache, in order (and their tapped hidden states, with_hidden)."""
+    """The readers' one-row caches as one cache, in order (and their tapped hidden states, with_hidden). A
+    reader given several times (`read_once`) is joined once and its row copied."""
+    distinct: dict[int, int] = {}
+    order = [distinct.setdefault(id(reader), len(distinct)) for reader in readers]
     cache = model.new_cache(0)
-    for reader in readers:
+    for reader in {id(reader): reader for reader in readers}.values():  # first appearances, in order
         cache.concat(reader.cache)
+    if len(distinct) < len(readers):
+        cache.select(order)
     if not with_hidden:
         return cache
     return cache, [torch.cat(r.hidden) if r.hidden else torch.zeros(0, 0) for r in readers]

@@ -225,3 +225,21 @@ def test_a_granular_model_keeps_what_its_rows_decoded(model, monkeypatch):
         scheduler.stop()
     # the first turn's prompt and all of its answer but the last token (never fed back) were found
     assert cache.hits == len(first) + len(answer) - 1
+
+
+def test_equal_prompts_are_read_once_and_their_rows_copied(model):
+    """n rows of one prompt (a request's n, a statistical test's seeded samples) are read once: the batch's
+    rows are bitwise the rows of prompts read one by one, and in the callers' order."""
+    from verispec.prefill import joined, read_once
+
+    a, b = tokens(2 * CHUNK + 5, seed=1), tokens(7, seed=2)
+    readers = read_once(model, [a, b, a, a, b])
+    assert readers[0] is readers[2] is readers[3] and readers[1] is readers[4] and readers[0] is not readers[1]
+    shared = joined(model, readers)
+    alone = joined(model, [read_once(model, [c])[0] for c in (a, b, a, a, b)])
+    assert shared.batch_size == 5
+    for row in range(5):
+        length = len((a, b, a, a, b)[row])
+        slots = torch.arange(length)
+        for mine, theirs in zip(shared.store.gather(row, slots), alone.store.gather(row, slots)):
+            assert torch.equal(mine, theirs)
