@@ -10,9 +10,8 @@ measured) with greedy decoding; every output must equal plain decoding's, and th
 The server's /metrics split each run's worker time by phase (prefill, draft, target pass, verify,
 other) and count target passes by width. Writes a Markdown table and JSON to bench/reports/.
 
-Defaults: smollm2-135m with n-gram drafting. SmolLM2 has no smaller sibling to draft for it, and a
-model drafting for itself costs as much per token as the target, so n-gram lookup is the drafter
-that can pay on a CPU. For the Qwen pair: --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b.
+Defaults: smollm2-135m with the server's `auto` drafter: SmolLM2 has no smaller sibling to draft for
+it, so that is its own int4 copy drafting on its cache (n-gram lookup with `--drafter ngram`). For the Qwen pair: --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b.
 
     python bench/serve_bench.py                      # smollm2-135m, n-gram, concurrency 1 4 16, 3 rounds
     python bench/serve_bench.py --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b
@@ -283,8 +282,10 @@ def earlier_levels(path: Path, config: dict) -> list[dict]:
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     prompts = read_prompts(args.prompts, args.num_prompts)
-    drafter = args.drafter if args.drafter != "auto" else ("model" if args.draft else "ngram")
-    description = f"draft {args.draft}" if drafter == "model" else f"{drafter} drafting"
+    drafter = args.drafter if args.drafter != "auto" or args.draft is None else "model"
+    # the server resolves "auto" without a draft model itself: the target's int4 copy where it can have one, else n-gram
+    description = (f"draft {args.draft}" if drafter == "model" else
+                   "auto drafting: the target's int4 copy where it can have one, else n-gram" if drafter == "auto" else f"{drafter} drafting")
     config = {
         "target": args.target, "draft": args.draft, "drafter": drafter, "drafter_description": description,
         "draft_len": args.draft_len, "max_tokens": args.max_tokens, "max_batch": args.max_batch, "rounds": args.rounds,
