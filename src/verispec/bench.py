@@ -157,13 +157,15 @@ def _paired_runs(plain, speculative, rounds: int):
             _median([out.stats.prefill_seconds for out, _ in plains]))
 
 
-def _fresh_suffix_index(target, args) -> None:
-    """drafter="suffix" drafts from earlier calls' outputs: each timed run starts with none, or a prompt's later
-    rounds would draft their answer from its first (bench/suffix_repeat.py measures that memory on purpose)."""
-    if args.drafter == "suffix":
-        from verispec.api import suffix_index
+def _speculative_run(target, ids: list[int], spec_options: dict, args):
+    """One timed speculative call. drafter="suffix" drafts from earlier calls' outputs: each run starts with
+    none, or a prompt's later rounds would draft their answer from its first (bench/suffix_repeat.py
+    measures that memory on purpose)."""
+    from verispec.api import generate, suffix_index
 
+    if args.drafter == "suffix":
         suffix_index(target).clear()
+    return generate(target, ids, **spec_options)
 
 
 def _peer(args):
@@ -183,14 +185,18 @@ def _peer(args):
     return LlamaCpp(args.peer_bin), gguf
 
 
+def _median_run(runs):
+    """The run of median time (the lower middle of an even count), as _paired_runs picks a speculative round."""
+    return sorted(runs, key=lambda run: run.seconds)[(len(runs) - 1) // 2]
+
+
 def _time_peer(peer, gguf, tokenizer, ids: list[int], reference: list[int], m: "Measurement", args) -> None:
     """The peer's median time over `args.rounds` runs of the prompt, and how many leading tokens of its text
     agree with verispec's plain decoding (llama.cpp's own numerics differ in the last bits from every verispec
     mode, so its greedy text may part from verispec's where two tokens are nearly tied)."""
     text = tokenizer.decode(ids, skip_special_tokens=False)
-    runs = [peer.complete(gguf, text, args.max_new_tokens, getattr(args, "threads", None) or torch.get_num_threads()) for _ in range(args.rounds)]
-    runs.sort(key=lambda r: r.seconds)
-    run = runs[(len(runs) - 1) // 2]
+    threads = getattr(args, "threads", None) or torch.get_num_threads()
+    run = _median_run([peer.complete(gguf, text, args.max_new_tokens, threads) for _ in range(args.rounds)])
     m.seconds[peer.name], m.tokens[peer.name] = run.seconds, run.new_tokens
     m.stats["peer_prompt_tokens"] = run.prompt_tokens
     m.stats["peer_read_the_same_prompt"] = run.prompt_tokens == len(ids)
@@ -200,10 +206,7 @@ def _time_peer(peer, gguf, tokenizer, ids: list[int], reference: list[int], m: "
                                            min(len(theirs), len(reference)))
     if args.peer_draft:
         draft = Path(args.peer_draft) if args.peer_draft.endswith(".gguf") else zoo.gguf_path(args.peer_draft)
-        runs = [peer.speculative(gguf, draft, text, args.max_new_tokens, getattr(args, "threads", None) or torch.get_num_threads())
-                for _ in range(args.rounds)]
-        runs.sort(key=lambda r: r.seconds)
-        run = runs[(len(runs) - 1) // 2]
+        run = _median_run([peer.speculative(gguf, draft, text, args.max_new_tokens, threads) for _ in range(args.rounds)])
         m.seconds["llama.cpp speculative"], m.tokens["llama.cpp speculative"] = run.seconds, run.new_tokens
         m.stats["peer_speculative_accepted"] = [run.accepted, run.drafted]
 
@@ -268,7 +271,7 @@ def run_bench(args) -> dict:
         m = Measurement(p)
         base, spec, m.seconds["plain"], m.seconds["verispec"], m.prefill_seconds = _paired_runs(
             lambda: verispec.generate(target, ids, drafter="none", **common),
-            lambda: _fresh_suffix_index(target, args) or verispec.generate(target, ids, **spec_options), args.rounds)
+            lambda: _speculative_run(target, ids, spec_options, args), args.rounds)
         m.tokens["plain"], m.tokens["verispec"] = len(base.token_ids), len(spec.token_ids)
         # a coupled sample is plain sampling's sample for the seed: comparable token by token like greedy
         m.identical = None if sampled and not args.coupled else base.token_ids == spec.token_ids
@@ -497,7 +500,7 @@ def target_matrices(model) -> str:
     from verispec.models import kernels
 
     if getattr(model, "numerics", "float32") == "q8":
-        return "the GGUF's own Q4_K/Q6_K blocks with llama.cpp's numerics (numerics=q8)"
+        return "the GGUF's own k-quant blocks with llama.cpp's numerics (numerics=q8)"
     if not getattr(model, "layers", None):
         return "float32 matrices"
     matrices = model.matrices()

@@ -47,6 +47,15 @@ class PeerRun:
         return self.prompt_seconds + self.decode_seconds
 
 
+def _run(binary: Path, args: list[str], timeout: float) -> subprocess.CompletedProcess:
+    """Run one of llama.cpp's tools to the end; a failure is a VerispecError quoting the end of its log."""
+    done = subprocess.run([str(binary), *args], capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+    if done.returncode != 0:
+        tail = "\n".join(done.stderr.strip().splitlines()[-5:])
+        raise VerispecError(f"{binary.name} failed (exit {done.returncode}): {tail}")
+    return done
+
+
 def default_bin_dir() -> Path:
     home = Path(os.environ.get("VERISPEC_HOME") or Path.home() / ".cache" / "verispec")
     return home / "peers" / "llama.cpp" / "build" / "bin"
@@ -74,14 +83,9 @@ class LlamaCpp:
         """Greedy completion of `prompt` (text) by the GGUF file, `threads` threads, at most `max_new_tokens`
         new tokens (fewer at an end-of-generation token, as verispec stops)."""
         # -p with --no-escape: the prompt as it is (-f drops a final newline, escapes are processed by default)
-        done = subprocess.run(
-            [str(self.binary), "-m", str(gguf), "-p", prompt, "--no-escape", "-n", str(max_new_tokens), "-t", str(threads),
-             "-tb", str(threads), "--temp", "0", "--top-k", "1", "-no-cnv", "--no-display-prompt", "-c", "4096",
-             "--seed", "0"],
-            capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
-        if done.returncode != 0:
-            tail = "\n".join(done.stderr.strip().splitlines()[-5:])
-            raise VerispecError(f"llama-completion failed (exit {done.returncode}): {tail}")
+        done = _run(self.binary, ["-m", str(gguf), "-p", prompt, "--no-escape", "-n", str(max_new_tokens), "-t", str(threads),
+                                  "-tb", str(threads), "--temp", "0", "--top-k", "1", "-no-cnv", "--no-display-prompt",
+                                  "-c", "4096", "--seed", "0"], timeout)
         prompt_match, eval_match = _PROMPT.search(done.stderr), _EVAL.search(done.stderr)
         if not (prompt_match and eval_match):
             raise VerispecError("llama-completion printed no timings (an unexpected llama.cpp version?)")
@@ -96,14 +100,10 @@ class LlamaCpp:
         `draft_max` tokens a step for `gguf` (llama.cpp's own draft-model speculation, its defaults otherwise)."""
         if not self.speculative_binary.is_file():
             raise VerispecError(f"llama.cpp's llama-speculative-simple is not at {self.speculative_binary.parent}: {BUILD_HINT}")
-        done = subprocess.run(
-            [str(self.speculative_binary), "-m", str(gguf), "-md", str(draft_gguf), "--spec-type", "draft-simple", "-p", prompt, "--no-escape",
-             "-n", str(max_new_tokens), "-t", str(threads), "-tb", str(threads), "-td", str(threads),
-             "--temp", "0", "--top-k", "1", "-c", "4096", "--spec-draft-n-max", str(draft_max), "--seed", "0"],
-            capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
-        if done.returncode != 0:
-            tail = "\n".join(done.stderr.strip().splitlines()[-5:])
-            raise VerispecError(f"llama-speculative-simple failed (exit {done.returncode}): {tail}")
+        done = _run(self.speculative_binary,
+                    ["-m", str(gguf), "-md", str(draft_gguf), "--spec-type", "draft-simple", "-p", prompt, "--no-escape",
+                     "-n", str(max_new_tokens), "-t", str(threads), "-tb", str(threads), "-td", str(threads),
+                     "--temp", "0", "--top-k", "1", "-c", "4096", "--spec-draft-n-max", str(draft_max), "--seed", "0"], timeout)
         log = done.stderr + done.stdout
         encoded, decoded = _ENCODED.search(log), _DECODED.search(log)
         if not (encoded and decoded):

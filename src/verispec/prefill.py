@@ -130,13 +130,13 @@ def read_once(model: CausalLM, contexts: list[list[int]], taps: tuple[int, ...] 
 def joined(model: CausalLM, readers: list[PromptReader], with_hidden: bool = False):
     """The readers' one-row caches as one cache, in order (and their tapped hidden states, with_hidden). A
     reader given several times (`read_once`) is joined once and its row copied."""
-    distinct: dict[int, int] = {}
-    order = [distinct.setdefault(id(reader), len(distinct)) for reader in readers]
+    distinct = list({id(reader): reader for reader in readers}.values())  # first appearances, in order
     cache = model.new_cache(0)
-    for reader in {id(reader): reader for reader in readers}.values():  # first appearances, in order
+    for reader in distinct:
         cache.concat(reader.cache)
     if len(distinct) < len(readers):
-        cache.select(order)
+        position = {id(reader): i for i, reader in enumerate(distinct)}
+        cache.select([position[id(reader)] for reader in readers])
     if not with_hidden:
         return cache
     return cache, [torch.cat(r.hidden) if r.hidden else torch.zeros(0, 0) for r in readers]

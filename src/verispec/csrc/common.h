@@ -37,6 +37,12 @@
 #define Q5G_BYTES 2880 /* Q5_K: Q4_K's 2368 bytes, then 32x16 bytes of fifth bits (kquant_q8_pack.c) */
 #define Q6G_BYTES 3360 /* 16 columns' Q6_K blocks repacked: 16 d (f16), 8x16x2 scales, 32x64 nibbles, 16x64 high bits */
 
+/* Bytes of one repacked block group of a ggml k-quant type (GGML_Q4_K, GGML_Q5_K, GGML_Q6_K). */
+static inline int64_t q8_group_bytes(int kind)
+{
+    return kind == GGML_Q6_K ? Q6G_BYTES : kind == GGML_Q5_K ? Q5G_BYTES : Q4G_BYTES;
+}
+
 /* ======== the thread pool (pool.c) ======== */
 typedef void (*range_fn)(const void *job, int64_t begin, int64_t end);
 /* fn(job, begin, end) over [0, total) in chunks of `grain`, on up to `threads` threads (caller included). */

@@ -450,7 +450,7 @@ void KQ(q8_range)(const void *arg, int64_t begin, int64_t end)
     const int64_t blocks = job->K / QK_K, N = job->N;
     const int kind = job->kind;
     const tile_fn *tiles = kind == GGML_Q6_K ? q6k_tiles : kind == GGML_Q5_K ? q5k_tiles : q4k_tiles;
-    const int64_t size = kind == GGML_Q6_K ? Q6G_BYTES : kind == GGML_Q5_K ? Q5G_BYTES : Q4G_BYTES;
+    const int64_t size = q8_group_bytes(kind);
     for (int64_t g = begin; g < end; g++) {
         const uint8_t *group = job->w + g * blocks * size;
         const int64_t n0 = g * Q8G, cols = N - n0 < Q8G ? N - n0 : Q8G;

@@ -110,7 +110,7 @@ static void repack_range(const void *arg, int64_t begin, int64_t end)
     const repack_job *job = arg;
     const int64_t blocks = job->K / QK_K;
     const int kind = job->kind;
-    const int64_t size = kind == GGML_Q6_K ? Q6G_BYTES : kind == GGML_Q5_K ? Q5G_BYTES : Q4G_BYTES;
+    const int64_t size = q8_group_bytes(kind);
     const int64_t bytes = kind == GGML_Q6_K ? Q6K_BYTES : kind == GGML_Q5_K ? Q5K_BYTES : Q4K_BYTES, row = blocks * bytes;
     void (*pack)(const uint8_t *, uint8_t *, int) = kind == GGML_Q6_K ? pack_q6k : kind == GGML_Q5_K ? pack_q5k : pack_q4k;
     for (int64_t g = begin; g < end; g++)
