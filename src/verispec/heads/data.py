@@ -6,7 +6,8 @@ What text. This machine has no internet beyond PyPI, so the data is what ships w
   together, read in a fixed order. It is what a coding target writes, it is plentiful (hundreds of MB),
   and it overlaps none of the benchmark prompts, so acceptance measured on them is not inflated;
 - files given with `--data`: `.jsonl` prompt sets (`prompt`, `turns` or `text` fields: e.g. the dev halves
-  of Spec-Bench and HumanEval in ../shared/data), or plain text / source files, or directories of them.
+  of Spec-Bench and HumanEval in ../shared/data; `turns` are read through the chat template, as the bench
+  and the server read instructions), or plain text / source files, or directories of them.
   Training on the prompts one later benchmarks overstates acceptance there; the extraction says so;
 - self-distillation (`self_distill=True`, for prompt sets): the target's own greedy answers to the
   prompts are appended to them, so the head learns what the target says rather than what a human wrote
@@ -52,6 +53,7 @@ class FeatureSpec:
     sources: tuple[str, ...] = ("site-packages",)
     self_distill: bool = False
     max_new_tokens: int = 192  # per prompt, when self-distilling
+    numerics: str = "float32"  # the target's (CausalLM.numerics): a q8 target's features are its own
 
     def to_json(self) -> dict:
         data = asdict(self)
@@ -72,7 +74,12 @@ def site_packages_files() -> list[Path]:
     return files
 
 
-def _prompt_texts(path: Path) -> list[str]:
+TEXT, CODE_PROMPT, CHAT_PROMPT = "text", "code", "chat"  # what a document is, for how it is tokenized
+
+
+def _prompt_texts(path: Path) -> list[tuple[str, str]]:
+    """(text, kind) of a .jsonl prompt set: `turns` are instructions (read through the chat template, as
+    the bench and the server read them), `prompt` / `text` are text to continue."""
     texts = []
     for line in path.read_text().splitlines():
         if not line.strip():
@@ -80,19 +87,19 @@ def _prompt_texts(path: Path) -> list[str]:
         row = json.loads(line)
         for key in ("prompt", "text"):
             if isinstance(row.get(key), str):
-                texts.append(row[key])
-        texts.extend(t for t in row.get("turns", []) if isinstance(t, str))
+                texts.append((row[key], CODE_PROMPT))
+        texts.extend((t, CHAT_PROMPT) for t in row.get("turns", []) if isinstance(t, str))
     return texts
 
 
-def documents(sources: tuple[str, ...]) -> Iterator[tuple[str, bool]]:
-    """(text, is_prompt) for each document of the sources, in a fixed order. A source is "site-packages",
-    a .jsonl prompt file, a text file, or a directory of them."""
+def documents(sources: tuple[str, ...]) -> Iterator[tuple[str, str]]:
+    """(text, kind) for each document of the sources, in a fixed order. A source is "site-packages", a
+    .jsonl prompt file, a text file, or a directory of them; kind is TEXT, CODE_PROMPT or CHAT_PROMPT."""
     for source in sources:
         if source == "site-packages":
             for path in site_packages_files():
                 try:
-                    yield path.read_text(errors="ignore"), False
+                    yield path.read_text(errors="ignore"), TEXT
                 except OSError:
                     continue
             continue
@@ -104,36 +111,63 @@ def documents(sources: tuple[str, ...]) -> Iterator[tuple[str, bool]]:
             if not file.is_file():
                 continue
             if file.suffix == ".jsonl":
-                yield from ((text, True) for text in _prompt_texts(file))
+                yield from _prompt_texts(file)
             else:
-                yield file.read_text(errors="ignore"), False
+                yield file.read_text(errors="ignore"), TEXT
 
 
 def token_sequences(target, spec: FeatureSpec) -> Iterator[list[int]]:
     """The token stream of the sources cut into sequences of spec.seq_len tokens (documents joined by
     EOS; a prompt followed by the target's greedy answer when self-distilling)."""
+    from verispec.text import encode_prompt
+
     tokenizer = target.tokenizer
     if tokenizer is None:
         raise VerispecError(f"{target.name} has no tokenizer: feature extraction needs one to read text")
     separator = [min(target.eos_token_ids)] if target.eos_token_ids else []
     buffer: list[int] = []
-    for text, is_prompt in documents(spec.sources):
-        ids = tokenizer.encode(text, add_special_tokens=False)
-        if is_prompt and spec.self_distill and ids:
-            ids = ids + _greedy_answer(target, ids, spec.max_new_tokens)
-        buffer.extend(ids + separator)
+    prompts: list[list[int]] = []  # waiting to be answered together
+
+    def flush() -> Iterator[list[int]]:
+        nonlocal buffer
+        answers = _greedy_answers(target, prompts, spec.max_new_tokens) if prompts else []
+        for ids, answer in zip(prompts, answers):
+            buffer.extend(ids + answer + separator)
+        prompts.clear()
         while len(buffer) >= spec.seq_len:
             yield buffer[: spec.seq_len]
             buffer = buffer[spec.seq_len :]
 
+    for text, kind in documents(spec.sources):
+        if kind == CHAT_PROMPT and getattr(tokenizer, "chat_template", None):
+            ids = encode_prompt(tokenizer, text, chat=True)
+        else:
+            ids = tokenizer.encode(text, add_special_tokens=False)
+        if kind != TEXT and spec.self_distill and ids:
+            prompts.append(ids[-(target.max_context - spec.max_new_tokens - 1):])
+            if len(prompts) < ANSWER_BATCH:
+                continue
+        else:
+            buffer.extend(ids + separator)
+        yield from flush()
+    yield from flush()
 
-def _greedy_answer(target, prompt: list[int], max_new_tokens: int) -> list[int]:
-    from verispec.engine import Request, SpeculativeEngine
+
+ANSWER_BATCH = 8  # prompts answered in one batch when self-distilling: a CPU pass of 8 rows costs < 2 of one
+
+
+def _greedy_answers(target, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """The target's greedy answers to prompts, decoded together in one batch (each row is exactly what
+    it would be alone: the engine's rows are independent)."""
     from verispec.drafters import NoDrafter
+    from verispec.engine import Request, SpeculativeEngine
 
     engine = SpeculativeEngine(target, NoDrafter)  # plain greedy decoding: the target's own tokens
-    prompt = prompt[-(target.max_context - max_new_tokens - 1):]
-    return [t for event in engine.stream([Request(prompt, max_new_tokens=max_new_tokens)]) for t in event.tokens]
+    answers: list[list[int]] = [[] for _ in prompts]
+    requests = [Request(p, max_new_tokens=max_new_tokens, id=i) for i, p in enumerate(prompts)]
+    for event in engine.stream(requests):
+        answers[event.request_id].extend(event.tokens)
+    return answers
 
 
 @torch.inference_mode()

@@ -63,13 +63,16 @@ class Eagle3Config:
     extra: dict = field(default_factory=dict)  # training facts kept with the head (tokens seen, ...)
 
     @classmethod
-    def for_target(cls, target, draft_vocab_size: int, taps: tuple[int, ...] | None = None) -> "Eagle3Config":
-        """The head of `target` (a verispec CausalLM with a transformers `config`): its sizes, rope and eps."""
+    def for_target(cls, target, draft_vocab_size: int, taps: tuple[int, ...] | None = None,
+                   intermediate_size: int | None = None) -> "Eagle3Config":
+        """The head of `target` (a verispec CausalLM with a transformers `config`): its sizes, rope and eps.
+        intermediate_size: the head's MLP width (default: the target's); a narrower one trains faster and
+        drafts cheaper, which matters more on a CPU than the last point of acceptance."""
         config = target.config
         layers = int(config.num_hidden_layers)
         heads = int(config.num_attention_heads)
         return cls(
-            hidden_size=int(config.hidden_size), intermediate_size=int(config.intermediate_size),
+            hidden_size=int(config.hidden_size), intermediate_size=int(intermediate_size or config.intermediate_size),
             num_attention_heads=heads, num_key_value_heads=int(getattr(config, "num_key_value_heads", None) or heads),
             head_dim=int(getattr(config, "head_dim", None) or config.hidden_size // heads),
             vocab_size=int(target.vocab_size), draft_vocab_size=int(draft_vocab_size),
@@ -214,14 +217,21 @@ class Eagle3Head(nn.Module):
         """[V] long: the target id of each draft id."""
         return torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t
 
-    def bind(self, embedding: torch.Tensor) -> "Eagle3Head":
-        """Use the target's token embedding [vocab, H] (shared, not copied). Returns self."""
+    def bind(self, embedding) -> "Eagle3Head":
+        """Use the target's token embedding [vocab, H] (shared, not copied): a float tensor, or a quantized
+        table whose `rows(ids)` dequantizes the rows looked up (a GGUF target's). Returns self."""
         if tuple(embedding.shape) != (self.config.vocab_size, self.config.hidden_size):
             raise VerispecError(f"the head was trained for a target with a {self.config.vocab_size} x "
                                 f"{self.config.hidden_size} embedding ({self.config.target or 'unnamed'}); this target's is "
                                 f"{tuple(embedding.shape)}: use the head with the target it was trained on")
-        self.embed = embedding.detach()
+        self.embed = embedding.detach() if isinstance(embedding, torch.Tensor) else embedding
         return self
+
+    def embed_rows(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The target's embedding of tokens [...] long -> [..., H] float32."""
+        if isinstance(self.embed, torch.Tensor):
+            return F.embedding(tokens, self.embed).float()
+        return self.embed.rows(tokens.cpu()).to(tokens.device)
 
     # --- the layer ---------------------------------------------------------------------------------
 
@@ -242,7 +252,7 @@ class Eagle3Head(nn.Module):
         if self.embed is None:
             raise VerispecError("the head has no token embedding: bind it to its target first (Eagle3Head.bind)")
         layer = self.midlayer
-        embeds = F.embedding(tokens, self.embed).to(hidden.dtype)
+        embeds = self.embed_rows(tokens).to(hidden.dtype)
         x = torch.cat([layer.input_layernorm(embeds), layer.hidden_norm(hidden)], -1)
         attn = layer.self_attn
         batch, width, _ = x.shape
@@ -347,9 +357,12 @@ def load_head(directory: str | Path, target=None) -> Eagle3Head:
     return head
 
 
-def target_embedding(target) -> torch.Tensor:
-    """The token embedding [vocab, H] of a verispec CausalLM (native or transformers backend)."""
-    if getattr(target, "embed", None) is not None and isinstance(target.embed, torch.Tensor):
+def target_embedding(target):
+    """The token embedding [vocab, H] of a verispec CausalLM (native or transformers backend): a float
+    tensor, or a GGUF target's quantized table (looked up with `rows`)."""
+    from verispec.models.kernels import GGUFMatrix
+
+    if isinstance(getattr(target, "embed", None), (torch.Tensor, GGUFMatrix)):
         return target.embed
     model = getattr(target, "model", None)
     if model is not None and hasattr(model, "get_input_embeddings"):

@@ -93,6 +93,8 @@ class CausalLM(Protocol):
     device: torch.device
     name: str
 
+    numerics: str = "float32"  # whose numbers it computes: "float32" (the model's), "q8" (llama.cpp's on a GGUF file)
+
     # --- capabilities -------------------------------------------------------------------------------
     supports_trees: bool = False  # forward takes `tree`: several candidate continuations in one pass
     # A pass of up to this many token rows (batch x width) gives each row the numbers it would get alone
