@@ -262,7 +262,8 @@ def _same_vocabulary(a, b) -> bool:
 
 
 def is_head_directory(path: str) -> bool:
-    """Whether `path` is a directory holding a trained EAGLE-3 head (its config.json says so)."""
+    """Whether `path` is a directory holding a trained EAGLE-3 head (its config.json says so: verispec's and
+    SpecForge's architecture, or a speculators eagle3 config)."""
     import json
     from pathlib import Path
 
@@ -270,7 +271,8 @@ def is_head_directory(path: str) -> bool:
 
     config = Path(path).expanduser() / CONFIG_FILE
     try:
-        return ARCHITECTURE in (json.loads(config.read_text()).get("architectures") or [])
+        data = json.loads(config.read_text())
+        return ARCHITECTURE in (data.get("architectures") or []) or data.get("speculators_model_type") == "eagle3"
     except (OSError, ValueError, AttributeError):
         return False
 

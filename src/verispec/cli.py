@@ -285,6 +285,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run_options(p)
     p.set_defaults(run=run_train)
 
+    p = sub.add_parser("export", help="write a trained head for vLLM (speculators) or SGLang (specforge)")
+    from verispec.heads.formats import add_export_arguments, run_export
+
+    add_export_arguments(p)
+    p.set_defaults(run=run_export)
+
     p = sub.add_parser("certify", help="check that speculation gives the target's own output: greedy identity and "
                                        "a chi-square test of sampling, per lossless mode; exit 1 if any check fails")
     p.add_argument("target", help="zoo name, local directory, .gguf file or hub id")

@@ -334,8 +334,8 @@ def save_head(head: Eagle3Head, directory: str | Path) -> Path:
 
 
 def load_head(directory: str | Path, target=None) -> Eagle3Head:
-    """An EAGLE-3 head saved by `save_head` (or SpecForge's layout), in eval mode; bound to `target`'s
-    embedding when a target is given."""
+    """An EAGLE-3 head saved by `save_head`, or trained elsewhere (speculators/vLLM or SpecForge layout,
+    converted by `formats`), in eval mode; bound to `target`'s embedding when a target is given."""
     from safetensors.torch import load_file
 
     directory = Path(directory)
@@ -343,6 +343,10 @@ def load_head(directory: str | Path, target=None) -> Eagle3Head:
         raise VerispecError(f"{directory} is not a draft head: it needs {CONFIG_FILE} and {WEIGHTS_FILE} "
                             "(train one with `verispec train eagle3`)")
     data = json.loads((directory / CONFIG_FILE).read_text())
+    if "verispec" not in data:  # trained elsewhere: other tensor names, other tap ids
+        from verispec.heads.formats import load_foreign
+
+        return load_foreign(directory, data, target)
     if ARCHITECTURE not in (data.get("architectures") or []):
         raise VerispecError(f"{directory}/{CONFIG_FILE} describes {data.get('architectures')}, not an EAGLE-3 head")
     head = Eagle3Head(Eagle3Config.from_json(data))
