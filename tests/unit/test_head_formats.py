@@ -114,6 +114,32 @@ def test_round_trip_keeps_tensors_taps_and_drafts(head_dir, target, tmp_path, to
     assert theirs.stats.accepted_tokens == ours.stats.accepted_tokens
 
 
+def test_a_specforge_checkpoint_as_specforge_writes_it(head_dir, target, tmp_path):
+    """SpecForge's own files: a flat transformers-4 config (rope_theta, no head_dim), eagle_config ids
+    counting layer outputs, bfloat16, and the target's embedding saved beside the head."""
+    from safetensors.torch import save_file
+
+    native = load_head(head_dir)
+    c = native.config
+    config = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": c.hidden_size,
+              "intermediate_size": c.intermediate_size, "num_attention_heads": c.num_attention_heads,
+              "num_key_value_heads": c.num_key_value_heads, "num_hidden_layers": 1, "rms_norm_eps": c.rms_norm_eps,
+              "rope_scaling": None, "rope_theta": c.rope_theta, "vocab_size": c.vocab_size, "torch_dtype": "bfloat16",
+              "draft_vocab_size": c.draft_vocab_size, "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 3, 4]}}
+    tensors = {name: tensor.to(torch.bfloat16) if tensor.is_floating_point() else tensor
+               for name, tensor in native.state_dict().items()}
+    tensors["embed_tokens.weight"] = target.embed.to(torch.bfloat16)
+    (tmp_path / "sf").mkdir()
+    save_file(tensors, str(tmp_path / "sf" / "model.safetensors"))
+    (tmp_path / "sf" / "config.json").write_text(json.dumps(config))
+    head = load_head(tmp_path / "sf", target)
+    assert head.config.taps == TAPS and head.config.head_dim == c.head_dim and head.config.rope_theta == c.rope_theta
+    assert head.fc.weight.dtype == torch.float32
+    for name, tensor in native.state_dict().items():
+        expected = tensor.to(torch.bfloat16).to(tensor.dtype) if tensor.is_floating_point() else tensor
+        assert torch.equal(head.state_dict()[name], expected), name
+
+
 def test_full_draft_vocabulary_has_no_maps_in_foreign_files(target, tmp_path):
     head = random_head(target, draft_vocab=target.vocab_size)
     save_head(head, tmp_path / "full")
