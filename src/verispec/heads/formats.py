@@ -103,8 +103,12 @@ def export_head(head_dir: str | Path, out_dir: str | Path, to: str, verifier: st
         data = _specforge_config(config)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
-    (out / CONFIG_FILE).write_text(json.dumps(data, indent=2) + "\n")
+    partial = out / (WEIGHTS_FILE + ".partial")  # atomically per file, as save_head writes
+    save_file(tensors, str(partial), metadata={"format": "pt"})
+    partial.replace(out / WEIGHTS_FILE)
+    partial = out / (CONFIG_FILE + ".partial")
+    partial.write_text(json.dumps(data, indent=2) + "\n")
+    partial.replace(out / CONFIG_FILE)
     return out
 
 
