@@ -64,7 +64,7 @@ def test_bad_taps_raise(pair):
     hf, model = pair
     for backend in (hf, model):
         with pytest.raises(ValueError, match="taps"):
-            backend.forward(torch.tensor([[1, 2]]), backend.new_cache(1), taps=(8,))
+            backend.forward(torch.tensor([[1, 2]]), backend.new_cache(1), taps=(9,))  # 8: the final normed state
 
 
 # --- the head -----------------------------------------------------------------------------------------
