@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from verispec.errors import VerispecError
+from verispec.heads.vocab import DraftVocab
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"  # the name SpecForge and SGLang give this layout
 CONFIG_FILE = "config.json"
@@ -183,7 +184,7 @@ class MidLayer(nn.Module):
         self.mlp = MLP(config)
 
 
-class Eagle3Head(nn.Module):
+class Eagle3Head(DraftVocab, nn.Module):
     """fc, midlayer, norm, lm_head and the d2t/t2d maps; `embed` (the target's token embedding) is bound
     with `bind` and never saved or trained. Shapes: B batch, T positions, H hidden, V draft vocabulary."""
 
@@ -201,21 +202,7 @@ class Eagle3Head(nn.Module):
         inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, config.head_dim, 2).float() / config.head_dim))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
-    # --- vocabulary --------------------------------------------------------------------------------
-
-    def set_draft_vocab(self, token_ids: torch.Tensor) -> None:
-        """Draft id i scores target token token_ids[i] (sorted, distinct): fills d2t (offsets) and t2d."""
-        token_ids = torch.as_tensor(token_ids, dtype=torch.long).sort().values
-        if len(token_ids) != self.config.draft_vocab_size or len(token_ids.unique()) != len(token_ids):
-            raise ValueError(f"need {self.config.draft_vocab_size} distinct token ids, got {len(token_ids)}")
-        self.d2t.copy_(token_ids - torch.arange(len(token_ids)))
-        self.t2d.zero_()
-        self.t2d[token_ids] = True
-
-    @property
-    def draft_token_ids(self) -> torch.Tensor:
-        """[V] long: the target id of each draft id."""
-        return torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t
+    # --- vocabulary: `set_draft_vocab`, `draft_token_ids` (DraftVocab) and the target's embedding ---
 
     def bind(self, embedding) -> "Eagle3Head":
         """Use the target's token embedding [vocab, H] (shared, not copied): a float tensor, or a quantized
@@ -315,6 +302,15 @@ class Eagle3Head(nn.Module):
 
 
 # --- files ------------------------------------------------------------------------------------------
+
+def is_head_directory(path: str | Path) -> bool:
+    """Whether `path` is a directory holding a trained EAGLE-3 head (its config.json says so)."""
+    try:
+        data = json.loads((Path(path).expanduser() / CONFIG_FILE).read_text())
+        return ARCHITECTURE in (data.get("architectures") or [])
+    except (OSError, ValueError, AttributeError):
+        return False
+
 
 def save_head(head: Eagle3Head, directory: str | Path) -> Path:
     """Write config.json and model.safetensors (EAGLE-3 names: fc.weight, midlayer.*, norm.weight,
