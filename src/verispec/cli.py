@@ -276,7 +276,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run_options(p)
     p.set_defaults(run=cmd_demo)
 
-    p = sub.add_parser("train", help="train a draft head for a target (verispec train eagle3 --help)")
+    p = sub.add_parser("train", help="train a draft head for a target (verispec train eagle3 --help, verispec train medusa --help)")
     heads = p.add_subparsers(dest="head", required=True)
     p = heads.add_parser("eagle3", help="an EAGLE-3 head: reads three of the target's hidden states, drafts chains")
     from verispec.heads.train import add_train_arguments, run_train
@@ -284,6 +284,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_train_arguments(p)
     _add_run_options(p)
     p.set_defaults(run=run_train)
+    p = heads.add_parser("medusa", help="Medusa-1 heads: read the target's last hidden state, guess the next K tokens at once")
+    from verispec.heads.train_medusa import add_medusa_arguments, run_train_medusa
+
+    add_medusa_arguments(p)
+    _add_run_options(p)
+    p.set_defaults(run=run_train_medusa)
 
     p = sub.add_parser("certify", help="check that speculation gives the target's own output: greedy identity and "
                                        "a chi-square test of sampling, per lossless mode; exit 1 if any check fails")

@@ -266,7 +266,8 @@ def _lr_factor(step: int, config: TrainConfig) -> float:
 
 
 def _checkpoint(out: Path, head: Eagle3Head, optimizer, schedule, step: int, rng: random.Random,
-                config: TrainConfig, spec: FeatureSpec) -> None:
+                config: TrainConfig, spec: FeatureSpec, save=save_head) -> None:
+    """Write out/checkpoint.pt (weights, optimizer, step, random state) and the head itself (`save`: its kind's)."""
     head.config.extra.update({"steps": step, "train": {k: v for k, v in asdict(config).items() if k != "extra"},
                               "features": spec.to_json()})
     state = {"head": head.state_dict(), "optimizer": optimizer.state_dict(), "schedule": schedule.state_dict(),
@@ -274,7 +275,7 @@ def _checkpoint(out: Path, head: Eagle3Head, optimizer, schedule, step: int, rng
     partial = out / (CHECKPOINT + ".partial")
     torch.save(state, partial)
     partial.replace(out / CHECKPOINT)
-    save_head(head, out)
+    save(head, out)
 
 
 def _resume(out: Path, head: Eagle3Head, optimizer, schedule, config: TrainConfig) -> tuple[int, random.Random]:
@@ -297,7 +298,17 @@ def _resume(out: Path, head: Eagle3Head, optimizer, schedule, config: TrainConfi
 # --- the command line: `verispec train eagle3` -----------------------------------------------------------
 
 def add_train_arguments(parser) -> None:
-    """The options of `verispec train eagle3`."""
+    """The options of `verispec train eagle3`: the common ones and the head's own."""
+    add_common_arguments(parser)
+    parser.add_argument("--ttt-steps", type=int, default=5, help="draft positions unrolled per step (default: %(default)s)")
+    parser.add_argument("--intermediate-size", type=int, default=None,
+                        help="the head's MLP width (default: the target's; narrower trains and drafts faster)")
+    parser.add_argument("--taps", default=None, help="comma-separated target layers whose inputs the head reads "
+                                                     "(default: 2, N/2, N-3)")
+
+
+def add_common_arguments(parser) -> None:
+    """The options every `verispec train HEAD` takes: target, data, features, optimizer, checkpoints."""
     parser.add_argument("--target", required=True, help="the target model: zoo name, local directory or .gguf file")
     parser.add_argument("--out", required=True, help="directory for the head (config.json, model.safetensors), its "
                                                     "checkpoint and train.jsonl; a run with the same --out resumes")
@@ -310,7 +321,6 @@ def add_train_arguments(parser) -> None:
     parser.add_argument("--seq-len", type=int, default=256, help="tokens per training sequence (default: %(default)s)")
     parser.add_argument("--draft-vocab", type=int, default=32000, help="the head's output vocabulary (default: %(default)s)")
     parser.add_argument("--steps", type=int, default=1000, help="optimizer steps (default: %(default)s)")
-    parser.add_argument("--ttt-steps", type=int, default=5, help="draft positions unrolled per step (default: %(default)s)")
     parser.add_argument("--batch", type=int, default=2, help="sequences per step (default: %(default)s)")
     parser.add_argument("--lr", type=float, default=3e-4, help="peak learning rate (default: %(default)s)")
     parser.add_argument("--checkpoint-every", type=int, default=100, help="steps between checkpoints (default: %(default)s)")
@@ -319,14 +329,10 @@ def add_train_arguments(parser) -> None:
     parser.add_argument("--numerics", choices=("float32", "q8"), default="float32",
                         help="the target's numerics (q8: a GGUF file's blocks, llama.cpp's numbers; draft for it with "
                              "the head trained on it) (default: %(default)s)")
-    parser.add_argument("--intermediate-size", type=int, default=None,
-                        help="the head's MLP width (default: the target's; narrower trains and drafts faster)")
     parser.add_argument("--precision", choices=("auto", "bfloat16", "float32"), default="auto",
                         help="training matmuls: auto = bfloat16 where the CPU/GPU has it natively (default: %(default)s)")
     parser.add_argument("--max-new-tokens", type=int, default=192,
                         help="answer length per prompt when self-distilling (default: %(default)s)")
-    parser.add_argument("--taps", default=None, help="comma-separated target layers whose inputs the head reads "
-                                                     "(default: 2, N/2, N-3)")
 
 
 def run_train(args) -> int:
