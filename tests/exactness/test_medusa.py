@@ -317,19 +317,21 @@ def test_sampled_medusa_follows_the_target(tiny_hf, tiny_target, llama_heads, pa
 
     prompt = repeating_prompt(tiny_target)
     results = verispec.generate(tiny_target, [prompt] * 2000, draft=llama_heads, draft_len=3, max_new_tokens=3, **params)
-    assert results[0].stats.accepted_tokens > 100
+    assert results[0].stats.accepted_tokens > 30  # both the accept and the resample paths ran
     first, joint = first_two_tokens_pvalues(tiny_hf, prompt, SamplingParams(**params), [r.token_ids for r in results])
     assert first > P_THRESHOLD and joint > P_THRESHOLD
 
 
-class ClaimsCertainty(MedusaDrafter):
-    """A classic bug: a sampled draft reported as if deterministic (q one-hot on the drawn token), so the
-    verifier accepts a token with p(x) instead of min(1, p(x) / q(x))."""
+class ReportsAnotherQ(MedusaDrafter):
+    """A classic bug: tokens drawn from one distribution, another reported (here q sharpened, as if the
+    temperature were applied twice), so min(1, p / q) and the residual max(0, p - q) use the wrong q.
+    (Reporting a one-hot q on the drawn token would not do: that is a deterministic draft, exact too.)"""
 
     def propose(self, *args, **kwargs):
         draft = super().propose(*args, **kwargs)
         if draft.probs is not None:
-            draft.probs = torch.nn.functional.one_hot(draft.tokens, draft.probs.shape[-1]).float()
+            sharpened = draft.probs ** 4
+            draft.probs = sharpened / sharpened.sum(-1, keepdim=True).clamp(min=1e-30)
         return draft
 
 
@@ -341,10 +343,10 @@ def test_negative_control_misreported_q_is_caught(tiny_hf, tiny_target, llama_he
     params = SAMPLED[0]
     prompt = repeating_prompt(tiny_target)
     original = DRAFTERS["medusa"]
-    DRAFTERS["medusa"] = lambda target, draft, confidence: ClaimsCertainty(draft, target)
+    DRAFTERS["medusa"] = lambda target, draft, confidence: ReportsAnotherQ(draft, target)
     try:
         results = verispec.generate(tiny_target, [prompt] * 2000, draft=llama_heads, draft_len=3, max_new_tokens=3, **params)
     finally:
         DRAFTERS["medusa"] = original
     first, joint = first_two_tokens_pvalues(tiny_hf, prompt, SamplingParams(**params), [r.token_ids for r in results])
-    assert min(first, joint) < 1e-6
+    assert min(first, joint) < 1e-10, (first, joint)  # measured: below 1e-200
