@@ -350,3 +350,80 @@ def test_negative_control_misreported_q_is_caught(tiny_hf, tiny_target, llama_he
         DRAFTERS["medusa"] = original
     first, joint = first_two_tokens_pvalues(tiny_hf, prompt, SamplingParams(**params), [r.token_ids for r in results])
     assert min(first, joint) < 1e-10, (first, joint)  # measured: below 1e-200
+
+
+# --- smollm2-135m (slow) --------------------------------------------------------------------------------
+
+SMOL_PROMPTS = [
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "import os\n\n\ndef list_python_files(directory):\n",
+    "The three primary colors are",
+]
+
+
+@pytest.fixture(scope="module")
+def smol_heads(tmp_path_factory):
+    """Medusa heads for smollm2-135m trained for a few steps on ~4k tokens of installed Python sources."""
+    from verispec import zoo
+    from verispec.heads.train_medusa import train_medusa
+
+    torch.set_num_threads(1)
+    zoo.pull("smollm2-135m")
+    target = verispec.load("smollm2-135m")
+    out = tmp_path_factory.mktemp("smol-medusa")
+    config = TrainConfig(steps=30, checkpoint_every=15, lr=3e-3, warmup=3, eval_sequences=8)
+    head = train_medusa(target, out, max_tokens=4096, draft_vocab=2048, num_heads=3, config=config, seq_len=64,
+                        features=out / "features", progress=False)
+    return target, head, out
+
+
+@pytest.mark.slow
+def test_smollm_medusa_training_lowers_the_loss_and_resumes(smol_heads):
+    from verispec.heads.train_medusa import train_medusa
+
+    target, head, out = smol_heads
+    log = [json.loads(line) for line in (out / "train.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in log if "loss" in r]
+    assert len(losses) == 30
+    assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5  # it learns
+    held_out = log[-1]["held_out"]
+    assert len(held_out["accuracy"]) == 3 and held_out["sequences"] == 8
+    assert held_out["accuracy"][0] > 0.1  # head 0 guesses the token after the target's own well above chance
+    saved = load_head(out, target)
+    assert saved.config.extra["steps"] == 30 and saved.config.target == "smollm2-135m"
+    config = TrainConfig(steps=32, checkpoint_every=15, lr=3e-3, warmup=3, eval_sequences=8)
+    train_medusa(target, out, max_tokens=4096, draft_vocab=2048, num_heads=3, config=config, seq_len=64,
+                 features=out / "features", progress=False)
+    steps = [r["step"] for r in map(json.loads, (out / "train.jsonl").read_text().splitlines()) if "step" in r]
+    assert steps[30:] == [31, 32]  # resumed from the checkpoint
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("draft_len", [3, "auto"])
+def test_smollm_greedy_medusa_equals_plain(smol_heads, draft_len):
+    target, _, out = smol_heads
+    head = verispec.load(str(out))  # the saved heads, as a user would load them
+    accepted = 0
+    for prompt in SMOL_PROMPTS:
+        expected = verispec.generate(target, prompt, drafter="none", max_new_tokens=40).token_ids
+        got = verispec.generate(target, prompt, draft=head, draft_len=draft_len, max_new_tokens=40)
+        assert got.token_ids == expected, prompt
+        assert got.stats.drafter == "MedusaDrafter"
+        accepted += got.stats.accepted_tokens
+    batch = verispec.generate(target, SMOL_PROMPTS, draft=head, draft_len=draft_len, max_new_tokens=24)
+    assert [r.token_ids for r in batch] == [verispec.generate(target, p, drafter="none", max_new_tokens=24).token_ids
+                                            for p in SMOL_PROMPTS]
+    if draft_len == 3:
+        assert accepted > 10
+
+
+@pytest.mark.slow
+def test_cli_trains_medusa_heads(tmp_path, smol_heads):
+    from verispec.cli import main
+
+    code = main(["train", "medusa", "--target", "smollm2-135m", "--out", str(tmp_path / "h"), "--max-tokens", "2048",
+                 "--seq-len", "64", "--draft-vocab", "1024", "--steps", "2", "--heads", "2",
+                 "--features", str(tmp_path / "f")])
+    assert code == 0 and isinstance(verispec.load(str(tmp_path / "h")), MedusaHead)
+    assert verispec.load(str(tmp_path / "h")).config.num_heads == 2
+    assert main(["train", "medusa", "--target", "smollm2-135m", "--out", str(tmp_path / "h"), "--heads", "0"]) == 2
