@@ -300,6 +300,26 @@ def test_greedy_medusa_with_random_heads_is_still_exact(tiny_target):
         assert verispec.generate(tiny_target, prompt, draft=head, draft_len=3, max_new_tokens=30).token_ids == expected
 
 
+
+def test_server_scheduler_drafts_with_medusa_heads(tiny_target, llama_heads):
+    """The server's scheduler (prompts read in chunks between decoding steps, rows joining a running batch)
+    hands the heads the target's final hidden states too: every job gets plain decoding's tokens."""
+    from conftest import job
+    from verispec.api import make_drafter
+    from verispec.server.scheduler import Scheduler
+
+    cases = [(PROMPTS[0], 30, 3), (PROMPTS[1], 12, "auto"), (PROMPTS[3], 25, 2), (PROMPTS[2], 9, None)]
+    expected = [verispec.generate(tiny_target, p, drafter="none", max_new_tokens=n).token_ids for p, n, _ in cases]
+    scheduler = Scheduler(tiny_target, lambda speculate: make_drafter(tiny_target, llama_heads, "medusa" if speculate else "none"),
+                          max_batch=3, prefill_tokens=4)
+    scheduler.start()
+    try:
+        jobs = [job(prompt, max_new_tokens=n, draft=setting) for prompt, n, setting in cases]
+        scheduler.submit([j for j, _ in jobs])
+        assert [collector.result() for _, collector in jobs] == expected
+    finally:
+        scheduler.stop()
+
 SAMPLED = [dict(temperature=0.8, seed=11, coupled=False), dict(temperature=1.2, top_k=12, top_p=0.9, seed=5, coupled=False)]
 
 
