@@ -152,7 +152,8 @@ class Drafter(Protocol):
     # `propose` must leave that cache as it found it (`SharedCacheDrafter`).
     shares_cache: bool = False
 
-    # Reads the target's hidden states at the inputs of these layers (a trained head, `Eagle3Drafter`): the
+    # Reads the target's hidden states at the inputs of these layers (a trained head, `Eagle3Drafter`; index
+    # = the target's layer count: its final hidden state after the final norm, `MedusaDrafter`): the
     # engine's prefill and verify passes also return them, and it hands over those of every token the
     # target's cache keeps (`observe_taps`), with no extra target pass. None: it reads none.
     target_taps: "tuple[int, ...] | None" = None
