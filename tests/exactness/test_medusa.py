@@ -79,13 +79,6 @@ DRAFT_VOCAB = 64  # of the tiny models' 96 tokens: the heads cannot propose the 
 HEADS = 3
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2"])
-def arch_pair(request):
-    """(HF model, native model) of each architecture, for the tests that need both."""
-    hf = {"llama": tiny_llama, "qwen2": tiny_qwen2}[request.param](seed=0, layers=LAYERS)
-    return hf, NativeCausalLM.from_hf(hf)
-
-
 @pytest.fixture(scope="module")
 def tiny_hf():
     return tiny_llama(seed=0, layers=LAYERS)
@@ -132,8 +125,8 @@ def test_heads_shapes_and_names(tiny_target):
     assert torch.count_nonzero(fresh.medusa_head[0][0].linear.weight) == 0 and bool(fresh.t2d.all())
 
 
-def test_training_reduces_the_loss(arch_pair):
-    _, target = arch_pair
+def test_training_reduces_the_loss(pair):
+    _, target = pair
     shard = sampled_shard(target)
     head = random_heads(target)
     rows = list(range(6))
@@ -251,13 +244,13 @@ def fitted_heads(target) -> MedusaHead:
 
 
 @pytest.fixture(scope="module")
-def trained_heads(arch_pair):
-    return fitted_heads(arch_pair[1])
+def trained_heads(pair):
+    return fitted_heads(pair[1])
 
 
 @pytest.mark.parametrize("draft_len", [1, 2, 3, 6, "auto", "tree"])
-def test_greedy_medusa_equals_plain(arch_pair, trained_heads, draft_len):
-    _, target = arch_pair
+def test_greedy_medusa_equals_plain(pair, trained_heads, draft_len):
+    _, target = pair
     plain = [verispec.generate(target, p, drafter="none", max_new_tokens=40).token_ids for p in PROMPTS]
     for prompt, expected in zip(PROMPTS, plain):
         got = verispec.generate(target, prompt, draft=trained_heads, draft_len=draft_len, max_new_tokens=40)
@@ -285,8 +278,8 @@ def test_greedy_medusa_alternates_stay_exact(tiny_target, llama_heads):
     assert placed > 0
 
 
-def test_greedy_medusa_on_the_transformers_backend(arch_pair, trained_heads):
-    hf, _ = arch_pair
+def test_greedy_medusa_on_the_transformers_backend(pair, trained_heads):
+    hf, _ = pair
     plain = [verispec.generate(hf, p, drafter="none", max_new_tokens=30).token_ids for p in PROMPTS]
     batch = verispec.generate(hf, PROMPTS, draft=trained_heads, draft_len=3, max_new_tokens=30)
     assert [r.token_ids for r in batch] == plain
