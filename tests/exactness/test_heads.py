@@ -134,7 +134,7 @@ def test_unroll_is_what_the_drafter_computes(tiny_target):
     with torch.no_grad():
         unrolled = head.unroll(taps[:, :width], tokens, steps)
     for n in (1, 6, width):  # the drafter has read taps of positions 0..n-1
-        drafter = Eagle3Drafter(head, tiny_target)
+        drafter = Eagle3Drafter(head, tiny_target, weights=None)
         drafter.add([PROMPT[: n + 1]])
         drafter.observe_taps([taps[0, :n]])
         with torch.no_grad():
@@ -144,6 +144,28 @@ def test_unroll_is_what_the_drafter_computes(tiny_target):
                 if n + 1 + i < len(PROMPT):
                     next_token = torch.tensor([[PROMPT[n + 1 + i]]])
                     hidden = drafter._layer(next_token, hidden[:, None], torch.ones(1, 1, dtype=torch.bool))[:, 0]
+
+
+@pytest.mark.parametrize("weights", ["int8", "int4", "bfloat16"])
+def test_rounded_head_drafts_near_the_float_head_and_leaves_it_alone(tiny_target, weights):
+    """A drafter's head rounded for the CPU kernels scores tokens close to the float head (rounding
+    only moves proposals, never the output), and the caller's head keeps its float32 weights."""
+    head = random_head(tiny_target)
+    before = {k: v.clone() for k, v in head.state_dict().items()}
+    tokens = torch.tensor([PROMPT])
+    _, taps = tiny_target.forward(tokens, tiny_target.new_cache(1), taps=TAPS)
+    logits = {}
+    for name, w in (("float", None), ("rounded", weights)):
+        drafter = Eagle3Drafter(head, tiny_target, weights=w)
+        drafter.add([PROMPT])
+        drafter.observe_taps([taps[0, :-1]])
+        with torch.no_grad():
+            hidden, _ = drafter._catch_up([PROMPT])
+            logits[name] = drafter.head.logits(hidden)
+    assert not torch.equal(logits["float"], logits["rounded"])  # it did round
+    cosine = torch.nn.functional.cosine_similarity(logits["float"], logits["rounded"], dim=-1)
+    assert float(cosine.min()) > (0.98 if weights == "int4" else 0.995)
+    assert all(torch.equal(v, head.state_dict()[k]) for k, v in before.items())
 
 
 def test_soft_targets_renormalize_over_the_draft_vocab(tiny_target):

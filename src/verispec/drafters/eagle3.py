@@ -23,6 +23,7 @@ import torch
 from verispec.cache import SlotCache
 from verispec.drafters.base import BranchRule, Draft, Drafter, StopRule, Verdict, empty_draft
 from verispec.heads.eagle3 import Eagle3Head, target_embedding
+from verispec.models import kernels
 from verispec.prefill import left_pad
 from verispec.sampling import SamplingParams, coupled_choice, sample, warp_rows
 
@@ -30,11 +31,18 @@ from verispec.sampling import SamplingParams, coupled_choice, sample, warp_rows
 class Eagle3Drafter(Drafter):
     """Drafts with a trained EAGLE-3 head; `target_taps` (set per head) makes the engine hand it the target's taps."""
 
-    def __init__(self, head: Eagle3Head, target, min_confidence: float = 0.0):
-        if head.embed is None:
-            head.bind(target_embedding(target))
+    def __init__(self, head: Eagle3Head, target, min_confidence: float = 0.0, weights: str | None = "auto"):
+        """weights: how the head's matrices are stored while drafting: "int8", "int4" or "bfloat16" (a copy
+        of the head rounded for verispec's CPU kernels: a quarter of float32's bytes per draft token at
+        int8), None (the head as given), or "auto" (int8 on a CPU with the kernels, else as given)."""
         if head.config.vocab_size != target.vocab_size:
             raise ValueError(f"the head scores a {head.config.vocab_size}-token vocabulary, the target has {target.vocab_size}")
+        if weights == "auto":
+            weights = "int8" if kernels.available() and head.lm_head.weight.device.type == "cpu" else None
+        if weights is not None:
+            head = rounded_copy(head, weights)
+        if head.embed is None:
+            head.bind(target_embedding(target))
         self.head = head.eval()
         self.target_taps = tuple(head.config.taps)  # the engine's verify passes return these for `observe_taps`
         self.vocab_size = target.vocab_size
@@ -84,7 +92,7 @@ class Eagle3Drafter(Drafter):
         seen = self.slots.num_tokens().tolist()
         rows_tokens, rows_taps = [], []
         for b in range(batch):
-            taps = torch.cat(self.pending[b]) if self.pending[b] else torch.zeros(0, self.head.fc.in_features)
+            taps = torch.cat(self.pending[b]) if self.pending[b] else torch.zeros(0, self.head.in_features)
             if seen[b] + len(taps) != len(sequences[b]) - 1:
                 raise RuntimeError(f"row {b}: the head holds {seen[b]} positions and {len(taps)} new taps, but the "
                                    f"target's cache holds {len(sequences[b]) - 1}")
@@ -93,7 +101,7 @@ class Eagle3Drafter(Drafter):
             self.pending[b] = []
         tokens, visible = left_pad(rows_tokens)
         width = tokens.shape[1]
-        taps = torch.zeros(batch, width, self.head.fc.in_features)
+        taps = torch.zeros(batch, width, self.head.in_features)
         for b, row in enumerate(rows_taps):
             if len(row):
                 taps[b, width - len(row) :] = row
@@ -160,3 +168,13 @@ class Eagle3Drafter(Drafter):
         self.slots.select(index)
         self.keys, self.values = self.keys[index], self.values[index]
         self.pending = [self.pending[b] for b in rows]
+
+
+def rounded_copy(head: Eagle3Head, weights: str) -> Eagle3Head:
+    """A copy of `head` with its matrices rounded to `weights` (Eagle3Head.quantize), sharing its bound
+    embedding; the caller's head is left as it was."""
+    copy = Eagle3Head(head.config)
+    copy.load_state_dict(head.state_dict())
+    if head.embed is not None:
+        copy.bind(head.embed)
+    return copy.quantize(weights)
