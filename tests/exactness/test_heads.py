@@ -411,3 +411,37 @@ def test_cli_trains_a_head(tmp_path, smol_head):
                  "--features", str(tmp_path / "f")])
     assert code == 0 and isinstance(verispec.load(str(tmp_path / "h")), Eagle3Head)
     assert main(["train", "eagle3", "--target", "smollm2-135m", "--out", str(tmp_path / "h"), "--steps", "0"]) == 2
+
+
+class CharTokenizer:
+    """Characters as token ids (mod the vocabulary): enough text handling for feature extraction."""
+
+    chat_template = None
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [ord(c) % self.vocab_size for c in text]
+
+
+def test_resumed_extraction_reuses_self_distilled_answers(tiny_target, tmp_path, monkeypatch):
+    """A resumed extraction takes the target's answers from answers.jsonl instead of decoding them again,
+    and makes the same shards."""
+    from verispec.heads import data
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(f'{{"prompt": "def f{i}(x):"}}\n' for i in range(6)))
+    spec = data.FeatureSpec(target="tiny", taps=TAPS, seq_len=16, shard_sequences=2, sources=(str(prompts),),
+                            self_distill=True, max_new_tokens=8)
+    monkeypatch.setattr(tiny_target, "tokenizer", CharTokenizer(tiny_target.vocab_size), raising=False)
+    first = data.extract(tiny_target, tmp_path / "a", spec, 64, progress=False)
+    decoded = []
+    real = data._greedy_answers
+    monkeypatch.setattr(data, "_greedy_answers", lambda *a: decoded.append(a) or real(*a))
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / data.ANSWERS).write_text((tmp_path / "a" / data.ANSWERS).read_text())
+    again = data.extract(tiny_target, tmp_path / "b", spec, 64, progress=False)
+    assert decoded == []
+    for x, y in zip(first, again):
+        assert torch.equal(data.load_shard(x)["tokens"], data.load_shard(y)["tokens"])
