@@ -445,3 +445,41 @@ def test_resumed_extraction_reuses_self_distilled_answers(tiny_target, tmp_path,
     assert decoded == []
     for x, y in zip(first, again):
         assert torch.equal(data.load_shard(x)["tokens"], data.load_shard(y)["tokens"])
+
+
+@pytest.mark.parametrize("k", [2, 5])
+def test_greedy_eagle3_tree_with_alternates_equals_plain(tiny_target, trained_head, k):
+    """Every chain position carries the head's second choice: output still the target's, and alternates
+    were taken where the chain broke off."""
+    from test_trees import _Always, _decode
+
+    plain = [_decode(tiny_target, Eagle3Drafter(trained_head, tiny_target), [p], _Always(0))[0][0] for p in PROMPTS]
+    got, stats = _decode(tiny_target, Eagle3Drafter(trained_head, tiny_target), PROMPTS, _Always(k))
+    assert got == plain
+    assert stats.alternates_drafted > 0 and stats.alternates_accepted > 0
+
+
+def test_sampled_eagle3_tree_follows_the_target(tiny_hf, tiny_target, trained_head):
+    """A sampled row's alternate is drawn from q without the chain's token: the first two tokens of 2000
+    seeded rows (batches of 4, alternates everywhere) follow the target's distribution (chi-square)."""
+    from dataclasses import replace
+
+    from test_sampling_exactness import P_THRESHOLD, first_two_tokens_pvalues, repeating_prompt
+    from test_trees import _Always
+    from verispec.engine import DecodeBatch, Request
+    from verispec.sampling import SamplingParams
+
+    params = SamplingParams(temperature=0.8, seed=11)
+    prompt = repeating_prompt(tiny_target)
+    out, taken = {}, 0
+    for first_row in range(0, 2000, 4):
+        batch = DecodeBatch(tiny_target, Eagle3Drafter(trained_head, tiny_target), _Always(3))
+        batch.add([Request(prompt=prompt, sampling=replace(params, seed=params.seed + b), max_new_tokens=2, id=b)
+                   for b in range(first_row, first_row + 4)])
+        while len(batch):
+            for event in batch.step():
+                out.setdefault(event.request_id, []).extend(event.tokens)
+        taken += batch.stats.alternates_accepted
+    first, joint = first_two_tokens_pvalues(tiny_hf, prompt, params, [out[b] for b in range(2000)])
+    assert first > P_THRESHOLD and joint > P_THRESHOLD
+    assert taken > 50

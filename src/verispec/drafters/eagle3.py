@@ -7,7 +7,9 @@ the token after them is known, which it is by the next `propose`. A round then:
 1. catches up: one head pass over the new positions (target taps beside the next tokens), appended to
    the head's own key/value cache; its output at the last position predicts the first draft token;
 2. drafts: each further token feeds the head its own output hidden state beside the token it chose,
-   one position to the right (as training-time test trained it);
+   one position to the right (as training-time test trained it); where the step asks for token-tree
+   alternates, a position's alternate is the head's second choice (a sampled row's: a draw from q
+   without the chain's token);
 3. forgets the drafted positions in its cache: they were built from its own hidden states, and the next
    round rebuilds the accepted ones from the target's.
 
@@ -21,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from verispec.cache import SlotCache
-from verispec.drafters.base import BranchRule, Draft, Drafter, StopRule, Verdict, empty_draft
+from verispec.drafters.base import BranchRule, Draft, Drafter, StopRule, Verdict, draw_alternates, empty_draft
 from verispec.heads.eagle3 import Eagle3Head, target_embedding
 from verispec.models import kernels
 from verispec.prefill import left_pad
@@ -127,13 +129,21 @@ class Eagle3Drafter(Drafter):
         num_drafted = torch.zeros(batch, dtype=torch.long)
         going = known.clone()  # a row with no position yet (a one-token prompt) drafts nothing this round
         draft_ids = self.head.draft_token_ids
+        second_choice = torch.full((batch, draft_len), -1, dtype=torch.long) if branch is not None else None
+        alternate_confidence = torch.zeros(batch, draft_len) if branch is not None else None
+        alternate_probs = torch.zeros(batch, draft_len, self.vocab_size) if branch is not None and not all_greedy else None
         try:
             for i in range(draft_len):
                 logits = self.head.logits(hidden)  # [B, V] over the draft vocabulary
                 if all_greedy:
-                    top = logits.max(-1)
-                    tokens[:, i] = draft_ids[top.indices]
-                    confidence[:, i] = torch.exp(top.values - torch.logsumexp(logits, -1))
+                    if branch is None:
+                        top = logits.max(-1)
+                        tokens[:, i] = draft_ids[top.indices]
+                        confidence[:, i] = torch.exp(top.values - torch.logsumexp(logits, -1))
+                    else:  # the head's second choice is the position's alternate
+                        top = logits.softmax(-1).topk(2, -1)
+                        tokens[:, i], second_choice[:, i] = draft_ids[top.indices[:, 0]], draft_ids[top.indices[:, 1]]
+                        confidence[:, i], alternate_confidence[:, i] = top.values[:, 0], top.values[:, 1]
                 else:
                     full = logits.new_full((batch, self.vocab_size), float("-inf"))
                     full[:, draft_ids] = logits
@@ -144,6 +154,9 @@ class Eagle3Drafter(Drafter):
                     confidence[:, i] = q.max(-1).values  # never q(drawn token): see ModelDrafter
                     if greedy.any():
                         confidence[greedy, i] = logits[greedy].softmax(-1).max(-1).values
+                    if branch is not None:
+                        draw_alternates(i, full, q, tokens, greedy, generators, second_choice, alternate_confidence,
+                                        alternate_probs)
                 if stop is not None:
                     going &= stop(i, confidence[:, i])
                 if self.min_confidence:
@@ -154,7 +167,13 @@ class Eagle3Drafter(Drafter):
                 hidden = self._layer(tokens[:, i : i + 1], hidden[:, None], torch.ones(batch, 1, dtype=torch.bool))[:, 0]
         finally:
             self._truncate(kept)  # drafted positions hold the head's own states: the target's replace them
-        return Draft(tokens=tokens, num_drafted=num_drafted, probs=probs, confidence=confidence)
+        alternates = None
+        if branch is not None:
+            drafted = torch.arange(draft_len)[None, :] < num_drafted[:, None]
+            wanted = drafted & (second_choice >= 0) & (second_choice != tokens) & branch(alternate_confidence, num_drafted)
+            alternates = torch.where(wanted, second_choice, -1)
+        return Draft(tokens=tokens, num_drafted=num_drafted, probs=probs, confidence=confidence, alternates=alternates,
+                     alternate_confidence=alternate_confidence, alternate_probs=alternate_probs)
 
     def _truncate(self, length: int) -> None:
         self.slots.truncate(torch.full((self.slots.batch_size,), length, dtype=torch.long))
