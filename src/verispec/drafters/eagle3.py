@@ -20,6 +20,8 @@ speculative sampling stays exact. The output is the target's either way: the hea
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from verispec.cache import SlotCache
@@ -191,9 +193,21 @@ class Eagle3Drafter(Drafter):
 
 def rounded_copy(head: Eagle3Head, weights: str) -> Eagle3Head:
     """A copy of `head` with its matrices rounded to `weights` (Eagle3Head.quantize), sharing its bound
-    embedding; the caller's head is left as it was."""
-    copy = Eagle3Head(head.config)
-    copy.load_state_dict(head.state_dict())
-    if head.embed is not None:
+    embedding; the caller's head is left as it was. Made once per head and format (a drafter is built
+    per generate call; rounding 50M weights each time would cost more than the call's drafting), and
+    made again if the head's weights changed since (e.g. trained further)."""
+    version = tuple(t._version for t in head.state_dict().values())
+    cached = _ROUNDED.get(head, {}).get(weights)
+    if cached is not None and cached[0] == version:
+        copy = cached[1]
+    else:
+        copy = Eagle3Head(head.config)
+        copy.load_state_dict(head.state_dict())
+        copy.quantize(weights)
+        _ROUNDED.setdefault(head, {})[weights] = (version, copy)
+    if head.embed is not None and copy.embed is not head.embed:
         copy.bind(head.embed)
-    return copy.quantize(weights)
+    return copy
+
+
+_ROUNDED: "weakref.WeakKeyDictionary[Eagle3Head, dict]" = weakref.WeakKeyDictionary()
