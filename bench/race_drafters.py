@@ -5,8 +5,8 @@ Per prompt every method runs `--rounds` times, the methods' order rotating each 
 neighbour hits them alike), and its median time counts; the speedups are medians over prompts of
 per-prompt tokens/s ratios. Greedy: every drafter's text must equal plain decoding (it is checked and
 reported). A method is `plain`, `suffix`, `ngram`, `self`, `model:DRAFT` (a draft model, int4 unless
-`model:DRAFT:fp32|bf16|int8`), `eagle3:DIR` (a trained head, chain) or `eagle3-tree:DIR` (chain plus
-the head's second choices as token-tree alternates).
+`model:DRAFT:fp32|bf16|int8`), `eagle3:DIR[:int8|int4|bfloat16]` (a trained head, chain; int8 unless given) or
+`eagle3-tree:DIR[:...]` (chain plus the head's second choices as token-tree alternates).
 
     python bench/race_drafters.py --target qwen2.5-coder-1.5b --numerics q8 --prompts humaneval --rows odd \\
         --method eagle3:HEAD --method model:qwen2.5-coder-0.5b --method suffix --peer llama.cpp \\
@@ -28,6 +28,7 @@ import torch
 import verispec
 from verispec import zoo
 from verispec.bench import _cpu_name, read_prompts
+from verispec.drafters.eagle3 import rounded_copy
 from verispec.text import encode_prompt
 
 
@@ -51,9 +52,12 @@ def methods_of(target, specs: list[str]) -> list[Method]:
             draft = verispec.load(name, weight_dtype=dtype or "int4")
             out.append(Method(f"model {Path(name).name} {dtype or 'int4'}", dict(draft=draft, drafter="model")))
         elif kind in ("eagle3", "eagle3-tree"):
-            head = verispec.load_head(rest, target)
-            out.append(Method(f"{kind} {Path(rest).name}", dict(draft=head, drafter="eagle3",
-                                                                draft_len="tree" if kind == "eagle3-tree" else "auto")))
+            directory, _, weights = rest.partition(":")
+            head = verispec.load_head(directory, target)
+            if weights:  # else the drafter's default (int8 on a CPU)
+                head = rounded_copy(head, weights)
+            out.append(Method(f"{kind} {Path(directory).name} {weights or 'int8'}",
+                              dict(draft=head, drafter="eagle3", draft_len="tree" if kind == "eagle3-tree" else "auto")))
         else:
             raise SystemExit(f"unknown method {spec!r}: plain, suffix, ngram, self, model:DRAFT[:DTYPE], eagle3:DIR, eagle3-tree:DIR")
     return out

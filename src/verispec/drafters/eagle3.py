@@ -38,12 +38,13 @@ class Eagle3Drafter(Drafter):
     def __init__(self, head: Eagle3Head, target, min_confidence: float = 0.0, weights: str | None = "auto"):
         """weights: how the head's matrices are stored while drafting: "int8", "int4" or "bfloat16" (a copy
         of the head rounded for verispec's CPU kernels: a quarter of float32's bytes per draft token at
-        int8), None (the head as given), or "auto" (int8 on a CPU with the kernels, else as given)."""
+        int8), None (the head as given), or "auto" (int8 on a CPU with the kernels, else as given). A head
+        already rounded (`Eagle3Head.quantize`) drafts as it is."""
         if head.config.vocab_size != target.vocab_size:
             raise ValueError(f"the head scores a {head.config.vocab_size}-token vocabulary, the target has {target.vocab_size}")
         if weights == "auto":
             weights = "int8" if kernels.available() and head.lm_head.weight.device.type == "cpu" else None
-        if weights is not None:
+        if weights is not None and head.rounded is None:
             head = rounded_copy(head, weights)
         if head.embed is None:
             head.bind(target_embedding(target))

@@ -233,6 +233,7 @@ class Eagle3Head(nn.Module):
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
         self.embed: torch.Tensor | None = None  # [vocab, H], the target's, bound by `bind`
+        self.rounded: str | None = None  # the format `quantize` rounded the matrices to (None: float)
         inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, config.head_dim, 2).float() / config.head_dim))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
@@ -277,10 +278,13 @@ class Eagle3Head(nn.Module):
         if not kernels.available():
             raise VerispecError("quantized heads need verispec's C kernels (a C compiler and an AVX2 CPU); "
                                 "draft with float32 weights instead (weights=None)")
+        if self.rounded is not None:
+            raise VerispecError(f"this head's matrices are already rounded to {self.rounded}: quantize the float head")
         for parent in [self, self.midlayer.self_attn, self.midlayer.mlp]:
             for name, child in list(parent.named_children()):
                 if isinstance(child, nn.Linear):
                     setattr(parent, name, KernelLinear(child, weights))
+        self.rounded = weights
         return self.eval()
 
     @property
