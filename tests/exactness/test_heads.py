@@ -382,7 +382,10 @@ def test_smollm_training_lowers_the_loss_and_resumes(smol_head):
     config = TrainConfig(steps=14, ttt_steps=3, checkpoint_every=6, lr=1e-3, warmup=2, eval_sequences=4)
     train_eagle3(target, out, max_tokens=2048, draft_vocab=2048, config=config, seq_len=64,
                  features=out / "features", progress=False)
-    steps = [r["step"] for r in map(json.loads, (out / "train.jsonl").read_text().splitlines()) if "step" in r]
+    records = [json.loads(line) for line in (out / "train.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in records if "loss" in r]
+    curve = [(r["step"], r["tokens"]) for r in records if "held_out" in r]
+    assert curve[:2] == [(6, 6 * 2 * 61), (12, 12 * 2 * 61)]  # held-out agreement at each checkpoint, by tokens seen
     assert steps[12:] == [13, 14]
 
 
@@ -483,3 +486,12 @@ def test_sampled_eagle3_tree_follows_the_target(tiny_hf, tiny_target, trained_he
     first, joint = first_two_tokens_pvalues(tiny_hf, prompt, params, [out[b] for b in range(2000)])
     assert first > P_THRESHOLD and joint > P_THRESHOLD
     assert taken > 50
+
+
+def test_expected_tokens_per_pass_from_per_step_agreement():
+    from verispec.heads.train import expected_tokens_per_pass
+
+    assert expected_tokens_per_pass([]) == 1.0
+    assert expected_tokens_per_pass([1.0, 1.0, 1.0]) == 4.0
+    assert expected_tokens_per_pass([0.5, 0.5]) == 1.75
+    assert expected_tokens_per_pass([0.8, 0.5, 0.0, 1.0], k=2) == pytest.approx(1 + 0.8 + 0.4)
