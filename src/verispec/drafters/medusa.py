@@ -20,8 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from verispec.drafters.base import BranchRule, Draft, Drafter, StopRule, Verdict, empty_draft
-from verispec.drafters.model import draw_alternates
+from verispec.drafters.base import BranchRule, Draft, Drafter, StopRule, Verdict, draw_alternates, empty_draft
 from verispec.heads.medusa import MedusaHead, check_target
 from verispec.sampling import SamplingParams, coupled_choice, sample, warp_rows
 
