@@ -2,7 +2,7 @@
 
 from verispec.api import GenerationResult, generate, load, stream
 from verispec.errors import VerispecError
-from verispec.heads.eagle3 import load_head
+from verispec.heads import load_head
 from verispec.sampling import SamplingParams
 from verispec.stats import SpecStats
 

@@ -13,14 +13,14 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 from transformers import PreTrainedModel
 
-from verispec.drafters import (Eagle3Drafter, HybridDrafter, ModelDrafter, NgramDrafter, NoDrafter, SharedCacheDrafter,
-                               SuffixDrafter)
+from verispec.drafters import (Eagle3Drafter, HybridDrafter, MedusaDrafter, ModelDrafter, NgramDrafter, NoDrafter,
+                               SharedCacheDrafter, SuffixDrafter)
 from verispec.drafters.base import Drafter
 from verispec.engine import Request, SpeculativeEngine, TokenEvent
 from verispec import options
 from verispec.errors import VerispecError
 from verispec.grammar import response_format_grammar
-from verispec.heads.eagle3 import Eagle3Head, load_head
+from verispec.heads import HEAD_TYPES, Eagle3Head, MedusaHead, is_head_directory, load_head
 from verispec.models import stored
 from verispec.models.base import CausalLM
 from verispec.models.hf import HFCausalLM, pick_device
@@ -74,7 +74,7 @@ def load(name_or_path: Any, dtype: torch.dtype | str | None = None, device: str 
     weight_dtype = _parse_weight_dtype(weight_dtype)
     if weight_dtype is not None and backend == "hf":
         raise VerispecError("weight_dtype needs the native backend: drop backend='hf' or weight_dtype")
-    if isinstance(name_or_path, (CausalLM, Eagle3Head)):  # already a verispec model or head
+    if isinstance(name_or_path, (CausalLM, *HEAD_TYPES)):  # already a verispec model or head
         return name_or_path
     if gguf_blocks is None:
         gguf_blocks = os.environ.get("VERISPEC_GGUF_BLOCKS", "0") not in ("0", "false", "no", "")
@@ -208,10 +208,20 @@ DRAFTERS: dict[str, Callable[[CausalLM, CausalLM | None, float], Drafter]] = {
     "self": lambda target, draft, confidence: SharedCacheDrafter(draft if draft is not None else self_draft(target), target,
                                                                  min_confidence=confidence),
     "eagle3": lambda target, draft, confidence: Eagle3Drafter(draft, target, min_confidence=confidence),
+    "medusa": lambda target, draft, confidence: MedusaDrafter(draft, target, min_confidence=confidence),
     "ngram": lambda target, draft, confidence: NgramDrafter(),
     "suffix": lambda target, draft, confidence: SuffixDrafter(suffix_index(target), target.vocab_size),
     "none": lambda target, draft, confidence: NoDrafter(),
 }
+
+
+# The drafter each kind of trained head drafts with (and the only one it drafts with).
+HEAD_DRAFTERS: dict[type, str] = {Eagle3Head: "eagle3", MedusaHead: "medusa"}
+
+
+def head_drafter(draft) -> str | None:
+    """The drafter name of a trained head (`HEAD_DRAFTERS`), None for anything else."""
+    return next((name for kind, name in HEAD_DRAFTERS.items() if isinstance(draft, kind)), None)
 
 
 # Each target's index of earlier outputs for drafter="suffix": every call (and every lane of a server) on
@@ -261,22 +271,6 @@ def _same_vocabulary(a, b) -> bool:
     return _SAME_VOCAB[key][2]
 
 
-def is_head_directory(path: str) -> bool:
-    """Whether `path` is a directory holding a trained EAGLE-3 head (its config.json says so: verispec's and
-    SpecForge's architecture, or a speculators eagle3 config)."""
-    import json
-    from pathlib import Path
-
-    from verispec.heads.eagle3 import ARCHITECTURE, CONFIG_FILE
-
-    config = Path(path).expanduser() / CONFIG_FILE
-    try:
-        data = json.loads(config.read_text())
-        return ARCHITECTURE in (data.get("architectures") or []) or data.get("speculators_model_type") == "eagle3"
-    except (OSError, ValueError, AttributeError):
-        return False
-
-
 def check_compatible(target: CausalLM, draft: CausalLM) -> None:
     """Draft and target must number tokens the same way, or draft tokens mean nothing to the target."""
     if target.tokenizer is not None and draft.tokenizer is not None:
@@ -324,8 +318,8 @@ def resolve_drafter(target: CausalLM, draft: CausalLM | None, drafter: str, new_
     """
     if drafter != "auto":
         return drafter
-    if isinstance(draft, Eagle3Head):
-        return "eagle3"
+    if head_drafter(draft) is not None:
+        return head_drafter(draft)
     if draft is not None:
         return "model"
     if self_draft_possible(target) and (target in _SELF_DRAFTS or new_tokens is None or new_tokens >= SELF_COPY_MIN_TOKENS
@@ -336,12 +330,14 @@ def resolve_drafter(target: CausalLM, draft: CausalLM | None, drafter: str, new_
 
 def make_drafter(target: CausalLM, draft: CausalLM | None, drafter: str, draft_confidence: float = 0.0) -> Drafter:
     drafter = resolve_drafter(target, draft, options.drafter_name(drafter))
-    if drafter == "eagle3" and not isinstance(draft, Eagle3Head):
-        raise VerispecError("drafter='eagle3' drafts with a trained head: pass draft=verispec.load_head(DIR) (or the "
-                            "head's directory); train one with `verispec train eagle3`")
-    if isinstance(draft, Eagle3Head) and drafter in ("model", "hybrid", "self"):
-        raise VerispecError(f"a trained head drafts with drafter='eagle3' (or 'auto'), not {drafter!r}")
-    if drafter == "eagle3" and draft.config.vocab_size != target.vocab_size:
+    if drafter in HEAD_DRAFTERS.values() and head_drafter(draft) != drafter:
+        if head_drafter(draft) is not None:
+            raise VerispecError(f"a trained head drafts with drafter={head_drafter(draft)!r} (or 'auto'), not {drafter!r}")
+        raise VerispecError(f"drafter={drafter!r} drafts with a trained head: pass draft=verispec.load_head(DIR) (or the "
+                            f"head's directory); train one with `verispec train {drafter}`")
+    if head_drafter(draft) is not None and drafter in ("model", "hybrid", "self"):
+        raise VerispecError(f"a trained head drafts with drafter={head_drafter(draft)!r} (or 'auto'), not {drafter!r}")
+    if head_drafter(draft) is not None and draft.config.vocab_size != target.vocab_size:
         raise VerispecError(f"the head was trained for {draft.config.target!r} ({draft.config.vocab_size} tokens); "
                             f"{target.name!r} has {target.vocab_size}: use it with its own target")
     if drafter in ("model", "hybrid"):
@@ -429,7 +425,7 @@ class Session:
         if head is not None:  # a trained draft head (a directory or `load_head`'s result) is the draft
             if draft is not None:
                 raise VerispecError("give either draft= or head=, not both")
-            draft = head if isinstance(head, Eagle3Head) else load_head(head)
+            draft = head if isinstance(head, HEAD_TYPES) else load_head(head)
         draft_model = load(draft) if draft is not None else None
         prompts, self.batched = _normalize_prompts(prompt)
         self.prompt_ids = _tokenize(self.target, prompts, chat, system)
@@ -515,8 +511,9 @@ def generate(target, prompt, *, draft=None, drafter: str = "auto", draft_len: Dr
     {"type": "lark", "grammar": ...}. Every position, draft positions included, is masked to what the grammar
     allows after the tokens before it (`verispec.grammar`), so the output is exactly plain constrained decoding's;
     it stops when the grammar is complete. A bad schema or pattern raises VerispecError.
-    head: a trained EAGLE-3 head (its directory, or `verispec.load_head(DIR)`; `verispec train eagle3` makes
-    one) drafts with drafter="eagle3" (which "auto" picks for it); draft=head works the same.
+    head: a trained draft head (its directory, or `verispec.load_head(DIR)`): an EAGLE-3 head (`verispec train
+    eagle3` makes one) drafts with drafter="eagle3", Medusa heads (`verispec train medusa`, or the Medusa
+    repository's files) with drafter="medusa"; "auto" picks the head's own. draft=head works the same.
     """
     session = Session(target, prompt, draft=draft, drafter=drafter, draft_len=draft_len, temperature=temperature,
                       top_k=top_k, top_p=top_p, seed=seed, coupled=coupled, blockwise=blockwise,

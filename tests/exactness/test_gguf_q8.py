@@ -337,3 +337,23 @@ def test_files_it_cannot_run_this_way_are_refused_clearly(tmp_path):
     del metadata["qwen2.attention.head_count"]
     with pytest.raises(VerispecError, match="no qwen2.attention.head_count"):
         gguf_q8._config(metadata, VOCAB)
+
+
+@pytest.mark.parametrize("kind", ["Q4_K", "Q5_K", "Q6_K"])
+def test_embedding_rows_are_ggml_dequantize_bit_for_bit(kind):
+    """GGUFMatrix.rows (the C lookup) gives bitwise gguf-py's dequantize of those rows (ggml's formulas),
+    subnormal and negative half-float scales included; ids out of range raise."""
+    rng = np.random.default_rng(KIND[kind])
+    raw = random_blocks(kind, 9, 512, rng)
+    size = BYTES[kind]
+    scale_at = (208,) if kind == "Q6_K" else (0, 2)
+    raw[3].reshape(2, size)[0, scale_at[0]:scale_at[0] + 2] = np.frombuffer(np.float16(3e-6).tobytes(), np.uint8)  # subnormal
+    raw[4].reshape(2, size)[1, scale_at[-1]:scale_at[-1] + 2] = np.frombuffer(np.float16(-0.75).tobytes(), np.uint8)
+    matrix = kernels.GGUFMatrix(torch.from_numpy(raw), KIND[kind])
+    ids = torch.tensor([[3, 0, 8], [4, 4, 1]])
+    got = matrix.rows(ids)
+    want = dequantize(raw[ids.reshape(-1).numpy()], getattr(GGMLQuantizationType, kind)).reshape(2, 3, 512)
+    assert got.shape == (2, 3, 512)
+    assert np.array_equal(got.numpy().view(np.int32), want.astype(np.float32).view(np.int32))
+    with pytest.raises(IndexError):
+        matrix.rows(torch.tensor([9]))

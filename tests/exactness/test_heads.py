@@ -64,7 +64,7 @@ def test_bad_taps_raise(pair):
     hf, model = pair
     for backend in (hf, model):
         with pytest.raises(ValueError, match="taps"):
-            backend.forward(torch.tensor([[1, 2]]), backend.new_cache(1), taps=(8,))
+            backend.forward(torch.tensor([[1, 2]]), backend.new_cache(1), taps=(9,))  # 8: the final normed state
 
 
 # --- the head -----------------------------------------------------------------------------------------
@@ -134,7 +134,7 @@ def test_unroll_is_what_the_drafter_computes(tiny_target):
     with torch.no_grad():
         unrolled = head.unroll(taps[:, :width], tokens, steps)
     for n in (1, 6, width):  # the drafter has read taps of positions 0..n-1
-        drafter = Eagle3Drafter(head, tiny_target)
+        drafter = Eagle3Drafter(head, tiny_target, weights=None)
         drafter.add([PROMPT[: n + 1]])
         drafter.observe_taps([taps[0, :n]])
         with torch.no_grad():
@@ -144,6 +144,28 @@ def test_unroll_is_what_the_drafter_computes(tiny_target):
                 if n + 1 + i < len(PROMPT):
                     next_token = torch.tensor([[PROMPT[n + 1 + i]]])
                     hidden = drafter._layer(next_token, hidden[:, None], torch.ones(1, 1, dtype=torch.bool))[:, 0]
+
+
+@pytest.mark.parametrize("weights", ["int8", "int4", "bfloat16"])
+def test_rounded_head_drafts_near_the_float_head_and_leaves_it_alone(tiny_target, weights):
+    """A drafter's head rounded for the CPU kernels scores tokens close to the float head (rounding
+    only moves proposals, never the output), and the caller's head keeps its float32 weights."""
+    head = random_head(tiny_target)
+    before = {k: v.clone() for k, v in head.state_dict().items()}
+    tokens = torch.tensor([PROMPT])
+    _, taps = tiny_target.forward(tokens, tiny_target.new_cache(1), taps=TAPS)
+    logits = {}
+    for name, w in (("float", None), ("rounded", weights)):
+        drafter = Eagle3Drafter(head, tiny_target, weights=w)
+        drafter.add([PROMPT])
+        drafter.observe_taps([taps[0, :-1]])
+        with torch.no_grad():
+            hidden, _ = drafter._catch_up([PROMPT])
+            logits[name] = drafter.head.logits(hidden)
+    assert not torch.equal(logits["float"], logits["rounded"])  # it did round
+    cosine = torch.nn.functional.cosine_similarity(logits["float"], logits["rounded"], dim=-1)
+    assert float(cosine.min()) > (0.98 if weights == "int4" else 0.995)
+    assert all(torch.equal(v, head.state_dict()[k]) for k, v in before.items())
 
 
 def test_soft_targets_renormalize_over_the_draft_vocab(tiny_target):
@@ -360,7 +382,10 @@ def test_smollm_training_lowers_the_loss_and_resumes(smol_head):
     config = TrainConfig(steps=14, ttt_steps=3, checkpoint_every=6, lr=1e-3, warmup=2, eval_sequences=4)
     train_eagle3(target, out, max_tokens=2048, draft_vocab=2048, config=config, seq_len=64,
                  features=out / "features", progress=False)
-    steps = [r["step"] for r in map(json.loads, (out / "train.jsonl").read_text().splitlines()) if "step" in r]
+    records = [json.loads(line) for line in (out / "train.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in records if "loss" in r]
+    curve = [(r["step"], r["tokens"]) for r in records if "held_out" in r]
+    assert curve[:2] == [(6, 6 * 2 * 61), (12, 12 * 2 * 61)]  # held-out agreement at each checkpoint, by tokens seen
     assert steps[12:] == [13, 14]
 
 
@@ -389,3 +414,84 @@ def test_cli_trains_a_head(tmp_path, smol_head):
                  "--features", str(tmp_path / "f")])
     assert code == 0 and isinstance(verispec.load(str(tmp_path / "h")), Eagle3Head)
     assert main(["train", "eagle3", "--target", "smollm2-135m", "--out", str(tmp_path / "h"), "--steps", "0"]) == 2
+
+
+class CharTokenizer:
+    """Characters as token ids (mod the vocabulary): enough text handling for feature extraction."""
+
+    chat_template = None
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [ord(c) % self.vocab_size for c in text]
+
+
+def test_resumed_extraction_reuses_self_distilled_answers(tiny_target, tmp_path, monkeypatch):
+    """A resumed extraction takes the target's answers from answers.jsonl instead of decoding them again,
+    and makes the same shards."""
+    from verispec.heads import data
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(f'{{"prompt": "def f{i}(x):"}}\n' for i in range(6)))
+    spec = data.FeatureSpec(target="tiny", taps=TAPS, seq_len=16, shard_sequences=2, sources=(str(prompts),),
+                            self_distill=True, max_new_tokens=8)
+    monkeypatch.setattr(tiny_target, "tokenizer", CharTokenizer(tiny_target.vocab_size), raising=False)
+    first = data.extract(tiny_target, tmp_path / "a", spec, 64, progress=False)
+    decoded = []
+    real = data._greedy_answers
+    monkeypatch.setattr(data, "_greedy_answers", lambda *a: decoded.append(a) or real(*a))
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / data.ANSWERS).write_text((tmp_path / "a" / data.ANSWERS).read_text())
+    again = data.extract(tiny_target, tmp_path / "b", spec, 64, progress=False)
+    assert decoded == []
+    for x, y in zip(first, again):
+        assert torch.equal(data.load_shard(x)["tokens"], data.load_shard(y)["tokens"])
+
+
+@pytest.mark.parametrize("k", [2, 5])
+def test_greedy_eagle3_tree_with_alternates_equals_plain(tiny_target, trained_head, k):
+    """Every chain position carries the head's second choice: output still the target's, and alternates
+    were taken where the chain broke off."""
+    from test_trees import _Always, _decode
+
+    plain = [_decode(tiny_target, Eagle3Drafter(trained_head, tiny_target), [p], _Always(0))[0][0] for p in PROMPTS]
+    got, stats = _decode(tiny_target, Eagle3Drafter(trained_head, tiny_target), PROMPTS, _Always(k))
+    assert got == plain
+    assert stats.alternates_drafted > 0 and stats.alternates_accepted > 0
+
+
+def test_sampled_eagle3_tree_follows_the_target(tiny_hf, tiny_target, trained_head):
+    """A sampled row's alternate is drawn from q without the chain's token: the first two tokens of 2000
+    seeded rows (batches of 4, alternates everywhere) follow the target's distribution (chi-square)."""
+    from dataclasses import replace
+
+    from test_sampling_exactness import P_THRESHOLD, first_two_tokens_pvalues, repeating_prompt
+    from test_trees import _Always
+    from verispec.engine import DecodeBatch, Request
+    from verispec.sampling import SamplingParams
+
+    params = SamplingParams(temperature=0.8, seed=11)
+    prompt = repeating_prompt(tiny_target)
+    out, taken = {}, 0
+    for first_row in range(0, 2000, 4):
+        batch = DecodeBatch(tiny_target, Eagle3Drafter(trained_head, tiny_target), _Always(3))
+        batch.add([Request(prompt=prompt, sampling=replace(params, seed=params.seed + b), max_new_tokens=2, id=b)
+                   for b in range(first_row, first_row + 4)])
+        while len(batch):
+            for event in batch.step():
+                out.setdefault(event.request_id, []).extend(event.tokens)
+        taken += batch.stats.alternates_accepted
+    first, joint = first_two_tokens_pvalues(tiny_hf, prompt, params, [out[b] for b in range(2000)])
+    assert first > P_THRESHOLD and joint > P_THRESHOLD
+    assert taken > 50
+
+
+def test_expected_tokens_per_pass_from_per_step_agreement():
+    from verispec.heads.train import expected_tokens_per_pass
+
+    assert expected_tokens_per_pass([]) == 1.0
+    assert expected_tokens_per_pass([1.0, 1.0, 1.0]) == 4.0
+    assert expected_tokens_per_pass([0.5, 0.5]) == 1.75
+    assert expected_tokens_per_pass([0.8, 0.5, 0.0, 1.0], k=2) == pytest.approx(1 + 0.8 + 0.4)

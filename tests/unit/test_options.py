@@ -62,8 +62,8 @@ def test_drafter_names_are_the_drafters_the_api_builds():
     from verispec.api import DRAFTERS
 
     assert set(options.DRAFTER_NAMES) == {"auto", *DRAFTERS}
-    with pytest.raises(VerispecError, match="unknown drafter 'medusa'.*ngram"):
-        options.drafter_name("medusa")
+    with pytest.raises(VerispecError, match="unknown drafter 'lookahead'.*ngram"):
+        options.drafter_name("lookahead")
 
 
 def test_capabilities_have_defaults_and_backends_declare_theirs():

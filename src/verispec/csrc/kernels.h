@@ -80,6 +80,9 @@ VS_API void blocked_linear(const vs_blocked *args, int threads);
 /* kquant_q8_pack.c: a GGUF Q4_K / Q6_K matrix [N, K] (kind 12 / 14) repacked for VS_GGUF_Q8 products into
  * packed [ceil(N / 16) * K / 256 * (2368 or 3360 bytes)]; -1 for another kind or K % 256 */
 VS_API int gguf_q8_repack(const uint8_t *blocks, uint8_t *packed, int64_t N, int64_t K, int kind, int threads);
+/* Rows ids[0..n) of an [N, K] Q4_K / Q5_K / Q6_K matrix (`kind`, its blocks as the file stores them) ->
+ * out [n, K] float32, as ggml's dequantize_row_*: 0, or 1 (bad kind or K), 2 (an id out of range). */
+VS_API int gguf_dequantize_rows(const uint8_t *blocks, const int64_t *ids, int64_t n, int64_t N, int64_t K, int kind, float *out);
 VS_API int64_t exact_blocks_mismatch(const void *w, const float *s, const float *dense, int64_t N, int64_t K, int format);
 VS_API int int4_quantize(const float *w, uint8_t *packed, float *scale, const float *shrinks, int64_t N, int64_t K,
                          int count, int isa, int threads);

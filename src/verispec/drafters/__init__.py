@@ -3,11 +3,12 @@
 from verispec.drafters.base import Draft, Drafter, Verdict
 from verispec.drafters.eagle3 import Eagle3Drafter
 from verispec.drafters.hybrid import HybridDrafter
+from verispec.drafters.medusa import MedusaDrafter
 from verispec.drafters.model import ModelDrafter
 from verispec.drafters.ngram import NgramDrafter
 from verispec.drafters.none import NoDrafter
 from verispec.drafters.shared import SharedCacheDrafter
 from verispec.drafters.suffix import SuffixDrafter, SuffixIndex
 
-__all__ = ["Draft", "Drafter", "Verdict", "Eagle3Drafter", "HybridDrafter", "ModelDrafter", "NgramDrafter", "NoDrafter",
+__all__ = ["Draft", "Drafter", "Verdict", "Eagle3Drafter", "HybridDrafter", "MedusaDrafter", "ModelDrafter", "NgramDrafter", "NoDrafter",
            "SharedCacheDrafter", "SuffixDrafter", "SuffixIndex"]

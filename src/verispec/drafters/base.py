@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from verispec.sampling import SamplingParams
+from verispec.sampling import SamplingParams, sample
 
 if TYPE_CHECKING:
     from verispec.models.base import CausalLM, ModelCache
@@ -152,7 +152,8 @@ class Drafter(Protocol):
     # `propose` must leave that cache as it found it (`SharedCacheDrafter`).
     shares_cache: bool = False
 
-    # Reads the target's hidden states at the inputs of these layers (a trained head, `Eagle3Drafter`): the
+    # Reads the target's hidden states at the inputs of these layers (a trained head, `Eagle3Drafter`; index
+    # = the target's layer count: its final hidden state after the final norm, `MedusaDrafter`): the
     # engine's prefill and verify passes also return them, and it hands over those of every token the
     # target's cache keeps (`observe_taps`), with no extra target pass. None: it reads none.
     target_taps: "tuple[int, ...] | None" = None
@@ -196,3 +197,24 @@ def empty_draft(batch_size: int, device: torch.device | str = "cpu") -> Draft:
         tokens=torch.zeros(batch_size, 0, dtype=torch.long, device=device),
         num_drafted=torch.zeros(batch_size, dtype=torch.long, device=device),
     )
+
+
+def draw_alternates(i, logits, q, tokens, greedy, generators, second_choice, alternate_confidence, alternate_probs):
+    """Each row's candidate alternate at position i of a sampled batch, with the distribution q' it comes
+    from: a greedy row's second choice (q' one-hot on it), a sampled row's draw from q without the chain's
+    token (none where q had all its mass there)."""
+    for b in range(tokens.shape[0]):
+        if greedy[b]:
+            top = logits[b].softmax(-1).topk(2)
+            second_choice[b, i], alternate_confidence[b, i] = top.indices[1], top.values[1]
+            alternate_probs[b, i, top.indices[1]] = 1.0
+            continue
+        rest = q[b].clone()
+        rest[tokens[b, i]] = 0.0
+        mass = float(rest.sum())
+        if mass <= 0:
+            second_choice[b, i] = tokens[b, i]  # no alternate: the chain's token was q's only one
+            continue
+        alternate = sample(rest, generators[b])
+        second_choice[b, i], alternate_confidence[b, i] = alternate, q[b, alternate]
+        alternate_probs[b, i] = rest / mass

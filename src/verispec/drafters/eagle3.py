@@ -7,7 +7,9 @@ the token after them is known, which it is by the next `propose`. A round then:
 1. catches up: one head pass over the new positions (target taps beside the next tokens), appended to
    the head's own key/value cache; its output at the last position predicts the first draft token;
 2. drafts: each further token feeds the head its own output hidden state beside the token it chose,
-   one position to the right (as training-time test trained it);
+   one position to the right (as training-time test trained it); where the step asks for token-tree
+   alternates, a position's alternate is the head's second choice (a sampled row's: a draw from q
+   without the chain's token);
 3. forgets the drafted positions in its cache: they were built from its own hidden states, and the next
    round rebuilds the accepted ones from the target's.
 
@@ -18,11 +20,14 @@ speculative sampling stays exact. The output is the target's either way: the hea
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from verispec.cache import SlotCache
-from verispec.drafters.base import BranchRule, Draft, Drafter, StopRule, Verdict, empty_draft
+from verispec.drafters.base import BranchRule, Draft, Drafter, StopRule, Verdict, draw_alternates, empty_draft
 from verispec.heads.eagle3 import Eagle3Head, target_embedding
+from verispec.models import kernels
 from verispec.prefill import left_pad
 from verispec.sampling import SamplingParams, coupled_choice, sample, warp_rows
 
@@ -30,11 +35,19 @@ from verispec.sampling import SamplingParams, coupled_choice, sample, warp_rows
 class Eagle3Drafter(Drafter):
     """Drafts with a trained EAGLE-3 head; `target_taps` (set per head) makes the engine hand it the target's taps."""
 
-    def __init__(self, head: Eagle3Head, target, min_confidence: float = 0.0):
-        if head.embed is None:
-            head.bind(target_embedding(target))
+    def __init__(self, head: Eagle3Head, target, min_confidence: float = 0.0, weights: str | None = "auto"):
+        """weights: how the head's matrices are stored while drafting: "int8", "int4" or "bfloat16" (a copy
+        of the head rounded for verispec's CPU kernels: a quarter of float32's bytes per draft token at
+        int8), None (the head as given), or "auto" (int8 on a CPU with the kernels, else as given). A head
+        already rounded (`Eagle3Head.quantize`) drafts as it is."""
         if head.config.vocab_size != target.vocab_size:
             raise ValueError(f"the head scores a {head.config.vocab_size}-token vocabulary, the target has {target.vocab_size}")
+        if weights == "auto":
+            weights = "int8" if kernels.available() and head.lm_head.weight.device.type == "cpu" else None
+        if weights is not None and head.rounded is None:
+            head = rounded_copy(head, weights)
+        if head.embed is None:
+            head.bind(target_embedding(target))
         self.head = head.eval()
         self.target_taps = tuple(head.config.taps)  # the engine's verify passes return these for `observe_taps`
         self.vocab_size = target.vocab_size
@@ -84,7 +97,7 @@ class Eagle3Drafter(Drafter):
         seen = self.slots.num_tokens().tolist()
         rows_tokens, rows_taps = [], []
         for b in range(batch):
-            taps = torch.cat(self.pending[b]) if self.pending[b] else torch.zeros(0, self.head.fc.in_features)
+            taps = torch.cat(self.pending[b]) if self.pending[b] else torch.zeros(0, self.head.in_features)
             if seen[b] + len(taps) != len(sequences[b]) - 1:
                 raise RuntimeError(f"row {b}: the head holds {seen[b]} positions and {len(taps)} new taps, but the "
                                    f"target's cache holds {len(sequences[b]) - 1}")
@@ -93,7 +106,7 @@ class Eagle3Drafter(Drafter):
             self.pending[b] = []
         tokens, visible = left_pad(rows_tokens)
         width = tokens.shape[1]
-        taps = torch.zeros(batch, width, self.head.fc.in_features)
+        taps = torch.zeros(batch, width, self.head.in_features)
         for b, row in enumerate(rows_taps):
             if len(row):
                 taps[b, width - len(row) :] = row
@@ -119,13 +132,21 @@ class Eagle3Drafter(Drafter):
         num_drafted = torch.zeros(batch, dtype=torch.long)
         going = known.clone()  # a row with no position yet (a one-token prompt) drafts nothing this round
         draft_ids = self.head.draft_token_ids
+        second_choice = torch.full((batch, draft_len), -1, dtype=torch.long) if branch is not None else None
+        alternate_confidence = torch.zeros(batch, draft_len) if branch is not None else None
+        alternate_probs = torch.zeros(batch, draft_len, self.vocab_size) if branch is not None and not all_greedy else None
         try:
             for i in range(draft_len):
                 logits = self.head.logits(hidden)  # [B, V] over the draft vocabulary
                 if all_greedy:
-                    top = logits.max(-1)
-                    tokens[:, i] = draft_ids[top.indices]
-                    confidence[:, i] = torch.exp(top.values - torch.logsumexp(logits, -1))
+                    if branch is None:
+                        top = logits.max(-1)
+                        tokens[:, i] = draft_ids[top.indices]
+                        confidence[:, i] = torch.exp(top.values - torch.logsumexp(logits, -1))
+                    else:  # the head's second choice is the position's alternate
+                        top = logits.softmax(-1).topk(2, -1)
+                        tokens[:, i], second_choice[:, i] = draft_ids[top.indices[:, 0]], draft_ids[top.indices[:, 1]]
+                        confidence[:, i], alternate_confidence[:, i] = top.values[:, 0], top.values[:, 1]
                 else:
                     full = logits.new_full((batch, self.vocab_size), float("-inf"))
                     full[:, draft_ids] = logits
@@ -136,6 +157,9 @@ class Eagle3Drafter(Drafter):
                     confidence[:, i] = q.max(-1).values  # never q(drawn token): see ModelDrafter
                     if greedy.any():
                         confidence[greedy, i] = logits[greedy].softmax(-1).max(-1).values
+                    if branch is not None:
+                        draw_alternates(i, full, q, tokens, greedy, generators, second_choice, alternate_confidence,
+                                        alternate_probs)
                 if stop is not None:
                     going &= stop(i, confidence[:, i])
                 if self.min_confidence:
@@ -146,7 +170,13 @@ class Eagle3Drafter(Drafter):
                 hidden = self._layer(tokens[:, i : i + 1], hidden[:, None], torch.ones(batch, 1, dtype=torch.bool))[:, 0]
         finally:
             self._truncate(kept)  # drafted positions hold the head's own states: the target's replace them
-        return Draft(tokens=tokens, num_drafted=num_drafted, probs=probs, confidence=confidence)
+        alternates = None
+        if branch is not None:
+            drafted = torch.arange(draft_len)[None, :] < num_drafted[:, None]
+            wanted = drafted & (second_choice >= 0) & (second_choice != tokens) & branch(alternate_confidence, num_drafted)
+            alternates = torch.where(wanted, second_choice, -1)
+        return Draft(tokens=tokens, num_drafted=num_drafted, probs=probs, confidence=confidence, alternates=alternates,
+                     alternate_confidence=alternate_confidence, alternate_probs=alternate_probs)
 
     def _truncate(self, length: int) -> None:
         self.slots.truncate(torch.full((self.slots.batch_size,), length, dtype=torch.long))
@@ -160,3 +190,25 @@ class Eagle3Drafter(Drafter):
         self.slots.select(index)
         self.keys, self.values = self.keys[index], self.values[index]
         self.pending = [self.pending[b] for b in rows]
+
+
+def rounded_copy(head: Eagle3Head, weights: str) -> Eagle3Head:
+    """A copy of `head` with its matrices rounded to `weights` (Eagle3Head.quantize), sharing its bound
+    embedding; the caller's head is left as it was. Made once per head and format (a drafter is built
+    per generate call; rounding 50M weights each time would cost more than the call's drafting), and
+    made again if the head's weights changed since (e.g. trained further)."""
+    version = tuple(t._version for t in head.state_dict().values())
+    cached = _ROUNDED.get(head, {}).get(weights)
+    if cached is not None and cached[0] == version:
+        copy = cached[1]
+    else:
+        copy = Eagle3Head(head.config)
+        copy.load_state_dict(head.state_dict())
+        copy.quantize(weights)
+        _ROUNDED.setdefault(head, {})[weights] = (version, copy)
+    if head.embed is not None and copy.embed is not head.embed:
+        copy.bind(head.embed)
+    return copy
+
+
+_ROUNDED: "weakref.WeakKeyDictionary[Eagle3Head, dict]" = weakref.WeakKeyDictionary()

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from verispec.drafters.base import BranchRule, Draft, Drafter, StopRule, Verdict, empty_draft
+from verispec.drafters.base import BranchRule, Draft, Drafter, StopRule, Verdict, draw_alternates, empty_draft
 from verispec.models.base import CausalLM
 from verispec.prefill import left_pad, prefill
 from verispec.grammar import Constraint, mask_logits
@@ -109,7 +109,7 @@ class ModelDrafter(Drafter):
                 if greedy.any():  # a greedy row's one-hot q would say 1: its confidence comes from its logits
                     confidence[greedy, i] = logits[greedy].softmax(-1).max(-1).values
                 if branch is not None:
-                    self._draw_alternates(i, logits, q, tokens, greedy, generators, second_choice, alternate_confidence,
+                    draw_alternates(i, logits, q, tokens, greedy, generators, second_choice, alternate_confidence,
                                           alternate_probs)
             if stop is not None:
                 going &= stop(i, confidence[:, i])
@@ -128,27 +128,6 @@ class ModelDrafter(Drafter):
             alternates = torch.where(wanted, second_choice, -1)
         return Draft(tokens=tokens, num_drafted=num_drafted, probs=probs, confidence=confidence,
                      alternates=alternates, alternate_confidence=alternate_confidence, alternate_probs=alternate_probs)
-
-    @staticmethod
-    def _draw_alternates(i, logits, q, tokens, greedy, generators, second_choice, alternate_confidence, alternate_probs):
-        """Each row's candidate alternate at position i of a sampled batch, with the distribution q' it comes
-        from: a greedy row's second choice (q' one-hot on it), a sampled row's draw from q without the chain's
-        token (none where q had all its mass there)."""
-        for b in range(tokens.shape[0]):
-            if greedy[b]:
-                top = logits[b].softmax(-1).topk(2)
-                second_choice[b, i], alternate_confidence[b, i] = top.indices[1], top.values[1]
-                alternate_probs[b, i, top.indices[1]] = 1.0
-                continue
-            rest = q[b].clone()
-            rest[tokens[b, i]] = 0.0
-            mass = float(rest.sum())
-            if mass <= 0:
-                second_choice[b, i] = tokens[b, i]  # no alternate: the chain's token was q's only one
-                continue
-            alternate = sample(rest, generators[b])
-            second_choice[b, i], alternate_confidence[b, i] = alternate, q[b, alternate]
-            alternate_probs[b, i] = rest / mass
 
     def commit(self, verdict: Verdict) -> None:
         if self._round is None:

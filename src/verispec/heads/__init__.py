@@ -1,9 +1,39 @@
 """Trained draft heads: small networks that read the target's hidden states and propose its next tokens.
 
-`eagle3` holds the EAGLE-3 head and its files, `data` extracts training features from a target,
-`train` trains a head with training-time test. The drafter that serves a head is `drafters.eagle3`.
+`eagle3` holds the EAGLE-3 head and its files, `medusa` Medusa-1 heads and theirs; `data` extracts training
+features from a target, `train` trains an EAGLE-3 head with training-time test, `train_medusa` Medusa
+heads. The drafters that serve them are `drafters.eagle3` and `drafters.medusa`.
+
+`load_head` reads any kind from its directory: each kind declares the directories it recognizes
+(`is_head_directory`) and how to load them, in the `KINDS` table.
 """
 
-from verispec.heads.eagle3 import Eagle3Config, Eagle3Head, load_head, save_head
+from pathlib import Path
 
-__all__ = ["Eagle3Config", "Eagle3Head", "load_head", "save_head"]
+from verispec.errors import VerispecError
+from verispec.heads import eagle3, medusa
+from verispec.heads.eagle3 import Eagle3Config, Eagle3Head, save_head
+from verispec.heads.medusa import MedusaConfig, MedusaHead
+
+# (recognizes a directory, loads it): one row per kind of head
+KINDS = ((eagle3.is_head_directory, eagle3.load_head), (medusa.is_head_directory, medusa.load_head))
+HEAD_TYPES = (Eagle3Head, MedusaHead)
+
+
+def is_head_directory(path) -> bool:
+    """Whether `path` is a directory holding a trained draft head of any kind."""
+    return any(recognizes(path) for recognizes, _ in KINDS)
+
+
+def load_head(directory, target=None):
+    """The draft head saved in `directory` (EAGLE-3 or Medusa, verispec's layout or its authors'), in eval mode;
+    checked against (and, for EAGLE-3, bound to) `target` when one is given."""
+    for recognizes, load in KINDS:
+        if recognizes(directory):
+            return load(directory, target)
+    raise VerispecError(f"{Path(directory)} is not a draft head: it needs a config.json naming an EAGLE-3 or Medusa "
+                        "head beside its weights (train one with `verispec train eagle3` or `verispec train medusa`)")
+
+
+__all__ = ["Eagle3Config", "Eagle3Head", "MedusaConfig", "MedusaHead", "HEAD_TYPES", "is_head_directory", "load_head",
+           "save_head"]

@@ -18,7 +18,8 @@ What is stored, per sequence of `seq_len` tokens (shards of `shard_sequences` se
 target's top-`top_k` next-token log-probabilities over its full vocabulary, `top_ids` [N, T, K] int32 and
 `top_logprobs` [N, T, K] float16; a head's draft vocabulary is chosen later, from these files. A shard is
 written under a temporary name and renamed when complete, so an interrupted run resumes at the first
-missing shard; `manifest.json` pins the target, taps, sequence length and sources the shards belong to.
+missing shard (self-distilled answers are kept in `answers.jsonl`, so it does not decode them again);
+`manifest.json` pins the target, taps, sequence length and sources the shards belong to.
 
 The module knows nothing about the head or its training.
 """
@@ -39,6 +40,7 @@ from tqdm import tqdm
 from verispec.errors import VerispecError
 
 MANIFEST = "manifest.json"
+ANSWERS = "answers.jsonl"  # self-distilled answers, kept for resumed runs
 
 
 @dataclass
@@ -116,9 +118,10 @@ def documents(sources: tuple[str, ...]) -> Iterator[tuple[str, str]]:
                 yield file.read_text(errors="ignore"), TEXT
 
 
-def token_sequences(target, spec: FeatureSpec) -> Iterator[list[int]]:
+def token_sequences(target, spec: FeatureSpec, answers: "AnswerCache | None" = None) -> Iterator[list[int]]:
     """The token stream of the sources cut into sequences of spec.seq_len tokens (documents joined by
-    EOS; a prompt followed by the target's greedy answer when self-distilling)."""
+    EOS; a prompt followed by the target's greedy answer when self-distilling, taken from `answers` when
+    an earlier run wrote it there)."""
     from verispec.text import encode_prompt
 
     tokenizer = target.tokenizer
@@ -130,8 +133,11 @@ def token_sequences(target, spec: FeatureSpec) -> Iterator[list[int]]:
 
     def flush() -> Iterator[list[int]]:
         nonlocal buffer
-        answers = _greedy_answers(target, prompts, spec.max_new_tokens) if prompts else []
-        for ids, answer in zip(prompts, answers):
+        cache = answers if answers is not None else AnswerCache(None)
+        missing = [p for p in prompts if cache.get(p) is None]
+        if missing:
+            cache.put(missing, _greedy_answers(target, missing, spec.max_new_tokens))
+        for ids, answer in zip(prompts, [cache.get(p) for p in prompts]):
             buffer.extend(ids + answer + separator)
         prompts.clear()
         while len(buffer) >= spec.seq_len:
@@ -151,6 +157,31 @@ def token_sequences(target, spec: FeatureSpec) -> Iterator[list[int]]:
             buffer.extend(ids + separator)
         yield from flush()
     yield from flush()
+
+
+class AnswerCache:
+    """The target's self-distilled answers by prompt, appended to a JSON-lines file (when given) so a
+    resumed extraction does not decode them again: they are the slow part of self-distillation."""
+
+    def __init__(self, path: Path | None):
+        self.path, self.known = path, {}
+        if path is not None and path.exists():
+            for line in path.read_text().splitlines():
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:
+                    continue  # a line cut short by an interrupted run
+                self.known[tuple(row["prompt"])] = row["answer"]
+
+    def get(self, prompt: list[int]) -> list[int] | None:
+        return self.known.get(tuple(prompt))
+
+    def put(self, prompts: list[list[int]], answers: list[list[int]]) -> None:
+        for prompt, answer in zip(prompts, answers):
+            self.known[tuple(prompt)] = answer
+        if self.path is not None:
+            with self.path.open("a") as f:
+                f.writelines(json.dumps({"prompt": p, "answer": a}) + "\n" for p, a in zip(prompts, answers))
 
 
 ANSWER_BATCH = 8  # prompts answered in one batch when self-distilling: a CPU pass of 8 rows costs < 2 of one
@@ -209,7 +240,7 @@ def extract(target, directory: str | Path, spec: FeatureSpec, max_tokens: int, p
     missing = [i for i, p in enumerate(paths) if not p.exists()]
     if not missing:
         return paths
-    stream = token_sequences(target, spec)
+    stream = token_sequences(target, spec, AnswerCache(directory / ANSWERS))
     bar = tqdm(total=len(missing) * per_shard, unit="tok", desc="features", disable=not progress, smoothing=0.1)
     started = time.perf_counter()
     for i in range(shards):

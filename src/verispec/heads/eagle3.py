@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from verispec.errors import VerispecError
+from verispec.heads.vocab import DraftVocab
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"  # the name SpecForge and SGLang give this layout
 CONFIG_FILE = "config.json"
@@ -136,6 +137,41 @@ def _rope_theta(config) -> float:
     return params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
 
 
+class KernelLinear(nn.Module):
+    """A drafting-time stand-in for a bias-free `nn.Linear`: its weight rounded to int8 or int4 (or
+    narrowed to bfloat16) and multiplied by verispec's CPU kernels, a quarter to a seventh of float32's
+    bytes. A head's weights only shape its proposals, never the output, so rounding them is safe: it
+    can only change how many proposals the target accepts. Inference only (no gradients)."""
+
+    FORMATS = ("bfloat16", "int8", "int4")
+
+    def __init__(self, linear: nn.Linear, weights: str):
+        from verispec.models import kernels
+
+        super().__init__()
+        if weights not in self.FORMATS:
+            raise VerispecError(f"a head's weights can be {', '.join(self.FORMATS)}, not {weights!r}")
+        dense = linear.weight.detach().float().contiguous()
+        if weights == "int4" and dense.shape[1] % kernels.Int4Matrix.GROUP:
+            weights = "int8"  # int4 groups must tile the rows
+        self.matrix = {"bfloat16": lambda w: w.to(torch.bfloat16).contiguous(), "int8": kernels.Int8Matrix.quantize,
+                       "int4": kernels.Int4Matrix.quantize}[weights](dense)
+        self.in_features, self.out_features = dense.shape[1], dense.shape[0]
+        self.format = weights
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The rounded weight as float32 (for inspection; the kernels read `matrix`)."""
+        matrix = self.matrix
+        return matrix.float() if isinstance(matrix, torch.Tensor) else matrix.dequantize()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from verispec.models import kernels
+
+        rows = x.reshape(-1, self.in_features).float().contiguous()
+        return kernels.rowwise_linear(rows, self.matrix).view(*x.shape[:-1], self.out_features)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float):
         super().__init__()
@@ -183,7 +219,7 @@ class MidLayer(nn.Module):
         self.mlp = MLP(config)
 
 
-class Eagle3Head(nn.Module):
+class Eagle3Head(DraftVocab, nn.Module):
     """fc, midlayer, norm, lm_head and the d2t/t2d maps; `embed` (the target's token embedding) is bound
     with `bind` and never saved or trained. Shapes: B batch, T positions, H hidden, V draft vocabulary."""
 
@@ -198,24 +234,11 @@ class Eagle3Head(nn.Module):
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
         self.embed: torch.Tensor | None = None  # [vocab, H], the target's, bound by `bind`
+        self.rounded: str | None = None  # the format `quantize` rounded the matrices to (None: float)
         inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, config.head_dim, 2).float() / config.head_dim))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
-    # --- vocabulary --------------------------------------------------------------------------------
-
-    def set_draft_vocab(self, token_ids: torch.Tensor) -> None:
-        """Draft id i scores target token token_ids[i] (sorted, distinct): fills d2t (offsets) and t2d."""
-        token_ids = torch.as_tensor(token_ids, dtype=torch.long).sort().values
-        if len(token_ids) != self.config.draft_vocab_size or len(token_ids.unique()) != len(token_ids):
-            raise ValueError(f"need {self.config.draft_vocab_size} distinct token ids, got {len(token_ids)}")
-        self.d2t.copy_(token_ids - torch.arange(len(token_ids)))
-        self.t2d.zero_()
-        self.t2d[token_ids] = True
-
-    @property
-    def draft_token_ids(self) -> torch.Tensor:
-        """[V] long: the target id of each draft id."""
-        return torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t
+    # --- vocabulary: `set_draft_vocab`, `draft_token_ids` (DraftVocab) and the target's embedding ---
 
     def bind(self, embedding) -> "Eagle3Head":
         """Use the target's token embedding [vocab, H] (shared, not copied): a float tensor, or a quantized
@@ -233,11 +256,34 @@ class Eagle3Head(nn.Module):
             return F.embedding(tokens, self.embed).float()
         return self.embed.rows(tokens.cpu()).to(tokens.device)
 
+    def quantize(self, weights: str) -> "Eagle3Head":
+        """Round every matrix to `weights` ("int8", "int4" or "bfloat16") for drafting on a CPU with
+        verispec's kernels (`KernelLinear`): a draft token then reads a quarter (int8) of float32's bytes.
+        For inference only; a saved head keeps its float32 weights. Returns self."""
+        from verispec.models import kernels
+
+        if not kernels.available():
+            raise VerispecError("quantized heads need verispec's C kernels (a C compiler and an AVX2 CPU); "
+                                "draft with float32 weights instead (weights=None)")
+        if self.rounded is not None:
+            raise VerispecError(f"this head's matrices are already rounded to {self.rounded}: quantize the float head")
+        for parent in [self, self.midlayer.self_attn, self.midlayer.mlp]:
+            for name, child in list(parent.named_children()):
+                if isinstance(child, nn.Linear):
+                    setattr(parent, name, KernelLinear(child, weights))
+        self.rounded = weights
+        return self.eval()
+
+    @property
+    def in_features(self) -> int:
+        """Width of the taps the head reads: len(taps) * H."""
+        return len(self.config.taps) * self.config.hidden_size
+
     # --- the layer ---------------------------------------------------------------------------------
 
     def project(self, taps: torch.Tensor) -> torch.Tensor:
         """The target's taps [.., len(taps) * H] -> the head's hidden input [.., H]."""
-        return self.fc(taps.to(self.fc.weight.dtype))
+        return self.fc(taps.float())
 
     def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x [B, heads, T, D] rotated by positions [B, T] (transformers' half-split layout)."""
@@ -315,6 +361,16 @@ class Eagle3Head(nn.Module):
 
 
 # --- files ------------------------------------------------------------------------------------------
+
+def is_head_directory(path: str | Path) -> bool:
+    """Whether `path` is a directory holding a trained EAGLE-3 head (its config.json says so: verispec's and
+    SpecForge's architecture, or a speculators eagle3 config)."""
+    try:
+        data = json.loads((Path(path).expanduser() / CONFIG_FILE).read_text())
+        return ARCHITECTURE in (data.get("architectures") or []) or data.get("speculators_model_type") == "eagle3"
+    except (OSError, ValueError, AttributeError):
+        return False
+
 
 def save_head(head: Eagle3Head, directory: str | Path) -> Path:
     """Write config.json and model.safetensors (EAGLE-3 names: fc.weight, midlayer.*, norm.weight,

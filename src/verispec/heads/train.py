@@ -222,6 +222,7 @@ def train_eagle3(target, out: str | Path, *, data: tuple[str, ...] = ("site-pack
     bar = tqdm(total=config.steps, initial=start, desc="train eagle3", unit="step", disable=not progress)
     head.train()
     started = time.perf_counter()
+    tokens_per_step = config.batch_sequences * (spec.seq_len - config.ttt_steps)  # positions trained per step
     shard_cache: dict[Path, dict] = {}
     for step in range(start, config.steps):
         path = rng.choice(training)
@@ -245,17 +246,34 @@ def train_eagle3(target, out: str | Path, *, data: tuple[str, ...] = ("site-pack
         bar.update(1)
         if (step + 1) % config.checkpoint_every == 0 or step + 1 == config.steps:
             _checkpoint(out, head, optimizer, schedule, step + 1, rng, config, spec)
+            if held_out and step + 1 < config.steps:  # the curve of acceptance against tokens trained on
+                report = evaluate(head, held_out, config)
+                log.write(json.dumps({"step": step + 1, "tokens": (step + 1) * tokens_per_step, "held_out": report}) + "\n")
+                log.flush()
     bar.close()
     report = evaluate(head, held_out, config) if held_out else None
     if report is not None:
         head.config.extra["held_out"] = report
-        log.write(json.dumps({"held_out": report}) + "\n")
+        log.write(json.dumps({"step": config.steps, "tokens": config.steps * tokens_per_step, "held_out": report}) + "\n")
         save_head(head, out)
         if progress:
-            print(f"verispec: held-out top-1 agreement with the target by draft position: {report['accuracy']}")
+            print(f"verispec: held-out top-1 agreement with the target by draft position: {report['accuracy']} "
+                  f"(a greedy chain of {len(report['accuracy'])}: {expected_tokens_per_pass(report['accuracy']):.2f} "
+                  "tokens per target pass)")
     log.close()
     head.eval()
     return head
+
+
+def expected_tokens_per_pass(accuracy: list[float], k: int | None = None) -> float:
+    """Tokens a greedy chain of k drafts yields per target pass, from the held-out agreement of each
+    unrolled step (step i's agreement is the chance its token is accepted when the ones before were: the
+    steps are fed the true tokens): 1 + sum_j prod_{i<=j} a_i (the target's own token always comes)."""
+    total, reach = 1.0, 1.0
+    for a in accuracy[: k if k is not None else len(accuracy)]:
+        reach *= a
+        total += reach
+    return total
 
 
 def _lr_factor(step: int, config: TrainConfig) -> float:
@@ -266,7 +284,8 @@ def _lr_factor(step: int, config: TrainConfig) -> float:
 
 
 def _checkpoint(out: Path, head: Eagle3Head, optimizer, schedule, step: int, rng: random.Random,
-                config: TrainConfig, spec: FeatureSpec) -> None:
+                config: TrainConfig, spec: FeatureSpec, save=save_head) -> None:
+    """Write out/checkpoint.pt (weights, optimizer, step, random state) and the head itself (`save`: its kind's)."""
     head.config.extra.update({"steps": step, "train": {k: v for k, v in asdict(config).items() if k != "extra"},
                               "features": spec.to_json()})
     state = {"head": head.state_dict(), "optimizer": optimizer.state_dict(), "schedule": schedule.state_dict(),
@@ -274,7 +293,7 @@ def _checkpoint(out: Path, head: Eagle3Head, optimizer, schedule, step: int, rng
     partial = out / (CHECKPOINT + ".partial")
     torch.save(state, partial)
     partial.replace(out / CHECKPOINT)
-    save_head(head, out)
+    save(head, out)
 
 
 def _resume(out: Path, head: Eagle3Head, optimizer, schedule, config: TrainConfig) -> tuple[int, random.Random]:
@@ -297,7 +316,17 @@ def _resume(out: Path, head: Eagle3Head, optimizer, schedule, config: TrainConfi
 # --- the command line: `verispec train eagle3` -----------------------------------------------------------
 
 def add_train_arguments(parser) -> None:
-    """The options of `verispec train eagle3`."""
+    """The options of `verispec train eagle3`: the common ones and the head's own."""
+    add_common_arguments(parser)
+    parser.add_argument("--ttt-steps", type=int, default=5, help="draft positions unrolled per step (default: %(default)s)")
+    parser.add_argument("--intermediate-size", type=int, default=None,
+                        help="the head's MLP width (default: the target's; narrower trains and drafts faster)")
+    parser.add_argument("--taps", default=None, help="comma-separated target layers whose inputs the head reads "
+                                                     "(default: 2, N/2, N-3)")
+
+
+def add_common_arguments(parser) -> None:
+    """The options every `verispec train HEAD` takes: target, data, features, optimizer, checkpoints."""
     parser.add_argument("--target", required=True, help="the target model: zoo name, local directory or .gguf file")
     parser.add_argument("--out", required=True, help="directory for the head (config.json, model.safetensors), its "
                                                     "checkpoint and train.jsonl; a run with the same --out resumes")
@@ -310,7 +339,6 @@ def add_train_arguments(parser) -> None:
     parser.add_argument("--seq-len", type=int, default=256, help="tokens per training sequence (default: %(default)s)")
     parser.add_argument("--draft-vocab", type=int, default=32000, help="the head's output vocabulary (default: %(default)s)")
     parser.add_argument("--steps", type=int, default=1000, help="optimizer steps (default: %(default)s)")
-    parser.add_argument("--ttt-steps", type=int, default=5, help="draft positions unrolled per step (default: %(default)s)")
     parser.add_argument("--batch", type=int, default=2, help="sequences per step (default: %(default)s)")
     parser.add_argument("--lr", type=float, default=3e-4, help="peak learning rate (default: %(default)s)")
     parser.add_argument("--checkpoint-every", type=int, default=100, help="steps between checkpoints (default: %(default)s)")
@@ -319,14 +347,10 @@ def add_train_arguments(parser) -> None:
     parser.add_argument("--numerics", choices=("float32", "q8"), default="float32",
                         help="the target's numerics (q8: a GGUF file's blocks, llama.cpp's numbers; draft for it with "
                              "the head trained on it) (default: %(default)s)")
-    parser.add_argument("--intermediate-size", type=int, default=None,
-                        help="the head's MLP width (default: the target's; narrower trains and drafts faster)")
     parser.add_argument("--precision", choices=("auto", "bfloat16", "float32"), default="auto",
                         help="training matmuls: auto = bfloat16 where the CPU/GPU has it natively (default: %(default)s)")
     parser.add_argument("--max-new-tokens", type=int, default=192,
                         help="answer length per prompt when self-distilling (default: %(default)s)")
-    parser.add_argument("--taps", default=None, help="comma-separated target layers whose inputs the head reads "
-                                                     "(default: 2, N/2, N-3)")
 
 
 def run_train(args) -> int:

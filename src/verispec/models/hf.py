@@ -120,7 +120,8 @@ class HFCausalLM(CausalLM):
     def forward(self, tokens: torch.Tensor, cache: ModelCache, visible: torch.Tensor | None = None, last_only: bool = False,
                 tree: torch.Tensor | None = None, taps: tuple[int, ...] | None = None):
         """See `CausalLM.forward`. taps: also return the inputs of those decoder layers, every position, as
-        (logits, hidden [B, T, len(taps) * hidden_size] float32) (transformers' `hidden_states[i]`)."""
+        (logits, hidden [B, T, len(taps) * hidden_size] float32) (transformers' `hidden_states[i]`; i = layers is
+        the final hidden state after the final norm)."""
         if tree is not None:
             raise ValueError(f"{self.name} runs on transformers, which verifies chains only: pass tree=None")
         tokens = tokens.to(self.device)
@@ -143,6 +144,7 @@ class HFCausalLM(CausalLM):
         if taps is None:
             return logits
         layers = len(out.hidden_states) - 1  # hidden_states[i]: the input of layer i; the last is normed
-        if not taps or any(not 0 <= int(i) < layers for i in taps):
-            raise ValueError(f"taps must be layer indices in [0, {layers}), got {tuple(taps)}")
+        if not taps or any(not 0 <= int(i) <= layers for i in taps):
+            raise ValueError(f"taps must be layer indices in [0, {layers}] ({layers}: the final normed hidden state), "
+                             f"got {tuple(taps)}")
         return logits, torch.cat([out.hidden_states[int(i)].float() for i in taps], -1)

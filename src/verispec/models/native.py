@@ -100,10 +100,12 @@ def supports(hf_model) -> bool:
 
 
 def _check_taps(taps, num_layers: int) -> tuple[int, ...]:
-    """Tap layer indices as a tuple, each the input of a layer in [0, num_layers)."""
+    """Tap indices as a tuple, each the input of a layer in [0, num_layers) or num_layers: the final hidden
+    state after the final norm, what the LM head reads (transformers' last `hidden_states` entry)."""
     taps = tuple(int(i) for i in taps)
-    if not taps or any(not 0 <= i < num_layers for i in taps):
-        raise ValueError(f"taps must be layer indices in [0, {num_layers}), got {taps}")
+    if not taps or any(not 0 <= i <= num_layers for i in taps):
+        raise ValueError(f"taps must be layer indices in [0, {num_layers}] ({num_layers}: the final normed hidden "
+                         f"state), got {taps}")
     return taps
 
 
@@ -543,10 +545,11 @@ class NativeCausalLM(CausalLM):
         """tokens [B, T] long, visible [B, T] bool (False = padding), tree [B, T, T] bool (a token tree, see
         `CausalLM.forward`) -> logits [B, T or 1, vocab] float32.
 
-        taps (layer indices in [0, layers)): also return the hidden states at the inputs of those layers
-        (the residual stream after layer i - 1; the embedding for 0) for every position of the pass, even
-        with last_only: (logits, hidden [B, T, len(taps) * hidden_size] float32, in `taps` order). The
-        logits are bitwise those of the same pass without taps."""
+        taps (layer indices in [0, layers]): also return the hidden states at the inputs of those layers
+        (the residual stream after layer i - 1; the embedding for 0; for i = layers, the final hidden state
+        after the final norm, as the LM head reads it) for every position of the pass, even with last_only:
+        (logits, hidden [B, T, len(taps) * hidden_size] float32, in `taps` order). The logits are bitwise
+        those of the same pass without taps."""
         tokens = tokens.to(self.device)
         batch, width = tokens.shape
         if visible is None:
@@ -576,11 +579,16 @@ class NativeCausalLM(CausalLM):
         store.reserve(start + width)
         self._rope_tables(int(position_ids.max()) + 1)
         tapped = [] if taps is not None else None  # filled by the pass: [B, T, hidden] per tap, in layer order
+        layer_taps = tuple(i for i in taps if i < len(self.layers)) if taps is not None else None
+        final_tap = taps is not None and len(self.layers) in taps  # every row's final hidden state, even with last_only
         if self._kernels and batch * width <= kernels.MAX_ROWS:
-            hidden = self._small_pass(tokens, position_ids, cache.slots.visible, store, start, tree, taps, tapped)
+            hidden = self._small_pass(tokens, position_ids, cache.slots.visible, store, start, tree, layer_taps, tapped)
         else:
-            hidden = self._big_pass(tokens, position_ids, cache.slots.visible, store, start, tree, last_only, taps, tapped)
+            hidden = self._big_pass(tokens, position_ids, cache.slots.visible, store, start, tree, last_only, layer_taps,
+                                    tapped, every_row=final_tap)
         store.length = start + width
+        if final_tap:
+            tapped.append(hidden)  # the LM head's input, the last of the taps in layer order
         if last_only:
             hidden = hidden[:, -1:]  # the LM head is the biggest matrix: score only what the caller reads
         rows = hidden.reshape(-1, self.hidden_size)
@@ -795,10 +803,12 @@ class NativeCausalLM(CausalLM):
         return [self._linear(x, weight, bias) for weight, bias in pairs]
 
     def _big_pass(self, tokens, position_ids, visible, store: NativeStore, start: int, tree=None,
-                  last_only: bool = False, taps: tuple[int, ...] | None = None, tapped: list | None = None) -> torch.Tensor:
+                  last_only: bool = False, taps: tuple[int, ...] | None = None, tapped: list | None = None,
+                  every_row: bool = False) -> torch.Tensor:
         """Hidden states [B, T, hidden] after the final norm (last_only: [B, 1, hidden], the last layer
-        computing only the last row past its keys and values: a prefill reads nothing else). With `taps`,
-        the inputs of those layers, every row, are appended to `tapped` in increasing layer order."""
+        computing only the last row past its keys and values: a prefill reads nothing else; unless
+        `every_row`, when it computes the other rows too, apart, so the last row's bits do not change). With
+        `taps`, the inputs of those layers, every row, are appended to `tapped` in increasing layer order."""
         batch, width = tokens.shape
         end = start + width
         cos = self._cos[position_ids][:, None]  # [B, 1, T, D], broadcast over heads
@@ -819,18 +829,28 @@ class NativeCausalLM(CausalLM):
             final = last_only and index == len(self.layers) - 1  # keys and values for every row, the rest for the last
             if final:
                 k, v = self._linears_of(h, (layer.k, layer.k_bias), (layer.v, layer.v_bias))
-                q = self._linears_of(h[:, -1:], (layer.q, layer.q_bias))[0]
             else:
                 q, k, v = self._linears_of(h, (layer.q, layer.q_bias), (layer.k, layer.k_bias), (layer.v, layer.v_bias))
-            q, k, v = (t.view(batch, t.shape[1], -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
+            k, v = (t.view(batch, t.shape[1], -1, self.head_dim).transpose(1, 2) for t in (k, v))
             store.write(index, start, self._rotate(k, cos, sin), v)
-            if final:
-                x, cos, sin, allowed = x[:, -1:], cos[:, :, -1:], sin[:, :, -1:], allowed[:, :, -1:]
-            attended = F.scaled_dot_product_attention(
-                self._rotate(q, cos, sin), store.key_view(index, end), store.value_view(index, end),
-                attn_mask=allowed, scale=self.scale, enable_gqa=self.num_kv_heads != self.num_heads)
-            x = x + self._linears_of(attended.transpose(1, 2).reshape(batch, x.shape[1], -1), (layer.o, layer.o_bias))[0]
-            h = self._rms_norm(x, layer.mlp_norm)
-            gate, up = self._linears_of(h, (layer.gate, layer.gate_bias), (layer.up, layer.up_bias))
-            x = x + self._linears_of(F.silu(gate) * up, (layer.down, layer.down_bias))[0]
+            if not final:
+                x = self._big_rows(store, index, layer, x, q, cos, sin, allowed, end)
+                continue
+            parts = [slice(None, -1), slice(-1, None)] if every_row and width > 1 else [slice(-1, None)]
+            x = torch.cat([self._big_rows(store, index, layer, x[:, rows], self._linears_of(h[:, rows], (layer.q, layer.q_bias))[0],
+                                          cos[:, :, rows], sin[:, :, rows], allowed[:, :, rows], end)
+                           for rows in parts], 1)
         return self._rms_norm(x, self.final_norm)
+
+    def _big_rows(self, store: NativeStore, index: int, layer, x, q, cos, sin, allowed, end: int) -> torch.Tensor:
+        """Layer `index` past its keys and values (already stored) for rows x [B, n, hidden] with their
+        queries q [B, n, heads * head_dim] (not yet rotated), rope tables and mask -> its output [B, n, hidden]."""
+        batch, width = x.shape[:2]
+        q = q.view(batch, width, -1, self.head_dim).transpose(1, 2)
+        attended = F.scaled_dot_product_attention(
+            self._rotate(q, cos, sin), store.key_view(index, end), store.value_view(index, end),
+            attn_mask=allowed, scale=self.scale, enable_gqa=self.num_kv_heads != self.num_heads)
+        x = x + self._linears_of(attended.transpose(1, 2).reshape(batch, width, -1), (layer.o, layer.o_bias))[0]
+        h = self._rms_norm(x, layer.mlp_norm)
+        gate, up = self._linears_of(h, (layer.gate, layer.gate_bias), (layer.up, layer.up_bias))
+        return x + self._linears_of(F.silu(gate) * up, (layer.down, layer.down_bias))[0]

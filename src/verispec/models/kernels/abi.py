@@ -92,6 +92,7 @@ SIGNATURES = {
     "blocked_linear": (None, [ctypes.POINTER(Blocked), _i]),
     "exact_blocks_mismatch": (_i64, [_p, _p, _p, _i64, _i64, _i]),
     "gguf_q8_repack": (_i, [_p, _p, _i64, _i64, _i, _i]),
+    "gguf_dequantize_rows": (_i, [_p, _p, _i64, _i64, _i64, _i, _p]),
     "int4_quantize": (_i, [_p, _p, _p, _p, _i64, _i64, _i, _i, _i]),
     "silu_mul": (None, [_p, _p, _i64, _i]),
     "rms_norm": (None, [_p, _p, _p, _p, _i64, _i64, _f, _i]),

@@ -265,10 +265,21 @@ class GGUFMatrix(QuantizedMatrix):
         return self.rows(torch.arange(self.blocks.shape[0])).to(dtype)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """Rows `ids` (long [n]) dequantized to float32 [n, K]: an embedding lookup on a quantized table."""
+        """Rows `ids` (long [...]) dequantized to float32 [..., K]: an embedding lookup on a quantized table,
+        bitwise ggml's dequantize_row_* (in C when the kernels are built: a decode step's lookup is then
+        microseconds, not a millisecond of numpy)."""
         from gguf import GGMLQuantizationType
         from gguf.quants import dequantize
 
+        n, k = self.shape
+        if available() and self.blocks.is_contiguous():
+            flat = ids.reshape(-1).to(torch.int64).contiguous()
+            out = torch.empty(flat.numel(), k, dtype=torch.float32)
+            failed = runtime().lib.gguf_dequantize_rows(self.blocks.data_ptr(), flat.data_ptr(), flat.numel(), n, k,
+                                                        self.kind, out.data_ptr())
+            if failed:
+                raise IndexError(f"token ids out of range for a {n}-row table" if failed == 2 else "bad block table")
+            return out.reshape(*ids.shape, k)
         raw = self.blocks[ids.reshape(-1)].numpy()
         dense = dequantize(raw, getattr(GGMLQuantizationType, self.KINDS[self.kind][0]))
         return torch.from_numpy(np.ascontiguousarray(dense, dtype=np.float32)).reshape(*ids.shape, -1)

@@ -1,0 +1,234 @@
+"""Drafters side by side on one target, in one run: plain decoding, each drafter given, and llama.cpp's
+plain decoding of the same GGUF file, prompt by prompt.
+
+Per prompt every method runs `--rounds` times, the methods' order rotating each round (so a noisy
+neighbour hits them alike), and its median time counts; the speedups are medians over prompts of
+per-prompt tokens/s ratios. Greedy: every drafter's text must equal plain decoding (it is checked and
+reported). A method is `plain`, `suffix`, `ngram`, `self`, `model:DRAFT` (a draft model, int4 unless
+`model:DRAFT:fp32|bf16|int8`), `eagle3:DIR[:int8|int4|bfloat16]` (a trained head, chain; int8 unless given) or
+`eagle3-tree:DIR[:...]` (chain plus the head's second choices as token-tree alternates), `medusa:DIR` or
+`medusa-tree:DIR` (Medusa-1 heads, `verispec train medusa`; float32).
+
+    python bench/race_drafters.py --target qwen2.5-coder-1.5b --numerics q8 --prompts humaneval --rows odd \\
+        --method eagle3:HEAD --method model:qwen2.5-coder-0.5b --method suffix --peer llama.cpp \\
+        --out bench/reports/race_heads_humaneval
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+import verispec
+from verispec import zoo
+from verispec.bench import _cpu_name, read_prompts
+from verispec.drafters.eagle3 import rounded_copy
+from verispec.text import encode_prompt
+
+
+@dataclass
+class Method:
+    name: str
+    options: dict  # generate()'s keyword arguments
+
+
+def methods_of(target, specs: list[str]) -> list[Method]:
+    """The `--method` strings as generate() options (draft models and heads loaded once, here)."""
+    out = [Method("plain", dict(drafter="none"))]
+    for spec in specs:
+        kind, _, rest = spec.partition(":")
+        if kind == "plain":
+            continue
+        if kind in ("suffix", "ngram", "self"):
+            out.append(Method(kind, dict(drafter=kind)))
+        elif kind == "model":
+            name, _, dtype = rest.partition(":")
+            draft = verispec.load(name, weight_dtype=dtype or "int4")
+            out.append(Method(f"model {Path(name).name} {dtype or 'int4'}", dict(draft=draft, drafter="model")))
+        elif kind in ("eagle3", "eagle3-tree"):
+            directory, _, weights = rest.partition(":")
+            head = verispec.load_head(directory, target)
+            if weights:  # else the drafter's default (int8 on a CPU)
+                head = rounded_copy(head, weights)
+            out.append(Method(f"{kind} {Path(directory).name} {weights or 'int8'}",
+                              dict(draft=head, drafter="eagle3", draft_len="tree" if kind == "eagle3-tree" else "auto")))
+        elif kind in ("medusa", "medusa-tree"):
+            head = verispec.load_head(rest, target)
+            out.append(Method(f"{kind} {Path(rest).name}",
+                              dict(draft=head, drafter="medusa", draft_len="tree" if kind == "medusa-tree" else "auto")))
+        else:
+            raise SystemExit(f"unknown method {spec!r}: plain, suffix, ngram, self, model:DRAFT[:DTYPE], eagle3:DIR, "
+                             "eagle3-tree:DIR, medusa:DIR, medusa-tree:DIR")
+    return out
+
+
+def run_method(target, ids: list[int], method: Method, max_new_tokens: int):
+    if method.options.get("drafter") == "suffix":
+        verispec.api.suffix_index(target).clear()  # drafts from this call's text only, as in a first request
+    started = time.perf_counter()
+    result = verispec.generate(target, ids, max_new_tokens=max_new_tokens, **{"draft_len": "auto", **method.options})
+    return result, time.perf_counter() - started
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", default="qwen2.5-coder-1.5b")
+    parser.add_argument("--numerics", default="q8", choices=("float32", "q8"))
+    parser.add_argument("--prompts", default="humaneval", help="a bundled set or a JSONL file (as verispec bench)")
+    parser.add_argument("--rows", default="all", choices=("all", "odd", "even"),
+                        help="odd / even: every other prompt of the file (e.g. the half a head was not trained on)")
+    parser.add_argument("--limit", type=int, default=8, help="prompts per category")
+    parser.add_argument("--method", action="append", default=[], help="repeatable; see the module docstring")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--peer", choices=("llama.cpp",), default=None)
+    parser.add_argument("--peer-bin", default=None)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--out", required=True, help="report path without extension (.json, .md and .png are written)")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    threads = torch.get_num_threads()
+
+    prompts = read_prompts(args.prompts, sys.maxsize)  # in file order
+    if args.rows != "all":
+        prompts = prompts[1::2] if args.rows == "odd" else prompts[0::2]
+    by_category: dict[str, list] = {}
+    for p in prompts:
+        by_category.setdefault(p.category, []).append(p)
+    prompts = [p for group in by_category.values() for p in group[: args.limit]]
+    target = verispec.load(args.target, numerics=args.numerics)
+    methods = methods_of(target, args.method)
+    peer = gguf = None
+    if args.peer:
+        from verispec.peers import LlamaCpp
+
+        peer, gguf = LlamaCpp(args.peer_bin), zoo.gguf_path(args.target) if args.target in zoo.ZOO else Path(args.target)
+    warm = encode_prompt(target.tokenizer, "def f(x):\n    return x + 1\n\n" * 8, chat=False)
+    for method in methods:
+        run_method(target, warm, method, 8)
+    print(f"[race] {len(prompts)} prompts, target {args.target} ({args.numerics}), methods "
+          f"{[m.name for m in methods]}, {threads} threads, {_cpu_name()}", file=sys.stderr)
+
+    rows = []
+    for n, p in enumerate(prompts):
+        ids = encode_prompt(target.tokenizer, p.text, chat=p.chat)
+        times: dict[str, list[float]] = {m.name: [] for m in methods}
+        results = {}
+        for r in range(args.rounds):
+            order = methods[r % len(methods):] + methods[: r % len(methods)]
+            for method in order:
+                result, seconds = run_method(target, ids, method, args.max_new_tokens)
+                times[method.name].append(seconds)
+                results[method.name] = result
+        plain = results["plain"].token_ids
+        row = {"category": p.category, "id": p.id, "prompt_tokens": len(ids), "methods": {}}
+        for method in methods:
+            result = results[method.name]
+            row["methods"][method.name] = {
+                "seconds": statistics.median(times[method.name]), "tokens": len(result.token_ids),
+                "tokens_per_pass": result.stats.mean_accepted_tokens, "identical": result.token_ids == plain,
+                "draft_seconds_per_token": result.stats.draft_seconds / max(1, result.stats.drafted_tokens),
+                "target_seconds_per_pass": result.stats.target_seconds / max(1, result.stats.target_passes)}
+        if peer is not None:
+            text = target.tokenizer.decode(ids, skip_special_tokens=False)
+            runs = sorted((peer.complete(gguf, text, args.max_new_tokens, threads) for _ in range(args.rounds)),
+                          key=lambda run: run.seconds)
+            run = runs[(len(runs) - 1) // 2]
+            row["methods"]["llama.cpp"] = {"seconds": run.seconds, "tokens": run.new_tokens,
+                                           "same_prompt_tokens": run.prompt_tokens == len(ids)}
+        rows.append(row)
+        line = ", ".join(f"{name} {m['tokens'] / m['seconds']:.1f} tok/s" + (f" ({m['tokens_per_pass']:.2f}/pass"
+                         f"{'' if m['identical'] else ', DIFFERS'})" if "tokens_per_pass" in m else "")
+                         for name, m in row["methods"].items())
+        print(f"[race] {n + 1}/{len(prompts)} {p.category}/{p.id}: {line}", file=sys.stderr, flush=True)
+
+    report = summarize(rows, methods, args, threads)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps({"summary": report, "rows": rows}, indent=1) + "\n")
+    out.with_suffix(".md").write_text(markdown(report))
+    plot(report, out.with_suffix(".png"))
+    print(markdown(report))
+
+
+def _rate(m: dict) -> float:
+    return m["tokens"] / m["seconds"] if m["seconds"] > 0 and m["tokens"] else float("nan")
+
+
+def summarize(rows: list[dict], methods: list[Method], args, threads: int) -> dict:
+    names = [m.name for m in methods] + (["llama.cpp"] if args.peer else [])
+    categories = sorted({r["category"] for r in rows})
+    table = {}
+    for category in categories + ["all"]:
+        rs = [r for r in rows if category in ("all", r["category"])]
+        entry = {}
+        for name in names:
+            ms = [r["methods"][name] for r in rs]
+            entry[name] = {
+                "vs_plain": statistics.median(_rate(m) / _rate(r["methods"]["plain"]) for m, r in zip(ms, rs)),
+                "tokens_per_second": statistics.median(_rate(m) for m in ms)}
+            if args.peer:
+                entry[name]["vs_llama_cpp"] = statistics.median(_rate(m) / _rate(r["methods"]["llama.cpp"]) for m, r in zip(ms, rs))
+            if "tokens_per_pass" in ms[0]:
+                entry[name]["tokens_per_pass"] = statistics.median(m["tokens_per_pass"] for m in ms)
+                entry[name]["identical"] = f"{sum(m['identical'] for m in ms)}/{len(ms)}"
+                entry[name]["draft_ms_per_token"] = 1e3 * statistics.median(m["draft_seconds_per_token"] for m in ms)
+                entry[name]["target_ms_per_pass"] = 1e3 * statistics.median(m["target_seconds_per_pass"] for m in ms)
+        table[category] = entry
+    return {"target": args.target, "numerics": args.numerics, "prompts": args.prompts, "rows": args.rows,
+            "count": len(rows), "max_new_tokens": args.max_new_tokens, "rounds": args.rounds, "threads": threads,
+            "cpu": _cpu_name(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "table": table}
+
+
+def markdown(report: dict) -> str:
+    lines = [f"# Drafters on {report['target']} ({report['numerics']}), {report['prompts']} ({report['rows']} rows)", "",
+             f"{report['count']} prompts, greedy, {report['max_new_tokens']} new tokens, median of {report['rounds']} rounds "
+             f"per method, {report['threads']} threads, {report['cpu']}, {report['date']}. Speedups are medians over "
+             "prompts of per-prompt tokens/s ratios, end to end (prefill included).", ""]
+    for category, entry in report["table"].items():
+        lines += [f"## {category}", "", "| method | tokens/s | vs plain | vs llama.cpp | tokens/pass | draft ms/token | "
+                  "target ms/pass | identical |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        for name, m in entry.items():
+            get = lambda key, fmt: fmt.format(m[key]) if key in m else "-"  # noqa: E731
+            lines.append(f"| {name} | {m['tokens_per_second']:.1f} | {m['vs_plain']:.2f}x | {get('vs_llama_cpp', '{:.2f}x')} | "
+                         f"{get('tokens_per_pass', '{:.2f}')} | {get('draft_ms_per_token', '{:.2f}')} | "
+                         f"{get('target_ms_per_pass', '{:.1f}')} | {m.get('identical', '-')} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(report: dict, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    categories = list(report["table"])
+    names = list(report["table"]["all"])
+    key = "vs_llama_cpp" if "vs_llama_cpp" in report["table"]["all"][names[0]] else "vs_plain"
+    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(categories) * len(names) / 3), 4))
+    width = 0.8 / len(names)
+    for i, name in enumerate(names):
+        ax.bar([c + i * width for c in range(len(categories))], [report["table"][c][name][key] for c in categories],
+               width, label=name)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks([c + 0.4 - width / 2 for c in range(len(categories))], categories, rotation=20)
+    ax.set_ylabel(f"tokens/s {key.replace('_', ' ')}")
+    ax.set_title(f"{report['target']} ({report['numerics']}), {report['threads']} threads")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,122 @@
+"""Medusa-1 heads as the drafter (Cai et al. 2024): K guesses at once from the target's last hidden state.
+
+The engine hands the drafter the target's final hidden state (after its final norm: tap index = the
+target's layer count, `target_taps`) of every token its cache keeps, from the prompt's prefill and each
+verify pass, with no extra target pass. Only the last one matters: with the sequence x_0..x_{n-1} and the
+target's cache holding x_0..x_{n-2}, h_{n-2} produced x_{n-1} through the target's LM head, and Medusa
+head i, reading the same h_{n-2}, guesses x_{n+i}. A round is one small product per head:
+
+    chain  = [argmax head_0, argmax head_1, ..., argmax head_{k-1}]   (k = min(draft_len, K))
+    alternates: each head's second choice beside its position, where the branch rule asks for one
+
+so the drafter keeps no cache and rolls nothing back. Greedy rows propose argmaxes over the draft
+vocabulary; sampled rows draw each position from q_i, head i's warped distribution spread over the target
+vocabulary (zero outside the draft vocabulary), and report it. q_i does not depend on the tokens drafted
+before position i, and need not: speculative sampling is exact for any proposal distribution fixed before
+the draw, so the output is the target's either way.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from verispec.drafters.base import BranchRule, Draft, Drafter, StopRule, Verdict, draw_alternates, empty_draft
+from verispec.heads.medusa import MedusaHead, check_target
+from verispec.sampling import SamplingParams, coupled_choice, sample, warp_rows
+
+
+class MedusaDrafter(Drafter):
+    """Drafts with trained Medusa heads; `target_taps` (the target's final normed state) makes the engine
+    hand it the target's last hidden states."""
+
+    def __init__(self, head: MedusaHead, target, min_confidence: float = 0.0):
+        check_target(head, target)
+        self.head = head.eval()
+        self.target_taps = (int(target.config.num_hidden_layers),)  # the final hidden state, after the norm
+        self.vocab_size = target.vocab_size
+        self.min_confidence = min_confidence
+        self.last: list[torch.Tensor | None] = []  # per row: the target's final hidden state [H] at its last kept token
+        self.kept: list[int] = []  # per row: tokens in the target's cache (positions observed)
+
+    def add(self, prompts: list[list[int]]) -> None:
+        """New rows: their prompt's hidden states arrive through `observe_taps`."""
+        self.last.extend(None for _ in prompts)
+        self.kept.extend(0 for _ in prompts)
+
+    def observe_taps(self, hidden: list[torch.Tensor | None]) -> None:
+        """Per row, the target's final hidden states [n, H] of the n tokens its cache just kept."""
+        for b, states in enumerate(hidden):
+            if states is not None and states.numel():
+                self.last[b] = states[-1].float().cpu()
+                self.kept[b] += states.shape[0]
+
+    @torch.inference_mode()
+    def propose(self, sequences: list[list[int]], draft_len: int, sampling: list[SamplingParams], generators: list[torch.Generator],
+                stop: StopRule | None = None, branch: BranchRule | None = None) -> Draft:
+        batch = len(sequences)
+        for b in range(batch):
+            if self.kept[b] != len(sequences[b]) - 1:
+                raise RuntimeError(f"row {b}: the drafter saw {self.kept[b]} of the target's hidden states, but the "
+                                   f"target's cache holds {len(sequences[b]) - 1} tokens")
+        known = torch.tensor([state is not None for state in self.last])  # a one-token prompt: nothing read yet
+        width = min(draft_len, self.head.config.num_heads)
+        if width == 0 or not bool(known.any()):
+            return empty_draft(batch)
+        hidden = torch.stack([state if state is not None else torch.zeros(self.head.config.hidden_size) for state in self.last])
+        all_logits = self.head(hidden, heads=width)  # [B, width, V] over the draft vocabulary: every head at once
+        draft_ids = self.head.draft_token_ids
+        greedy = torch.tensor([s.greedy for s in sampling])
+        all_greedy = bool(greedy.all())
+        tokens = torch.zeros(batch, width, dtype=torch.long)
+        probs = None if all_greedy else torch.zeros(batch, width, self.vocab_size)
+        confidence = torch.zeros(batch, width)
+        num_drafted = torch.zeros(batch, dtype=torch.long)
+        second_choice = torch.zeros(batch, width, dtype=torch.long) if branch is not None else None
+        alternate_confidence = torch.zeros(batch, width) if branch is not None else None
+        alternate_probs = torch.zeros(batch, width, self.vocab_size) if branch is not None and not all_greedy else None
+        going = known.clone()
+        for i in range(width):
+            logits = all_logits[:, i]
+            if all_greedy:
+                top = logits.softmax(-1).topk(min(2, logits.shape[-1]), -1)
+                tokens[:, i] = draft_ids[top.indices[:, 0]]
+                confidence[:, i] = top.values[:, 0]
+                if branch is not None and top.indices.shape[1] > 1:
+                    second_choice[:, i] = draft_ids[top.indices[:, 1]]
+                    alternate_confidence[:, i] = top.values[:, 1]
+                elif branch is not None:
+                    second_choice[:, i] = tokens[:, i]  # one-token vocabulary: no alternate
+            else:
+                full = logits.new_full((batch, self.vocab_size), float("-inf"))
+                full[:, draft_ids] = logits
+                q = warp_rows(full, sampling)  # a greedy row's q is one-hot on its argmax
+                probs[:, i] = q
+                tokens[:, i] = torch.tensor([coupled_choice(q[b], sampling[b].seed, len(sequences[b]) + i)
+                                             if sampling[b].coupled else sample(q[b], generators[b]) for b in range(batch)])
+                confidence[:, i] = q.max(-1).values  # never q(drawn token): see ModelDrafter
+                if greedy.any():
+                    confidence[greedy, i] = logits[greedy].softmax(-1).max(-1).values
+                if branch is not None:
+                    draw_alternates(i, full, q, tokens, greedy, generators, second_choice, alternate_confidence,
+                                    alternate_probs)
+            if stop is not None:
+                going &= stop(i, confidence[:, i])
+            if self.min_confidence:
+                going &= confidence[:, i] >= self.min_confidence
+            num_drafted += going.long()
+            if not going.any():
+                break
+        alternates = None
+        if branch is not None:
+            drafted = torch.arange(width)[None, :] < num_drafted[:, None]
+            wanted = drafted & (second_choice != tokens) & branch(alternate_confidence, num_drafted)
+            alternates = torch.where(wanted, second_choice, -1)
+        return Draft(tokens=tokens, num_drafted=num_drafted, probs=probs, confidence=confidence, alternates=alternates,
+                     alternate_confidence=alternate_confidence, alternate_probs=alternate_probs)
+
+    def commit(self, verdict: Verdict) -> None:
+        """Nothing to roll back: the drafter keeps only hidden states of tokens the target's cache kept."""
+
+    def select(self, rows: list[int]) -> None:
+        self.last = [self.last[b] for b in rows]
+        self.kept = [self.kept[b] for b in rows]

@@ -1,0 +1,203 @@
+"""Training Medusa-1 heads on features extracted from their target (`heads.data`), the target frozen.
+
+The features are the target's final hidden state (tap index = its layer count: after the final norm, what
+its LM head reads) and its top-k next-token log-probabilities, cached in shards like an EAGLE-3 head's
+(the same extraction, the same cache, keyed by target and settings). Head i reads h_t and learns the
+target's distribution of the token at t + 2 + i, which the shards hold at position t + 1 + i: Medusa-1
+with self-distillation's soft labels (Cai et al. 2024, section 2.3.2) rather than the text's tokens. The
+loss is sum_i decay^i * CE(p_target, q_head_i) (Medusa's lambda_i = 0.8^i), over positions whose target
+argmax is in the draft vocabulary, p renormalized over it (`train.soft_targets`, as for EAGLE-3).
+
+The draft vocabulary, the optimizer (AdamW, warmup and cosine decay, clipped gradients), bfloat16 autocast,
+checkpoints and resuming are `train`'s: this module only knows the heads' loss and the loop around it. Each
+head's LM head starts as the target's rows for the draft vocabulary, its residual blocks as the identity.
+Held-out shards (never trained on) give each head's top-1 agreement with the target's argmax at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from verispec.errors import VerispecError
+from verispec.heads.data import FeatureSpec, extract, load_shard
+from verispec.heads.medusa import MedusaConfig, MedusaHead, save_head
+from verispec.heads.train import (LOG, TrainConfig, _checkpoint, _features_dir, _lr_factor, _resume, add_common_arguments,
+                                  choose_draft_vocab, soft_targets, target_output_rows)
+
+
+def final_tap(target) -> int:
+    """The tap index of the target's final normed hidden state: its layer count."""
+    return int(target.config.num_hidden_layers)
+
+
+def medusa_loss(head: MedusaHead, shard: dict, rows: list[int], decay: float):
+    """(loss, [accuracy of head i], [loss of head i]) over sequences `rows` of a shard whose taps are the
+    target's final hidden states.
+
+    Head i at position t reads h_t and is scored against the target's distribution at t + 1 + i (the
+    token t + 2 + i), for t in [0, T - 1 - i)."""
+    tokens = shard["tokens"][rows]
+    length, width = tokens.shape[1], head.config.hidden_size
+    if length < head.config.num_heads + 1:
+        raise VerispecError(f"sequences of {length} tokens are too short for {head.config.num_heads} Medusa heads")
+    hidden = shard["taps"][rows].float()
+    if hidden.shape[-1] != width:
+        raise VerispecError(f"the features hold {hidden.shape[-1]} numbers per token, not one final hidden state of "
+                            f"{width}: extract them with taps=(the target's layer count,)")
+    total, accuracy, losses = 0.0, [], []
+    draft_to_target = head.draft_token_ids
+    for i, layers in enumerate(head.medusa_head):
+        span = length - 1 - i
+        logits = layers(hidden[:, :span]).float()
+        ids = shard["top_ids"][rows, 1 + i : 1 + i + span]
+        p, mask = soft_targets(ids, shard["top_logprobs"][rows, 1 + i : 1 + i + span], head)
+        per_position = -(p * torch.log_softmax(logits, -1)).sum(-1)
+        count = mask.sum().clamp(min=1)
+        loss = (per_position * mask).sum() / count
+        total = total + decay ** i * loss
+        hits = (draft_to_target[logits.argmax(-1)] == ids[..., 0].long()) & mask
+        accuracy.append(float(hits.sum()) / float(count))
+        losses.append(float(loss.detach()))
+    return total, accuracy, losses
+
+
+def new_medusa_head(target, shards: list[Path], draft_vocab: int, num_heads: int, num_layers: int) -> MedusaHead:
+    """Heads for `target`, their draft vocabulary chosen from the shards, each LM head the target's rows."""
+    head = MedusaHead(MedusaConfig.for_target(target, min(draft_vocab, target.vocab_size), num_heads, num_layers))
+    head.set_draft_vocab(choose_draft_vocab(shards, target.vocab_size, head.config.draft_vocab_size,
+                                            tuple(sorted(target.eos_token_ids))))
+    lm_head, _ = target_output_rows(target, head.draft_token_ids)
+    with torch.no_grad():
+        for linear in head.lm_heads():
+            linear.weight.copy_(lm_head)
+    return head
+
+
+def evaluate(head: MedusaHead, shards: list[Path], config: TrainConfig) -> dict:
+    """Per head, the held-out top-1 agreement with the target and the loss (over up to
+    config.eval_sequences sequences)."""
+    head.eval()
+    heads = head.config.num_heads
+    sums, losses, seen = [0.0] * heads, [0.0] * heads, 0
+    with torch.no_grad(), config.autocast(head.d2t.device):
+        for path in shards:
+            shard = load_shard(path)
+            for row in range(shard["tokens"].shape[0]):
+                if seen >= config.eval_sequences:
+                    break
+                _, accuracy, loss = medusa_loss(head, shard, [row], config.decay)
+                sums = [a + b for a, b in zip(sums, accuracy)]
+                losses = [a + b for a, b in zip(losses, loss)]
+                seen += 1
+    head.train()
+    seen = max(seen, 1)
+    return {"accuracy": [round(a / seen, 4) for a in sums], "loss": [round(x / seen, 4) for x in losses], "sequences": seen}
+
+
+def train_medusa(target, out: str | Path, *, data: tuple[str, ...] = ("site-packages",), max_tokens: int = 200_000,
+                 draft_vocab: int = 32000, num_heads: int = 4, num_layers: int = 1, config: TrainConfig | None = None,
+                 features: str | Path | None = None, seq_len: int = 256, self_distill: bool = False,
+                 numerics: str = "float32", max_new_tokens: int = 192, progress: bool = True) -> MedusaHead:
+    """Extract features (or reuse them), train Medusa heads for `target`, save them into `out`, return them.
+
+    num_heads: K (head i guesses the token 2 + i positions past the target's last); num_layers: residual
+    blocks per head; config: the optimizer settings (its `decay` weighs head i's loss by decay^i; its
+    `ttt_steps` is EAGLE-3's and unused). Other arguments as `train.train_eagle3`. Resumes from
+    `out/checkpoint.pt` when present."""
+    from verispec import load
+
+    config = config or TrainConfig()
+    target = load(target, numerics=numerics) if isinstance(target, (str, Path)) else target
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tap = final_tap(target)
+    spec = FeatureSpec(target=target.name, taps=(tap,), seq_len=seq_len, sources=tuple(data), self_distill=self_distill,
+                       max_new_tokens=max_new_tokens, numerics=target.numerics)
+    if max_tokens < 2 * spec.seq_len * spec.shard_sequences and config.held_out_shards:
+        spec.shard_sequences = max(1, max_tokens // (2 * spec.seq_len))  # room for a held-out shard
+    features = Path(features) if features is not None else _features_dir(target.name, spec)
+    shards = extract(target, features, spec, max_tokens, progress=progress)
+    held_out = shards[len(shards) - config.held_out_shards :] if config.held_out_shards else []
+    training = shards[: len(shards) - len(held_out)]
+    if not training:
+        raise VerispecError(f"{max_tokens} tokens make {len(shards)} shard(s), all held out: raise --max-tokens")
+
+    torch.manual_seed(config.seed)
+    head = new_medusa_head(target, training, draft_vocab, num_heads, num_layers)
+    optimizer = torch.optim.AdamW(head.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: _lr_factor(step, config))
+    start, rng = _resume(out, head, optimizer, schedule, config)
+    log = (out / LOG).open("a")
+    bar = tqdm(total=config.steps, initial=start, desc="train medusa", unit="step", disable=not progress)
+    head.train()
+    started = time.perf_counter()
+    shard_cache: dict[Path, dict] = {}
+    for step in range(start, config.steps):
+        path = rng.choice(training)
+        if path not in shard_cache:
+            shard_cache.clear()  # one shard in memory at a time
+            shard_cache[path] = load_shard(path)
+        shard = shard_cache[path]
+        rows = rng.sample(range(shard["tokens"].shape[0]), min(config.batch_sequences, shard["tokens"].shape[0]))
+        with config.autocast(head.d2t.device):
+            loss, accuracy, _ = medusa_loss(head, shard, rows, config.decay)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(head.parameters(), config.grad_clip)
+        optimizer.step()
+        schedule.step()
+        record = {"step": step + 1, "loss": round(float(loss.detach()), 4), "accuracy": [round(a, 3) for a in accuracy],
+                  "lr": schedule.get_last_lr()[0], "seconds": round(time.perf_counter() - started, 1)}
+        log.write(json.dumps(record) + "\n")
+        log.flush()
+        bar.set_postfix(loss=f"{float(loss.detach()):.3f}", acc0=f"{accuracy[0]:.2f}")
+        bar.update(1)
+        if (step + 1) % config.checkpoint_every == 0 or step + 1 == config.steps:
+            _checkpoint(out, head, optimizer, schedule, step + 1, rng, config, spec, save=save_head)
+    bar.close()
+    report = evaluate(head, held_out, config) if held_out else None
+    if report is not None:
+        head.config.extra["held_out"] = report
+        log.write(json.dumps({"held_out": report}) + "\n")
+        save_head(head, out)
+        if progress:
+            print(f"verispec: held-out top-1 agreement with the target by head (token t+2, t+3, ...): {report['accuracy']}")
+    log.close()
+    return head.eval()
+
+
+# --- the command line: `verispec train medusa` -----------------------------------------------------------
+
+def add_medusa_arguments(parser) -> None:
+    """The options of `verispec train medusa`: the common ones and the heads' own."""
+    add_common_arguments(parser)
+    parser.add_argument("--heads", type=int, default=4, help="K: heads, i.e. tokens drafted per step (default: %(default)s)")
+    parser.add_argument("--head-layers", type=int, default=1, help="residual blocks per head (default: %(default)s)")
+    parser.add_argument("--decay", type=float, default=0.8, help="head i's loss weight is decay^i (default: %(default)s)")
+
+
+def run_train_medusa(args) -> int:
+    """`verispec train medusa` (the CLI sets the threads and log level before this)."""
+    for name in ("max_tokens", "steps", "heads", "batch", "draft_vocab", "seq_len", "checkpoint_every"):
+        if getattr(args, name) < 1:
+            raise VerispecError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if args.head_layers < 0:
+        raise VerispecError(f"--head-layers must be at least 0, got {args.head_layers}")
+    if args.seq_len <= args.heads:
+        raise VerispecError(f"--seq-len ({args.seq_len}) must exceed --heads ({args.heads})")
+    if not 0.0 < args.decay <= 1.0:
+        raise VerispecError(f"--decay must be in (0, 1], got {args.decay}")
+    config = TrainConfig(steps=args.steps, decay=args.decay, batch_sequences=args.batch, lr=args.lr,
+                         checkpoint_every=args.checkpoint_every, precision=args.precision)
+    train_medusa(args.target, args.out, data=tuple(args.data or ("site-packages",)), max_tokens=args.max_tokens,
+                 draft_vocab=args.draft_vocab, num_heads=args.heads, num_layers=args.head_layers, config=config,
+                 features=args.features, seq_len=args.seq_len, self_distill=args.self_distill, numerics=args.numerics,
+                 max_new_tokens=args.max_new_tokens)
+    print(f"verispec: Medusa heads saved in {args.out}; draft with them: verispec generate --target {args.target} "
+          f"--draft {args.out} PROMPT")
+    return 0
