@@ -65,7 +65,7 @@ def test_version(capsys):
 @pytest.mark.parametrize("flags, message", [
     (["--draft-len", "0"], "draft_len must be an integer >= 1"),
     (["--draft-len", "deep"], "draft_len"),
-    (["--drafter", "medusa"], "invalid choice: 'medusa'"),
+    (["--drafter", "lookahead"], "invalid choice: 'lookahead'"),
     (["--max-new-tokens", "0"], "max_new_tokens must be an integer >= 1"),
     (["--threads", "none"], "--threads must be an integer >= 1"),
     (["--draft-dtype", "int3"], "invalid choice: 'int3'"),
