@@ -241,3 +241,18 @@ def _float_mask():
     from speculators.models.attention import create_float_mask
 
     return create_float_mask
+
+
+def test_our_config_names_taps_in_each_convention():
+    """verispec's own config.json: the top-level ids count layer inputs (vLLM, llama.cpp, ours); the nested
+    eagle_config ids, which SGLang reads, count the tapped layer's output (one less)."""
+    from verispec.heads.eagle3 import Eagle3Config
+
+    config = Eagle3Config(hidden_size=8, intermediate_size=16, num_attention_heads=2, num_key_value_heads=1, head_dim=4,
+                          vocab_size=32, draft_vocab_size=16, taps=(2, 4, 5))
+    data = config.to_json()
+    assert data["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5] == data["verispec"]["taps"]
+    assert data["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]
+    assert Eagle3Config.from_json(data).taps == (2, 4, 5)
+    at_zero = Eagle3Config(**{**config.__dict__, "taps": (0, 2, 3)}).to_json()
+    assert "eagle_config" not in at_zero  # no output-counted id for the embedding

@@ -106,8 +106,10 @@ class Eagle3Config:
             "tie_word_embeddings": False,
             "attention_bias": False,
             "torch_dtype": "float32",
-            # vLLM's convention (it captures the residual stream entering each listed layer), which is ours
-            "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(self.taps)},
+            # vLLM's and llama.cpp's convention (the residual stream entering each listed layer), which is ours;
+            # SGLang reads the nested one and counts the tapped layer's output, one less (heads/formats.py)
+            "eagle_aux_hidden_state_layer_ids": list(self.taps),
+            **({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [t - 1 for t in self.taps]}} if min(self.taps) > 0 else {}),
             "verispec": {"taps": list(self.taps), "taps_are": "inputs of these target layers",
                          "target": self.target, "target_num_layers": self.target_num_layers, **fields["extra"]},
         }
@@ -115,9 +117,9 @@ class Eagle3Config:
     @classmethod
     def from_json(cls, data: dict) -> "Eagle3Config":
         ours = data.get("verispec", {})
-        taps = ours.get("taps") or (data.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+        taps = ours.get("taps") or data.get("eagle_aux_hidden_state_layer_ids")
         if not taps:
-            raise VerispecError("the head's config.json names no tap layers (verispec.taps or eagle_config)")
+            raise VerispecError("the head's config.json names no tap layers (verispec.taps or eagle_aux_hidden_state_layer_ids)")
         heads = int(data["num_attention_heads"])
         known = {"taps", "taps_are", "target", "target_num_layers"}
         return cls(
