@@ -3,9 +3,11 @@
 The head needs, for each position t the target's cache holds, the target's tapped hidden states h_t and
 the token after it, x_{t+1}. The engine hands it the taps of every token its cache keeps, from the
 prompt's prefill and from each verify pass (`observe_taps`, no extra target pass); they wait here until
-the token after them is known, which it is by the next `propose`. A round then:
+the token after them is known, which it is by the next `propose`. A round that drafts then:
 1. catches up: one head pass over the new positions (target taps beside the next tokens), appended to
-   the head's own key/value cache; its output at the last position predicts the first draft token;
+   the head's own key/value cache; its output at the last position predicts the first draft token.
+   Rounds that draft nothing (the policy found drafting does not pay) leave the taps waiting, so a head
+   that does not pay costs nothing per step, and a later catch-up reads them in one wider pass;
 2. drafts: each further token feeds the head its own output hidden state beside the token it chose,
    one position to the right (as training-time test trained it); where the step asks for token-tree
    alternates, a position's alternate is the head's second choice (a sampled row's: a draw from q
@@ -120,8 +122,10 @@ class Eagle3Drafter(Drafter):
     def propose(self, sequences: list[list[int]], draft_len: int, sampling: list[SamplingParams], generators: list[torch.Generator],
                 stop: StopRule | None = None, branch: BranchRule | None = None) -> Draft:
         batch = len(sequences)
-        hidden, known = self._catch_up(sequences)  # always: the target's taps are read as they come
-        if draft_len == 0 or not bool(known.any()):
+        if draft_len == 0:  # the taps wait: read in one wider pass when drafting resumes, or never if it does not
+            return empty_draft(batch)
+        hidden, known = self._catch_up(sequences)
+        if not bool(known.any()):
             return empty_draft(batch)
         kept = self.slots.length
         greedy = torch.tensor([s.greedy for s in sampling])
