@@ -502,7 +502,9 @@ def generate(target, prompt, *, draft=None, drafter: str = "auto", draft_len: Dr
     costs this process measured, gives way to n-gram for that call. Without one, "self" for a native
     float32 target on a CPU with verispec's kernels when the call asks for at least SELF_COPY_MIN_TOKENS
     new tokens or the copy exists (in memory or stored on disk), else n-gram: see `resolve_drafter`),
-    "model", "self" (the target's own int4 copy drafts on the target's cache; native float32 targets; `draft`
+    "model", "cross_tokenizer" (a draft model with another tokenizer drafts in its own vocabulary, its text
+    re-encoded with the target's: what "auto" and "model" pick when the vocabularies differ), "self" (the
+    target's own int4 copy drafts on the target's cache; native float32 targets; `draft`
     may give another copy with the target's layer shapes), "hybrid" (prompt lookup when it finds a match,
     else the draft model), "ngram", "suffix" (suffix decoding: the longest match of the text's end in the
     prompt, the output so far and earlier calls' outputs on this target, most frequent continuation first), or
