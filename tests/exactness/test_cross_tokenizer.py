@@ -177,3 +177,61 @@ def test_negative_control_is_caught(sampling_pair, monkeypatch):
     monkeypatch.setattr("verispec.engine.verifier_for", lambda sampling: TakesDraftForSample())
     samples, _ = first_two_tokens(target, prompt, 200, draft=draft, coupled=False)
     assert pvalue(samples, joint) < 1e-6
+
+
+# --- the draft's context under arbitrary text ----------------------------------------------------------
+
+class CheckedDrafter:
+    """Wraps the drafter and checks, after every proposal, that the draft's tokens spell the target's text
+    and that its cache holds exactly the tokens it says."""
+
+    def __new__(cls, draft, target):
+        from verispec.drafters.cross_tokenizer import CrossTokenizerDrafter
+
+        class Checked(CrossTokenizerDrafter):
+            checks = 0
+
+            def propose(self, sequences, draft_len, *args, **kwargs):
+                out = super().propose(sequences, draft_len, *args, **kwargs)
+                if draft_len:
+                    counts = self.cache.slots.num_tokens().tolist()
+                    for row, seq, count in zip(self.rows, sequences, counts):
+                        assert count == len(row.cached)
+                        if row.target_read == len(seq):
+                            spelled = self.draft_text.decode(row.aligned[len(self.draft_prefix) :])
+                            assert spelled == row.text, (spelled[-40:], row.text[-40:])
+                            Checked.checks += 1
+                return out
+
+        return Checked(draft, target)
+
+
+def test_random_text_keeps_the_draft_in_line(pair):
+    """Tiny random models with the real tokenizers write arbitrary tokens (byte pieces of characters, rare
+    scripts, special tokens): the hardest text to follow. The output is still plain decoding's, and the
+    draft's context spells the target's text at every step."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    from verispec.engine import DecodeBatch, Request
+    from verispec.models.hf import HFCausalLM
+    from verispec.policy import FixedDraftLen
+
+    qwen, smollm = pair
+    torch.manual_seed(0)
+    target = HFCausalLM(Qwen2ForCausalLM(Qwen2Config(vocab_size=qwen.vocab_size, hidden_size=32, intermediate_size=64,
+                                                     num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                                                     tie_word_embeddings=True)), qwen.tokenizer, name="tiny-qwen-tokenizer")
+    draft = HFCausalLM(LlamaForCausalLM(LlamaConfig(vocab_size=smollm.vocab_size, hidden_size=32, intermediate_size=64,
+                                                    num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)),
+                       smollm.tokenizer, name="tiny-smollm-tokenizer")
+    prompts = [qwen.tokenizer(p)["input_ids"] for p in PROMPTS]
+    expected = [r.token_ids for r in verispec.generate(target, prompts, drafter="none", max_new_tokens=40)]
+    drafter = CheckedDrafter(draft, target)
+    batch = DecodeBatch(target, drafter, FixedDraftLen(3))
+    batch.add([Request(prompt=p, max_new_tokens=40, id=i) for i, p in enumerate(prompts)])
+    out = {i: [] for i in range(len(prompts))}
+    while len(batch):
+        for event in batch.step():
+            out[event.request_id] += event.tokens
+    assert [out[i] for i in range(len(prompts))] == expected
+    assert type(drafter).checks > 20
