@@ -221,7 +221,8 @@ class CrossTokenizerDrafter(Drafter):
             ends = [i for i, t in enumerate(ids) if t in self.model.eos_token_ids]
             ids = ids[: ends[0] + 1] if ends else ids
             new_text = self.draft_text.decode_after(feeds[b][-CONTEXT_TOKENS:], ids).rstrip("\ufffd")
-            proposal = [t for t in self._target_tokens(seq, row.text_start, new_text)[:draft_len]]
+            proposal = self._target_tokens(seq, row.text_start, new_text)[:draft_len]
+            # a token the target's logits do not cover (a tokenizer larger than the model) ends the draft
             proposal = proposal[: next((i for i, t in enumerate(proposal) if t >= self.target_vocab_size), len(proposal))]
             tokens[b, : len(proposal)] = torch.tensor(proposal, dtype=torch.long)
             num_drafted[b] = len(proposal)
