@@ -65,7 +65,7 @@ class _Text:
     """A fast tokenizer as text <-> ids, with special tokens read and written as text."""
 
     def __init__(self, tokenizer, role: str, name: str):
-        if tokenizer is None or not getattr(tokenizer, "is_fast", False):
+        if tokenizer is None or not tokenizer.is_fast:  # declared by every transformers tokenizer
             raise VerispecError(f"drafting across tokenizers reads both models' text: the {role} {name!r} needs a fast "
                                 "(Rust) tokenizer; load it with one, or give a draft with the target's tokenizer")
         self.backend = tokenizer.backend_tokenizer
