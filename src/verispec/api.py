@@ -13,8 +13,8 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 from transformers import PreTrainedModel
 
-from verispec.drafters import (Eagle3Drafter, HybridDrafter, MedusaDrafter, ModelDrafter, NgramDrafter, NoDrafter,
-                               SharedCacheDrafter, SuffixDrafter)
+from verispec.drafters import (CrossTokenizerDrafter, Eagle3Drafter, HybridDrafter, MedusaDrafter, ModelDrafter, NgramDrafter,
+                               NoDrafter, SharedCacheDrafter, SuffixDrafter)
 from verispec.drafters.base import Drafter
 from verispec.engine import Request, SpeculativeEngine, TokenEvent
 from verispec import options
@@ -204,6 +204,7 @@ def _load_uncached(name: str, dtype: torch.dtype, device: torch.device) -> HFCau
 # How each drafter is built, chosen once per call: (target, draft model or None, draft_confidence) -> Drafter.
 DRAFTERS: dict[str, Callable[[CausalLM, CausalLM | None, float], Drafter]] = {
     "model": lambda target, draft, confidence: ModelDrafter(draft, target.vocab_size, min_confidence=confidence),
+    "cross_tokenizer": lambda target, draft, confidence: CrossTokenizerDrafter(draft, target),
     "hybrid": lambda target, draft, confidence: HybridDrafter(ModelDrafter(draft, target.vocab_size, min_confidence=confidence)),
     "self": lambda target, draft, confidence: SharedCacheDrafter(draft if draft is not None else self_draft(target), target,
                                                                  min_confidence=confidence),
@@ -271,19 +272,42 @@ def _same_vocabulary(a, b) -> bool:
     return _SAME_VOCAB[key][2]
 
 
-def check_compatible(target: CausalLM, draft: CausalLM) -> None:
-    """Draft and target must number tokens the same way, or draft tokens mean nothing to the target."""
+def shares_vocabulary(target: CausalLM, draft: CausalLM) -> bool:
+    """Whether the draft numbers tokens as the target does: the same strings with the same ids where both have a
+    tokenizer, else the same vocabulary size. Decides once, by declaration, which drafter a draft model gets."""
     if target.tokenizer is not None and draft.tokenizer is not None:
-        if not _same_vocabulary(target.tokenizer, draft.tokenizer):
-            raise VerispecError(
-                f"draft {draft.name!r} and target {target.name!r} have different tokenizers: "
-                "choose a draft model from the target's family (same tokenizer), or use drafter='ngram'"
-            )
-    elif draft.vocab_size != target.vocab_size:
+        return _same_vocabulary(target.tokenizer, draft.tokenizer)
+    return draft.vocab_size == target.vocab_size
+
+
+def drafts_through_text(target: CausalLM, draft: CausalLM) -> bool:
+    """Whether a draft model must draft through text (`CrossTokenizerDrafter`): its vocabulary is not the
+    target's, and both have a tokenizer to bridge them."""
+    return target.tokenizer is not None and draft.tokenizer is not None and not shares_vocabulary(target, draft)
+
+
+def check_compatible(target: CausalLM, draft: CausalLM, drafter: str = "model") -> None:
+    """A drafter that hands the draft's token ids to the target (`drafter`: "model", "hybrid") needs one
+    vocabulary; drafting across tokenizers ("cross_tokenizer") needs both tokenizers, to go through text."""
+    if drafter == "cross_tokenizer":
+        if target.tokenizer is None or draft.tokenizer is None:
+            missing = target.name if target.tokenizer is None else draft.name
+            raise VerispecError(f"drafter='cross_tokenizer' drafts through text, but {missing!r} has no tokenizer: load it "
+                                "with one, or use a draft with the target's vocabulary")
+        return
+    if shares_vocabulary(target, draft):
+        return
+    if target.tokenizer is not None and draft.tokenizer is not None:
         raise VerispecError(
-            f"draft {draft.name!r} has {draft.vocab_size} tokens but target {target.name!r} has {target.vocab_size}: "
-            "they must share one vocabulary; choose a matching draft or drafter='ngram'"
+            f"draft {draft.name!r} and target {target.name!r} have different tokenizers, which drafter={drafter!r} "
+            "cannot bridge: use drafter='model' or 'auto' (they draft through text across tokenizers), or a draft "
+            "model from the target's family (same tokenizer)"
         )
+    raise VerispecError(
+        f"draft {draft.name!r} has {draft.vocab_size} tokens but target {target.name!r} has {target.vocab_size}: "
+        "they must share one vocabulary, or both have tokenizers (to draft through text); choose a matching draft or "
+        "drafter='ngram'"
+    )
 
 
 # drafter="auto" without a draft model makes the target's int4 copy only for a call asking for at least
@@ -310,12 +334,16 @@ def resolve_drafter(target: CausalLM, draft: CausalLM | None, drafter: str, new_
     """The drafter "auto" stands for (other names are returned as they are).
 
     With a draft model: "model" (with its confidence deciding how far each draft goes, it beat prompt lookup
-    first, "hybrid", on HumanEval and matched or beat it on 12 of 13 Spec-Bench categories). Without one:
+    first, "hybrid", on HumanEval and matched or beat it on 12 of 13 Spec-Bench categories); and where the
+    draft's vocabulary is not the target's and both have tokenizers (`drafts_through_text`), "auto" and
+    "model" both mean "cross_tokenizer" (the draft drafts in its own vocabulary, its text re-encoded). Without one:
     "self" where the target can have an int4 copy (`self_draft_possible`) and the call is long enough to
     pay for making it (`new_tokens` in all rows at least SELF_COPY_MIN_TOKENS, None for a server or a
     session that will make many calls) or need not make it (it is in memory, or stored on disk and read
     back in a fraction of a second: `models.stored`); else "ngram".
     """
+    if drafter in ("auto", "model") and draft is not None and head_drafter(draft) is None and drafts_through_text(target, draft):
+        return "cross_tokenizer"
     if drafter != "auto":
         return drafter
     if head_drafter(draft) is not None:
@@ -335,15 +363,15 @@ def make_drafter(target: CausalLM, draft: CausalLM | None, drafter: str, draft_c
             raise VerispecError(f"a trained head drafts with drafter={head_drafter(draft)!r} (or 'auto'), not {drafter!r}")
         raise VerispecError(f"drafter={drafter!r} drafts with a trained head: pass draft=verispec.load_head(DIR) (or the "
                             f"head's directory); train one with `verispec train {drafter}`")
-    if head_drafter(draft) is not None and drafter in ("model", "hybrid", "self"):
+    if head_drafter(draft) is not None and drafter in ("model", "cross_tokenizer", "hybrid", "self"):
         raise VerispecError(f"a trained head drafts with drafter={head_drafter(draft)!r} (or 'auto'), not {drafter!r}")
     if head_drafter(draft) is not None and draft.config.vocab_size != target.vocab_size:
         raise VerispecError(f"the head was trained for {draft.config.target!r} ({draft.config.vocab_size} tokens); "
                             f"{target.name!r} has {target.vocab_size}: use it with its own target")
-    if drafter in ("model", "hybrid"):
+    if drafter in ("model", "cross_tokenizer", "hybrid"):
         if draft is None:
             raise VerispecError(f"drafter={drafter!r} needs a draft model: pass draft=NAME_OR_PATH")
-        check_compatible(target, draft)
+        check_compatible(target, draft, drafter)
     if drafter == "self" and draft is not None and not target.same_layer_shapes(draft):
         raise VerispecError(f"drafter='self' drafts on the target's cache, so the draft must be a native-backend copy of "
                             f"{target.name!r} (e.g. verispec.load(name, weight_dtype='int8')); {draft.name!r} is not: "
@@ -472,7 +500,9 @@ def generate(target, prompt, *, draft=None, drafter: str = "auto", draft_len: Dr
     costs this process measured, gives way to n-gram for that call. Without one, "self" for a native
     float32 target on a CPU with verispec's kernels when the call asks for at least SELF_COPY_MIN_TOKENS
     new tokens or the copy exists (in memory or stored on disk), else n-gram: see `resolve_drafter`),
-    "model", "self" (the target's own int4 copy drafts on the target's cache; native float32 targets; `draft`
+    "model", "cross_tokenizer" (a draft model with another tokenizer drafts in its own vocabulary, its text
+    re-encoded with the target's: what "auto" and "model" pick when the vocabularies differ), "self" (the
+    target's own int4 copy drafts on the target's cache; native float32 targets; `draft`
     may give another copy with the target's layer shapes), "hybrid" (prompt lookup when it finds a match,
     else the draft model), "ngram", "suffix" (suffix decoding: the longest match of the text's end in the
     prompt, the output so far and earlier calls' outputs on this target, most frequent continuation first), or

@@ -32,8 +32,8 @@ def unescape(text: str) -> str:
 
 def _add_generation_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default=zoo.DEFAULT_TARGET, help="zoo name, local directory, .gguf file or hub id (default: %(default)s)")
-    p.add_argument("--draft", default=None, help="draft model (same tokenizer as the target); omit to draft with the target's own int4 copy where it can have one (see --drafter), else n-gram")
-    p.add_argument("--drafter", default="auto", choices=DRAFTER_NAMES, help="auto (the draft model when one is given; else self for a native float32 target on verispec's CPU kernels and at least 32 new tokens or a copy made before; else ngram) | model | self (the target's own int4 copy, drafting on its cache) | hybrid (prompt lookup, else the draft model) | ngram | suffix (suffix decoding: the prompt and earlier outputs of this process) | eagle3, medusa (a trained head given with --draft DIR; auto picks it) | none (plain decoding)")
+    p.add_argument("--draft", default=None, help="draft model (any tokenizer: with another vocabulary than the target's it drafts through text, drafter cross_tokenizer); omit to draft with the target's own int4 copy where it can have one (see --drafter), else n-gram")
+    p.add_argument("--drafter", default="auto", choices=DRAFTER_NAMES, help="auto (the draft model when one is given; else self for a native float32 target on verispec's CPU kernels and at least 32 new tokens or a copy made before; else ngram) | model | cross_tokenizer (a draft model with another tokenizer, through text; what auto and model pick for one) | self (the target's own int4 copy, drafting on its cache) | hybrid (prompt lookup, else the draft model) | ngram | suffix (suffix decoding: the prompt and earlier outputs of this process) | eagle3, medusa (a trained head given with --draft DIR; auto picks it) | none (plain decoding)")
     p.add_argument("--draft-len", type=flag(DraftLen.parse), default=DraftLen("auto"),
                    help="draft tokens per step, 'auto' (the default: adaptive), or 'tree' (auto plus token-tree alternates)")
     p.add_argument("--draft-dtype", default="fp32", choices=WEIGHT_DTYPES, help="the draft's matrices on the native backend (cheaper drafts; output unchanged)")
@@ -300,7 +300,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("certify", help="check that speculation gives the target's own output: greedy identity and "
                                        "a chi-square test of sampling, per lossless mode; exit 1 if any check fails")
     p.add_argument("target", help="zoo name, local directory, .gguf file or hub id")
-    p.add_argument("--draft", default=None, help="draft model (same tokenizer as the target)")
+    p.add_argument("--draft", default=None, help="draft model (any tokenizer: another vocabulary drafts through text)")
     p.add_argument("--drafter", default="auto", choices=DRAFTER_NAMES, help="as for generate")
     p.add_argument("--draft-len", type=flag(DraftLen.parse), action="append",
                    help="draft length to certify, repeatable: an int, 'auto' or 'tree' (default: 4)")

@@ -49,7 +49,10 @@ def test_draft_with_a_different_tokenizer():
     tok.add_tokens(["<an-extra-token>"])
     other = HFCausalLM(smollm.hf_model, tok, name="other-tokenizer")
     with pytest.raises(VerispecError, match="different tokenizers"):
-        verispec.generate(smollm, "hi", draft=other, drafter="model", max_new_tokens=2)
+        verispec.generate(smollm, "hi", draft=other, drafter="hybrid", max_new_tokens=2)
+    # drafter="model" (and "auto") draft through text across tokenizers instead
+    result = verispec.generate(smollm, "hi", draft=other, drafter="model", max_new_tokens=2)
+    assert result.stats.drafter == "CrossTokenizerDrafter"
 
 
 def test_int4_draft_needs_widths_in_groups_of_64():

@@ -638,7 +638,7 @@ def serve(target, host: str = "127.0.0.1", port: int = 8000, log_level: str = "i
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="verispec serve", description="OpenAI-compatible server with speculative decoding.")
     parser.add_argument("--target", default=zoo.DEFAULT_TARGET, help="zoo name, local directory, .gguf file or hub id (default: %(default)s)")
-    parser.add_argument("--draft", default=None, help="draft model (same tokenizer as the target); omit to draft with the target's own int4 copy (or n-gram where it cannot have one)")
+    parser.add_argument("--draft", default=None, help="draft model (any tokenizer: with another vocabulary than the target's it drafts through text); omit to draft with the target's own int4 copy (or n-gram where it cannot have one)")
     parser.add_argument("--draft-dtype", default="fp32", choices=DRAFT_DTYPES,
                         help="the draft model's matrices on the native backend: bf16 halves their bytes, int8 quarters them, int4 leaves ~1/7 (default: %(default)s)")
     parser.add_argument("--drafter", default="auto", choices=DRAFTER_NAMES, help="auto = model with --draft, else self where the target allows (a native float32 target on verispec's CPU kernels), else ngram; self = the target's int4 copy drafting on its cache; suffix = suffix decoding over the prompt and earlier requests' outputs (one index per server); none = plain decoding")
