@@ -17,7 +17,8 @@ from conftest import tiny_llama
 import verispec
 from verispec.cli import main
 from verispec.errors import VerispecError
-from verispec.heads.eagle3 import Eagle3Config, Eagle3Head, load_head, save_head
+from verispec.heads import load_head
+from verispec.heads.eagle3 import Eagle3Config, Eagle3Head, save_head
 from verispec.heads.formats import export_head
 from verispec.models.native import NativeCausalLM
 
@@ -183,7 +184,7 @@ def test_unknown_format_and_foreign_config_are_refused(head_dir, tmp_path):
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
     (tmp_path / "other" / "model.safetensors").write_bytes(b"")
-    with pytest.raises(VerispecError, match="not an EAGLE-3 head"):
+    with pytest.raises(VerispecError, match="not a draft head"):
         load_head(tmp_path / "other")
 
 

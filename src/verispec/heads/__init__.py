@@ -1,6 +1,7 @@
 """Trained draft heads: small networks that read the target's hidden states and propose its next tokens.
 
-`eagle3` holds the EAGLE-3 head and its files, `medusa` Medusa-1 heads and theirs; `data` extracts training
+`eagle3` holds the EAGLE-3 head and its files, `formats` the other ecosystems' layouts of it (speculators,
+SpecForge), `medusa` Medusa-1 heads and theirs; `data` extracts training
 features from a target, `train` trains an EAGLE-3 head with training-time test, `train_medusa` Medusa
 heads. The drafters that serve them are `drafters.eagle3` and `drafters.medusa`.
 
@@ -11,12 +12,12 @@ heads. The drafters that serve them are `drafters.eagle3` and `drafters.medusa`.
 from pathlib import Path
 
 from verispec.errors import VerispecError
-from verispec.heads import eagle3, medusa
+from verispec.heads import eagle3, formats, medusa
 from verispec.heads.eagle3 import Eagle3Config, Eagle3Head, save_head
 from verispec.heads.medusa import MedusaConfig, MedusaHead
 
 # (recognizes a directory, loads it): one row per kind of head
-KINDS = ((eagle3.is_head_directory, eagle3.load_head), (medusa.is_head_directory, medusa.load_head))
+KINDS = ((eagle3.is_head_directory, formats.load_head), (medusa.is_head_directory, medusa.load_head))
 HEAD_TYPES = (Eagle3Head, MedusaHead)
 
 

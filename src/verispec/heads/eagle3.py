@@ -392,8 +392,8 @@ def save_head(head: Eagle3Head, directory: str | Path) -> Path:
 
 
 def load_head(directory: str | Path, target=None) -> Eagle3Head:
-    """An EAGLE-3 head saved by `save_head`, or trained elsewhere (speculators/vLLM or SpecForge layout,
-    converted by `formats`), in eval mode; bound to `target`'s embedding when a target is given."""
+    """An EAGLE-3 head saved by `save_head`, in eval mode; bound to `target`'s embedding when a target is
+    given. Heads trained elsewhere (speculators/vLLM or SpecForge layouts) load through `formats.load_head`."""
     from safetensors.torch import load_file
 
     directory = Path(directory)
@@ -402,9 +402,8 @@ def load_head(directory: str | Path, target=None) -> Eagle3Head:
                             "(train one with `verispec train eagle3`)")
     data = json.loads((directory / CONFIG_FILE).read_text())
     if "verispec" not in data:  # trained elsewhere: other tensor names, other tap ids
-        from verispec.heads.formats import load_foreign
-
-        return load_foreign(directory, data, target)
+        raise VerispecError(f"{directory} holds a head in another layout (speculators or SpecForge): read it with "
+                            "verispec.load_head, which converts it")
     if ARCHITECTURE not in (data.get("architectures") or []):
         raise VerispecError(f"{directory}/{CONFIG_FILE} describes {data.get('architectures')}, not an EAGLE-3 head")
     head = Eagle3Head(Eagle3Config.from_json(data))

@@ -87,8 +87,6 @@ def export_head(head_dir: str | Path, out_dir: str | Path, to: str, verifier: st
     that is a directory or a hub id, else none. Returns out_dir."""
     from safetensors.torch import save_file
 
-    from verispec.heads.eagle3 import load_head
-
     if to not in FORMATS:
         raise VerispecError(f"unknown head format {to!r}: use one of {', '.join(FORMATS)}")
     head = load_head(head_dir)
@@ -198,6 +196,18 @@ def _verifier_architectures(verifier: str | None, target: str) -> list[str]:
 
 
 # --- import ---------------------------------------------------------------------------------------------
+
+def load_head(directory: str | Path, target=None) -> Eagle3Head:
+    """Any EAGLE-3 head: verispec's own layout (`eagle3.load_head`), or a speculators or SpecForge one,
+    converted (`load_foreign`)."""
+    from verispec.heads.eagle3 import load_head as load_ours
+
+    try:
+        data = json.loads((Path(directory).expanduser() / CONFIG_FILE).read_text())
+    except (OSError, ValueError):
+        data = {"verispec": {}}  # let load_ours say what is missing
+    return load_ours(directory, target) if "verispec" in data else load_foreign(directory, data, target)
+
 
 def load_foreign(directory: str | Path, data: dict, target=None) -> Eagle3Head:
     """A head trained elsewhere (speculators or SpecForge layout, config.json already read into `data`),
