@@ -278,7 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("train", help="train a draft head for a target (verispec train eagle3 --help, verispec train medusa --help)")
     heads = p.add_subparsers(dest="head", required=True)
-    p = heads.add_parser("eagle3", help="an EAGLE-3 head: reads three of the target's hidden states, drafts chains")
+    p = heads.add_parser("eagle3", help="an EAGLE-3 head: reads three of the target's hidden states, drafts chains (and token-tree alternates)")
     from verispec.heads.train import add_train_arguments, run_train
 
     add_train_arguments(p)
