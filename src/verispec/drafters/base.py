@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from verispec.sampling import SamplingParams, sample
+from verispec.sampling import SamplingParams, coupled_choice, sample, warp_rows
 
 if TYPE_CHECKING:
     from verispec.models.base import CausalLM, ModelCache
@@ -218,3 +218,67 @@ def draw_alternates(i, logits, q, tokens, greedy, generators, second_choice, alt
         alternate = sample(rest, generators[b])
         second_choice[b, i], alternate_confidence[b, i] = alternate, q[b, alternate]
         alternate_probs[b, i] = rest / mass
+
+
+class VocabDraft:
+    """A draft built position by position from a head's logits over its draft vocabulary (`draft_ids` [V]:
+    the target id of each draft id), as the trained-head drafters build one. Greedy rows take the argmax
+    (and, where `branch` is given, the second choice as the position's alternate); sampled rows draw from
+    q, the warped logits spread over the target vocabulary (zero outside the draft vocabulary), and keep
+    q for the verifier, with alternates drawn from q without the chain's token (`draw_alternates`)."""
+
+    def __init__(self, sequences: list[list[int]], width: int, vocab_size: int, draft_ids: torch.Tensor,
+                 sampling: list[SamplingParams], generators: list[torch.Generator], branch: BranchRule | None):
+        batch = len(sequences)
+        self.sequences, self.vocab_size, self.draft_ids = sequences, vocab_size, draft_ids
+        self.sampling, self.generators, self.branch = sampling, generators, branch
+        self.greedy = torch.tensor([s.greedy for s in sampling])
+        self.all_greedy = bool(self.greedy.all())
+        self.tokens = torch.zeros(batch, width, dtype=torch.long)
+        self.probs = None if self.all_greedy else torch.zeros(batch, width, vocab_size)
+        self.confidence = torch.zeros(batch, width)
+        self.second = torch.full((batch, width), -1, dtype=torch.long) if branch is not None else None
+        self.second_confidence = torch.zeros(batch, width) if branch is not None else None
+        self.second_probs = torch.zeros(batch, width, vocab_size) if branch is not None and not self.all_greedy else None
+
+    def choose(self, i: int, logits: torch.Tensor) -> torch.Tensor:
+        """Each row's token at position i from logits [B, V] over the draft vocabulary; returns the
+        confidence [B] of those tokens (the stop rule's input)."""
+        batch, draft_ids = logits.shape[0], self.draft_ids
+        if self.all_greedy:
+            if self.branch is None:
+                top = logits.max(-1)
+                self.tokens[:, i] = draft_ids[top.indices]
+                self.confidence[:, i] = torch.exp(top.values - torch.logsumexp(logits, -1))
+            else:  # the head's second choice is the position's alternate (none in a one-token vocabulary)
+                top = logits.softmax(-1).topk(min(2, logits.shape[-1]), -1)
+                self.tokens[:, i], self.confidence[:, i] = draft_ids[top.indices[:, 0]], top.values[:, 0]
+                if top.indices.shape[1] > 1:
+                    self.second[:, i], self.second_confidence[:, i] = draft_ids[top.indices[:, 1]], top.values[:, 1]
+            return self.confidence[:, i]
+        full = logits.new_full((batch, self.vocab_size), float("-inf"))
+        full[:, draft_ids] = logits
+        q = warp_rows(full, self.sampling)  # a greedy row's q is one-hot on its argmax
+        self.probs[:, i] = q
+        self.tokens[:, i] = torch.tensor([
+            coupled_choice(q[b], self.sampling[b].seed, len(self.sequences[b]) + i) if self.sampling[b].coupled
+            else sample(q[b], self.generators[b]) for b in range(batch)])
+        self.confidence[:, i] = q.max(-1).values  # never q(drawn token): see ModelDrafter
+        if self.greedy.any():
+            self.confidence[self.greedy, i] = logits[self.greedy].softmax(-1).max(-1).values
+        if self.branch is not None:
+            draw_alternates(i, full, q, self.tokens, self.greedy, self.generators, self.second, self.second_confidence,
+                            self.second_probs)
+        return self.confidence[:, i]
+
+    def draft(self, num_drafted: torch.Tensor) -> Draft:
+        """The Draft of the chosen positions, rows keeping their first num_drafted [B] tokens; alternates
+        where the branch rule wants them."""
+        alternates = None
+        if self.branch is not None:
+            drafted = torch.arange(self.tokens.shape[1])[None, :] < num_drafted[:, None]
+            wanted = (drafted & (self.second >= 0) & (self.second != self.tokens)
+                      & self.branch(self.second_confidence, num_drafted))
+            alternates = torch.where(wanted, self.second, -1)
+        return Draft(tokens=self.tokens, num_drafted=num_drafted, probs=self.probs, confidence=self.confidence,
+                     alternates=alternates, alternate_confidence=self.second_confidence, alternate_probs=self.second_probs)

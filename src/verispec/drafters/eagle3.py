@@ -27,11 +27,11 @@ import weakref
 import torch
 
 from verispec.cache import SlotCache
-from verispec.drafters.base import BranchRule, Draft, Drafter, StopRule, Verdict, draw_alternates, empty_draft
+from verispec.drafters.base import BranchRule, Draft, Drafter, StopRule, Verdict, VocabDraft, empty_draft
 from verispec.heads.eagle3 import Eagle3Head, target_embedding
 from verispec.models import kernels
 from verispec.prefill import left_pad
-from verispec.sampling import SamplingParams, coupled_choice, sample, warp_rows
+from verispec.sampling import SamplingParams
 
 
 class Eagle3Drafter(Drafter):
@@ -128,59 +128,23 @@ class Eagle3Drafter(Drafter):
         if not bool(known.any()):
             return empty_draft(batch)
         kept = self.slots.length
-        greedy = torch.tensor([s.greedy for s in sampling])
-        all_greedy = bool(greedy.all())
-        tokens = torch.zeros(batch, draft_len, dtype=torch.long)
-        probs = None if all_greedy else torch.zeros(batch, draft_len, self.vocab_size)
-        confidence = torch.zeros(batch, draft_len)
+        built = VocabDraft(sequences, draft_len, self.vocab_size, self.head.draft_token_ids, sampling, generators, branch)
         num_drafted = torch.zeros(batch, dtype=torch.long)
         going = known.clone()  # a row with no position yet (a one-token prompt) drafts nothing this round
-        draft_ids = self.head.draft_token_ids
-        second_choice = torch.full((batch, draft_len), -1, dtype=torch.long) if branch is not None else None
-        alternate_confidence = torch.zeros(batch, draft_len) if branch is not None else None
-        alternate_probs = torch.zeros(batch, draft_len, self.vocab_size) if branch is not None and not all_greedy else None
         try:
             for i in range(draft_len):
-                logits = self.head.logits(hidden)  # [B, V] over the draft vocabulary
-                if all_greedy:
-                    if branch is None:
-                        top = logits.max(-1)
-                        tokens[:, i] = draft_ids[top.indices]
-                        confidence[:, i] = torch.exp(top.values - torch.logsumexp(logits, -1))
-                    else:  # the head's second choice is the position's alternate
-                        top = logits.softmax(-1).topk(2, -1)
-                        tokens[:, i], second_choice[:, i] = draft_ids[top.indices[:, 0]], draft_ids[top.indices[:, 1]]
-                        confidence[:, i], alternate_confidence[:, i] = top.values[:, 0], top.values[:, 1]
-                else:
-                    full = logits.new_full((batch, self.vocab_size), float("-inf"))
-                    full[:, draft_ids] = logits
-                    q = warp_rows(full, sampling)
-                    probs[:, i] = q
-                    tokens[:, i] = torch.tensor([coupled_choice(q[b], sampling[b].seed, len(sequences[b]) + i)
-                                                 if sampling[b].coupled else sample(q[b], generators[b]) for b in range(batch)])
-                    confidence[:, i] = q.max(-1).values  # never q(drawn token): see ModelDrafter
-                    if greedy.any():
-                        confidence[greedy, i] = logits[greedy].softmax(-1).max(-1).values
-                    if branch is not None:
-                        draw_alternates(i, full, q, tokens, greedy, generators, second_choice, alternate_confidence,
-                                        alternate_probs)
+                confidence = built.choose(i, self.head.logits(hidden))  # logits [B, V] over the draft vocabulary
                 if stop is not None:
-                    going &= stop(i, confidence[:, i])
+                    going &= stop(i, confidence)
                 if self.min_confidence:
-                    going &= confidence[:, i] >= self.min_confidence
+                    going &= confidence >= self.min_confidence
                 num_drafted += going.long()
                 if not going.any() or i + 1 == draft_len:
                     break
-                hidden = self._layer(tokens[:, i : i + 1], hidden[:, None], torch.ones(batch, 1, dtype=torch.bool))[:, 0]
+                hidden = self._layer(built.tokens[:, i : i + 1], hidden[:, None], torch.ones(batch, 1, dtype=torch.bool))[:, 0]
         finally:
             self._truncate(kept)  # drafted positions hold the head's own states: the target's replace them
-        alternates = None
-        if branch is not None:
-            drafted = torch.arange(draft_len)[None, :] < num_drafted[:, None]
-            wanted = drafted & (second_choice >= 0) & (second_choice != tokens) & branch(alternate_confidence, num_drafted)
-            alternates = torch.where(wanted, second_choice, -1)
-        return Draft(tokens=tokens, num_drafted=num_drafted, probs=probs, confidence=confidence, alternates=alternates,
-                     alternate_confidence=alternate_confidence, alternate_probs=alternate_probs)
+        return built.draft(num_drafted)
 
     def _truncate(self, length: int) -> None:
         self.slots.truncate(torch.full((self.slots.batch_size,), length, dtype=torch.long))

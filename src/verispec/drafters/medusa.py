@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import torch
 
-from verispec.drafters.base import BranchRule, Draft, Drafter, StopRule, Verdict, draw_alternates, empty_draft
+from verispec.drafters.base import BranchRule, Draft, Drafter, StopRule, Verdict, VocabDraft, empty_draft
 from verispec.heads.medusa import MedusaHead, check_target
-from verispec.sampling import SamplingParams, coupled_choice, sample, warp_rows
+from verispec.sampling import SamplingParams
 
 
 class MedusaDrafter(Drafter):
@@ -64,55 +64,19 @@ class MedusaDrafter(Drafter):
             return empty_draft(batch)
         hidden = torch.stack([state if state is not None else torch.zeros(self.head.config.hidden_size) for state in self.last])
         all_logits = self.head(hidden, heads=width)  # [B, width, V] over the draft vocabulary: every head at once
-        draft_ids = self.head.draft_token_ids
-        greedy = torch.tensor([s.greedy for s in sampling])
-        all_greedy = bool(greedy.all())
-        tokens = torch.zeros(batch, width, dtype=torch.long)
-        probs = None if all_greedy else torch.zeros(batch, width, self.vocab_size)
-        confidence = torch.zeros(batch, width)
+        built = VocabDraft(sequences, width, self.vocab_size, self.head.draft_token_ids, sampling, generators, branch)
         num_drafted = torch.zeros(batch, dtype=torch.long)
-        second_choice = torch.zeros(batch, width, dtype=torch.long) if branch is not None else None
-        alternate_confidence = torch.zeros(batch, width) if branch is not None else None
-        alternate_probs = torch.zeros(batch, width, self.vocab_size) if branch is not None and not all_greedy else None
         going = known.clone()
         for i in range(width):
-            logits = all_logits[:, i]
-            if all_greedy:
-                top = logits.softmax(-1).topk(min(2, logits.shape[-1]), -1)
-                tokens[:, i] = draft_ids[top.indices[:, 0]]
-                confidence[:, i] = top.values[:, 0]
-                if branch is not None and top.indices.shape[1] > 1:
-                    second_choice[:, i] = draft_ids[top.indices[:, 1]]
-                    alternate_confidence[:, i] = top.values[:, 1]
-                elif branch is not None:
-                    second_choice[:, i] = tokens[:, i]  # one-token vocabulary: no alternate
-            else:
-                full = logits.new_full((batch, self.vocab_size), float("-inf"))
-                full[:, draft_ids] = logits
-                q = warp_rows(full, sampling)  # a greedy row's q is one-hot on its argmax
-                probs[:, i] = q
-                tokens[:, i] = torch.tensor([coupled_choice(q[b], sampling[b].seed, len(sequences[b]) + i)
-                                             if sampling[b].coupled else sample(q[b], generators[b]) for b in range(batch)])
-                confidence[:, i] = q.max(-1).values  # never q(drawn token): see ModelDrafter
-                if greedy.any():
-                    confidence[greedy, i] = logits[greedy].softmax(-1).max(-1).values
-                if branch is not None:
-                    draw_alternates(i, full, q, tokens, greedy, generators, second_choice, alternate_confidence,
-                                    alternate_probs)
+            confidence = built.choose(i, all_logits[:, i])
             if stop is not None:
-                going &= stop(i, confidence[:, i])
+                going &= stop(i, confidence)
             if self.min_confidence:
-                going &= confidence[:, i] >= self.min_confidence
+                going &= confidence >= self.min_confidence
             num_drafted += going.long()
             if not going.any():
                 break
-        alternates = None
-        if branch is not None:
-            drafted = torch.arange(width)[None, :] < num_drafted[:, None]
-            wanted = drafted & (second_choice != tokens) & branch(alternate_confidence, num_drafted)
-            alternates = torch.where(wanted, second_choice, -1)
-        return Draft(tokens=tokens, num_drafted=num_drafted, probs=probs, confidence=confidence, alternates=alternates,
-                     alternate_confidence=alternate_confidence, alternate_probs=alternate_probs)
+        return built.draft(num_drafted)
 
     def commit(self, verdict: Verdict) -> None:
         """Nothing to roll back: the drafter keeps only hidden states of tokens the target's cache kept."""
