@@ -147,6 +147,25 @@ def _features_dir(target_name: str, spec: FeatureSpec) -> Path:
     return zoo.home() / "features" / f"{safe}-{key}"
 
 
+def training_features(target, taps: tuple[int, ...], data: tuple[str, ...], max_tokens: int, seq_len: int,
+                      self_distill: bool, max_new_tokens: int, features, config: TrainConfig,
+                      progress: bool) -> tuple[FeatureSpec, list[Path], list[Path]]:
+    """(the spec, the training shards, the held-out shards) of a head's features: extracted from `target`
+    (or found in the cache under `features`, by default keyed by target and settings), the last
+    config.held_out_shards never trained on."""
+    spec = FeatureSpec(target=target.name, taps=taps, seq_len=seq_len, sources=tuple(data), self_distill=self_distill,
+                       max_new_tokens=max_new_tokens, numerics=target.numerics)
+    if max_tokens < 2 * spec.seq_len * spec.shard_sequences and config.held_out_shards:
+        spec.shard_sequences = max(1, max_tokens // (2 * spec.seq_len))  # room for a held-out shard
+    features = Path(features) if features is not None else _features_dir(target.name, spec)
+    shards = extract(target, features, spec, max_tokens, progress=progress)
+    held_out = shards[len(shards) - config.held_out_shards :] if config.held_out_shards else []
+    training = shards[: len(shards) - len(held_out)]
+    if not training:
+        raise VerispecError(f"{max_tokens} tokens make {len(shards)} shard(s), all held out: raise --max-tokens")
+    return spec, training, held_out
+
+
 def new_head(target, shards: list[Path], draft_vocab: int, taps: tuple[int, ...],
              intermediate_size: int | None = None) -> Eagle3Head:
     """A head for `target`, its draft vocabulary chosen from the shards, its norm and LM head the target's."""
@@ -201,16 +220,8 @@ def train_eagle3(target, out: str | Path, *, data: tuple[str, ...] = ("site-pack
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     taps = tuple(taps) if taps is not None else default_taps(int(target.config.num_hidden_layers))
-    spec = FeatureSpec(target=target.name, taps=taps, seq_len=seq_len, sources=tuple(data), self_distill=self_distill,
-                       max_new_tokens=max_new_tokens, numerics=target.numerics)
-    if max_tokens < 2 * spec.seq_len * spec.shard_sequences and config.held_out_shards:
-        spec.shard_sequences = max(1, max_tokens // (2 * spec.seq_len))  # room for a held-out shard
-    features = Path(features) if features is not None else _features_dir(target.name, spec)
-    shards = extract(target, features, spec, max_tokens, progress=progress)
-    held_out = shards[len(shards) - config.held_out_shards :] if config.held_out_shards else []
-    training = shards[: len(shards) - len(held_out)]
-    if not training:
-        raise VerispecError(f"{max_tokens} tokens make {len(shards)} shard(s), all held out: raise --max-tokens")
+    spec, training, held_out = training_features(target, taps, data, max_tokens, seq_len, self_distill, max_new_tokens,
+                                                 features, config, progress)
 
     torch.manual_seed(config.seed)
     head = new_head(target, training, draft_vocab, taps, intermediate_size)

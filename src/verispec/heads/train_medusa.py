@@ -24,10 +24,10 @@ import torch
 from tqdm import tqdm
 
 from verispec.errors import VerispecError
-from verispec.heads.data import FeatureSpec, extract, load_shard
+from verispec.heads.data import load_shard
 from verispec.heads.medusa import MedusaConfig, MedusaHead, save_head
-from verispec.heads.train import (LOG, TrainConfig, _checkpoint, _features_dir, _lr_factor, _resume, add_common_arguments,
-                                  choose_draft_vocab, soft_targets, target_output_rows)
+from verispec.heads.train import (LOG, TrainConfig, _checkpoint, _lr_factor, _resume, add_common_arguments, choose_draft_vocab,
+                                  soft_targets, target_output_rows, training_features)
 
 
 def final_tap(target) -> int:
@@ -116,16 +116,8 @@ def train_medusa(target, out: str | Path, *, data: tuple[str, ...] = ("site-pack
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     tap = final_tap(target)
-    spec = FeatureSpec(target=target.name, taps=(tap,), seq_len=seq_len, sources=tuple(data), self_distill=self_distill,
-                       max_new_tokens=max_new_tokens, numerics=target.numerics)
-    if max_tokens < 2 * spec.seq_len * spec.shard_sequences and config.held_out_shards:
-        spec.shard_sequences = max(1, max_tokens // (2 * spec.seq_len))  # room for a held-out shard
-    features = Path(features) if features is not None else _features_dir(target.name, spec)
-    shards = extract(target, features, spec, max_tokens, progress=progress)
-    held_out = shards[len(shards) - config.held_out_shards :] if config.held_out_shards else []
-    training = shards[: len(shards) - len(held_out)]
-    if not training:
-        raise VerispecError(f"{max_tokens} tokens make {len(shards)} shard(s), all held out: raise --max-tokens")
+    spec, training, held_out = training_features(target, (tap,), data, max_tokens, seq_len, self_distill,
+                                                 max_new_tokens, features, config, progress)
 
     torch.manual_seed(config.seed)
     head = new_medusa_head(target, training, draft_vocab, num_heads, num_layers)
