@@ -1,7 +1,7 @@
 """Trained draft heads: small networks that read the target's hidden states and propose its next tokens.
 
 `eagle3` holds the EAGLE-3 head and its files, `formats` the other ecosystems' layouts of it (speculators,
-SpecForge), `medusa` Medusa-1 heads and theirs; `data` extracts training
+SpecForge), `medusa` Medusa-1 heads and theirs, `files` the directory every kind writes; `data` extracts training
 features from a target, `train` trains an EAGLE-3 head with training-time test, `train_medusa` Medusa
 heads. The drafters that serve them are `drafters.eagle3` and `drafters.medusa`.
 

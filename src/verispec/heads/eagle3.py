@@ -30,11 +30,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from verispec.errors import VerispecError
+from verispec.heads.files import CONFIG_FILE, WEIGHTS_FILE, write_head
 from verispec.heads.vocab import DraftVocab
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"  # the name SpecForge and SGLang give this layout
-CONFIG_FILE = "config.json"
-WEIGHTS_FILE = "model.safetensors"
 
 
 def default_taps(num_layers: int) -> tuple[int, int, int]:
@@ -377,18 +376,7 @@ def is_head_directory(path: str | Path) -> bool:
 def save_head(head: Eagle3Head, directory: str | Path) -> Path:
     """Write config.json and model.safetensors (EAGLE-3 names: fc.weight, midlayer.*, norm.weight,
     lm_head.weight, d2t, t2d; no embedding) into `directory`, atomically per file."""
-    from safetensors.torch import save_file
-
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    tensors = {name: tensor.detach().contiguous().cpu() for name, tensor in head.state_dict().items()}
-    partial = directory / (WEIGHTS_FILE + ".partial")
-    save_file(tensors, str(partial), metadata={"format": "pt"})
-    partial.replace(directory / WEIGHTS_FILE)
-    partial = directory / (CONFIG_FILE + ".partial")
-    partial.write_text(json.dumps(head.config.to_json(), indent=2) + "\n")
-    partial.replace(directory / CONFIG_FILE)
-    return directory
+    return write_head(directory, head.state_dict(), head.config.to_json())
 
 
 def load_head(directory: str | Path, target=None) -> Eagle3Head:

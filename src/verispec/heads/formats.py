@@ -51,7 +51,8 @@ from pathlib import Path
 import torch
 
 from verispec.errors import VerispecError
-from verispec.heads.eagle3 import ARCHITECTURE, CONFIG_FILE, WEIGHTS_FILE, Eagle3Config, Eagle3Head, default_taps
+from verispec.heads.eagle3 import ARCHITECTURE, Eagle3Config, Eagle3Head, default_taps
+from verispec.heads.files import CONFIG_FILE, WEIGHTS_FILE, write_head
 
 FORMATS = ("speculators", "specforge")
 SPECULATORS_ARCHITECTURE = "Eagle3Speculator"  # speculators' Eagle3SpeculatorConfig default
@@ -85,13 +86,11 @@ def export_head(head_dir: str | Path, out_dir: str | Path, to: str, verifier: st
     verifier: the target's Hugging Face id or directory, recorded in a speculators config (vLLM ignores
     it; the speculators library reads the target's layer count from it). Default: the head's target when
     that is a directory or a hub id, else none. Returns out_dir."""
-    from safetensors.torch import save_file
-
     if to not in FORMATS:
         raise VerispecError(f"unknown head format {to!r}: use one of {', '.join(FORMATS)}")
     head = load_head(head_dir)
     config = head.config
-    tensors = {name: tensor.detach().contiguous().cpu() for name, tensor in head.state_dict().items()}
+    tensors = dict(head.state_dict())
     if _identity_vocab(head):  # the others keep no vocabulary maps for a full draft vocabulary
         del tensors["d2t"], tensors["t2d"]
     if to == "speculators":
@@ -99,15 +98,7 @@ def export_head(head_dir: str | Path, out_dir: str | Path, to: str, verifier: st
         data = _speculators_config(config, verifier)
     else:
         data = _specforge_config(config)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    partial = out / (WEIGHTS_FILE + ".partial")  # atomically per file, as save_head writes
-    save_file(tensors, str(partial), metadata={"format": "pt"})
-    partial.replace(out / WEIGHTS_FILE)
-    partial = out / (CONFIG_FILE + ".partial")
-    partial.write_text(json.dumps(data, indent=2) + "\n")
-    partial.replace(out / CONFIG_FILE)
-    return out
+    return write_head(out_dir, tensors, data)
 
 
 def _layer_config(config: Eagle3Config) -> dict:

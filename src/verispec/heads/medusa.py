@@ -35,11 +35,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from verispec.errors import VerispecError
+from verispec.heads.files import CONFIG_FILE, WEIGHTS_FILE, write_head
 from verispec.heads.vocab import DraftVocab
 
 ARCHITECTURE = "MedusaHeads"
-CONFIG_FILE = "config.json"
-WEIGHTS_FILE = "model.safetensors"
 MEDUSA_FILES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")  # the Medusa repository's, in preference order
 
 
@@ -144,18 +143,7 @@ def is_head_directory(path: str | Path) -> bool:
 
 def save_head(head: MedusaHead, directory: str | Path) -> Path:
     """Write config.json and model.safetensors into `directory`, atomically per file."""
-    from safetensors.torch import save_file
-
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    tensors = {name: tensor.detach().contiguous().cpu() for name, tensor in head.state_dict().items()}
-    partial = directory / (WEIGHTS_FILE + ".partial")
-    save_file(tensors, str(partial), metadata={"format": "pt"})
-    partial.replace(directory / WEIGHTS_FILE)
-    partial = directory / (CONFIG_FILE + ".partial")
-    partial.write_text(json.dumps(head.config.to_json(), indent=2) + "\n")
-    partial.replace(directory / CONFIG_FILE)
-    return directory
+    return write_head(directory, head.state_dict(), head.config.to_json())
 
 
 def load_head(directory: str | Path, target=None) -> MedusaHead:
