@@ -274,8 +274,8 @@ class DecodeBatch:
         self._observe(StepRecord(
             len(self.rows), k, 1 + draft.draft_len, draft.num_drafted, verdict.num_accepted,
             draft_seconds=t1 - t0, target_seconds=t3 - t1, verify_seconds=t3 - t2, confidence=draft.confidence,
-            extra_rows=draft.tree[0].shape[1] if trees else 0,
-            alternates=AlternateOutcome(draft.alternates >= 0, draft.alternate_confidence, verdict.alternate) if trees else None,
+            extra_rows=draft.tree.extra.shape[1] if trees else 0,
+            alternates=AlternateOutcome.of(draft, verdict) if trees else None,
             emitted=torch.tensor([len(event.tokens) for event in events]), lossy=torch.tensor([s.lossy for s in sampling])))
         if self.prefix_cache is not None and self.prefix_cache.granular:
             for b, event in enumerate(events):
@@ -312,8 +312,8 @@ class DecodeBatch:
         last = torch.tensor([[row.sequence[-1]] for row in self.rows], dtype=torch.long)
         tapping = {} if self.drafter.target_taps is None else {"taps": self.drafter.target_taps}
         if draft.has_alternates:
-            extra, tree, _ = draft.tree
-            out = self.target.forward(torch.cat([last, draft.tokens, extra], 1), self.cache, tree=tree, **tapping)
+            tree = draft.tree
+            out = self.target.forward(torch.cat([last, draft.tokens, tree.extra], 1), self.cache, tree=tree.mask, **tapping)
         else:
             out = self.target.forward(torch.cat([last, draft.tokens], 1), self.cache, **tapping)
         return out if tapping else (out, None)
@@ -322,7 +322,7 @@ class DecodeBatch:
         """The target's cache forgets what the pass that began at slot `start` (`width` columns) wrote and was
         not accepted. Returns which columns each row kept: [batch, width] bool."""
         if verdict.alternate is not None and bool(verdict.alternate.any()):
-            kept = self._accepted_path(draft, verdict)
+            kept = verdict.kept_columns(draft, width)
             self.cache.retain(start, kept)
             return kept
         self.cache.truncate(start + 1 + verdict.num_accepted)
@@ -360,17 +360,20 @@ class DecodeBatch:
 
     @staticmethod
     def _draft_paths(draft: Draft, row: int, width: int) -> list[list[int]]:
-        """The draft tokens before each of the pass's `width` positions for `row`: [] for the last token's,
-        d[:j] for chain position j, d[:i] + [alternate] for the alternate beside position i. Positions past
-        the row's draft are padding (never read); they get the whole chain."""
+        """The draft tokens before each of the pass's `width` positions for `row`, that position's own token
+        included: [] for the last token's, d[:j] for chain position j, the chain up to where an alternate hangs
+        then the alternates down to it (itself included) for an alternate's column. Positions past the row's
+        draft are padding (never read); they get the whole chain."""
         chain = draft.tokens[row, : int(draft.num_drafted[row])].tolist()
         paths = [chain[:j] for j in range(draft.draft_len + 1)]
         if draft.has_alternates:
-            _, _, columns = draft.tree
+            tree = draft.tree
+            k = draft.draft_len
             paths += [chain] * (width - len(paths))
-            for i, column in enumerate(columns[row].tolist()):
-                if column >= 0:
-                    paths[column] = chain[:i] + [int(draft.alternates[row, i])]
+            for column in (tree.source[row] >= 0).nonzero().squeeze(1).tolist():
+                down = tree.path(row, column)  # chain columns 1..i, then alternate columns
+                hang = sum(1 for c in down if c <= k)
+                paths[column] = chain[:hang] + [tree.token(row, c) for c in down[hang:]]
         return paths[:width]
 
     @staticmethod
@@ -382,33 +385,22 @@ class DecodeBatch:
             return None
         accepted = int(verdict.num_accepted[b])
         columns = list(range(accepted + 1))
-        if verdict.took_alternate(b):  # the alternate stands at chain position `accepted`; its successor in its own column
-            columns.append(int(draft.tree[2][b, accepted]))
+        if verdict.took_alternate(b):  # each alternate taken scores the token after it in its own column
+            columns += verdict.branch[b]
         logits = (processed if row.request.processed_logprobs else raw)[columns]
         return token_logprobs(logits, emitted, row.request.logprobs)
 
     def _fit_alternates(self, draft: Draft) -> Draft:
-        """Keep a tree pass within the rows the target computes exactly (see next_draft_len): drop the
-        alternates of the deepest positions first, they are the least likely to be reached."""
+        """Keep a tree pass within the rows the target computes exactly (see next_draft_len): each row keeps its
+        first alternates (the leaf form's shallowest positions, a tree's best as its drafter ordered them):
+        the deeper or worse ones are the least likely to be reached."""
         exact_rows = self.target.max_exact_rows
         if not exact_rows:
             return draft
         room = exact_rows // len(self.rows) - 1 - draft.draft_len  # alternate columns a pass may still carry
-        present = draft.alternates >= 0
         if room <= 0:
-            return replace(draft, alternates=None, alternate_confidence=None)
-        keep = present & (present.long().cumsum(1) <= room)
-        return replace(draft, alternates=torch.where(keep, draft.alternates, -1))
-
-    @staticmethod
-    def _accepted_path(draft: Draft, verdict: Verdict) -> torch.Tensor:
-        """[batch, width] bool over the tree pass: the last token, the accepted chain, the taken alternate."""
-        width = draft.tree[1].shape[1]
-        keep = torch.arange(width)[None, :] <= verdict.num_accepted[:, None]
-        _, column = draft.alternate_at(verdict.num_accepted)
-        taken = verdict.alternate.nonzero().squeeze(1)
-        keep[taken, column[taken]] = True
-        return keep
+            return replace(draft, alternates=None, alternate_confidence=None, alternate_probs=None, alternate_parents=None)
+        return draft.first_alternates(room)
 
     def _stat_sinks(self) -> Iterator[tuple[SpecStats, torch.Tensor]]:
         """The batch's stats over all rows, then each request's own stats over its row."""

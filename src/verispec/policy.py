@@ -341,11 +341,13 @@ class AdaptiveDraftLen:
         self.target_cost.observe(batch_size * (width + step.extra_rows), target_seconds)
         gained = num_accepted + 1
         if step.alternates is not None:
-            present, alternate_confidence, taken = step.alternates
-            positions = torch.arange(present.shape[1])
-            reached = present & (positions <= num_accepted[:, None])
-            self.alternate_calibration.count(alternate_confidence, reached, reached & taken[:, None] & (positions == num_accepted[:, None]))
-            gained = gained + taken.long()
+            present, alternate_confidence, taken, leaves = step.alternates
+            if leaves:  # a leaf beside position i is reached when the chain is, and taken where it broke off
+                positions = torch.arange(present.shape[1])
+                reached = present & (positions <= num_accepted[:, None])
+                was_taken = reached & (taken > 0)[:, None] & (positions == num_accepted[:, None])
+                self.alternate_calibration.count(alternate_confidence, reached, was_taken)
+            gained = gained + taken
         if draft_len > 0:  # including a draft stopped before its first token: that cost a draft pass
             self.speculative.observe(float(gained.float().mean()), draft_seconds + target_seconds)
             # Draft passes run: one per token kept, plus the one that judged the token a stop refused

@@ -35,9 +35,19 @@ def acceptance_rate_from_distributions(p: torch.Tensor, q: torch.Tensor) -> torc
 class AlternateOutcome(NamedTuple):
     """The alternates of a step whose target pass carried a token tree."""
 
-    present: torch.Tensor  # [batch, width - 1] bool: chain positions that had an alternate beside them
-    confidence: torch.Tensor  # [batch, width - 1] float32: the draft's probability of each alternate
-    taken: torch.Tensor  # [batch] bool: the row took the alternate where its chain broke off
+    present: torch.Tensor  # [batch, m] bool: the draft's alternates (leaf form: m = k, beside chain position i)
+    confidence: torch.Tensor  # [batch, m] float32: the draft's probability of each alternate
+    taken: torch.Tensor  # [batch] long: alternates the row accepted (a path down the tree; at most 1 in the leaf form)
+    leaves: bool = True  # the leaf form: alternate i is a leaf beside chain position i (what the policy calibrates)
+
+    @classmethod
+    def of(cls, draft, verdict) -> "AlternateOutcome":
+        """The outcome of a draft with alternates (`drafters.base.Draft`) under its verdict."""
+        confidence = draft.alternate_confidence
+        if confidence is None:
+            confidence = torch.zeros(draft.alternates.shape)
+        return cls(draft.alternates >= 0, confidence, verdict.tokens_from_draft() - verdict.num_accepted,
+                   draft.alternate_parents is None)
 
 
 @dataclass
@@ -63,7 +73,7 @@ class StepRecord:
     def rows(self, index: torch.Tensor) -> "StepRecord":
         """The record of these rows only (index [n] long): the same pass, its seconds shared."""
         pick = lambda t: None if t is None else t[index]  # noqa: E731
-        alternates = None if self.alternates is None else AlternateOutcome(*(t[index] for t in self.alternates))
+        alternates = None if self.alternates is None else AlternateOutcome(*(t[index] for t in self.alternates[:3]), self.alternates.leaves)
         return replace(self, batch_size=len(index), num_drafted=self.num_drafted[index], num_accepted=self.num_accepted[index],
                        confidence=pick(self.confidence), alternates=alternates, emitted=pick(self.emitted), lossy=pick(self.lossy))
 
@@ -87,8 +97,8 @@ class SpecStats:
     max_draft_len: int = 0
     drafted_at: list[int] = field(default_factory=list)  # per draft position: times proposed
     accepted_at: list[int] = field(default_factory=list)  # per draft position: times accepted
-    alternates_drafted: int = 0  # second guesses beside chain positions (token-tree leaves)
-    alternates_accepted: int = 0  # ... taken where the chain's token was rejected
+    alternates_drafted: int = 0  # token-tree candidates beside the chain (second guesses, a dynamic tree's nodes)
+    alternates_accepted: int = 0  # ... taken after the chain's accepted prefix (tokens gained from them)
     drafter: str = ""  # which drafter the call ran (a draft model whose start did not pay gives way to prompt lookup)
     lossy: bool = False  # some row was verified by a lossy rule it asked for (typical acceptance): not exact samples
 

@@ -169,8 +169,7 @@ def test_verifiers_sample_the_target_with_alternates(verifier):
     assert chi2_pvalue(first, reference_probs(logits[0, 0].numpy(), 1.0)) > P_THRESHOLD
     at_zero = verdict.alternate & (verdict.num_accepted == 0)
     assert int(at_zero.sum()) > 1000  # alternates really taken
-    _, _, columns = draft.tree
-    column = columns[at_zero, 0]
+    column = torch.tensor([verdict.branch[n][0] for n in at_zero.nonzero().squeeze(1).tolist()])
     after = verdict.next_tokens[at_zero]
     for c in column.unique().tolist():  # rows lay out their alternates left to right: column 3 or 4
         p_after = reference_probs(logits[0, c].numpy(), 1.0)

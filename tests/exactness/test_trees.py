@@ -48,9 +48,9 @@ def _example_draft() -> Draft:
 
 
 def test_tree_layout_puts_each_alternate_beside_its_position():
-    extra, tree, columns = _example_draft().tree
+    extra, tree, parent, source = _example_draft().tree
     assert extra.tolist() == [[40, 41]]
-    assert columns.tolist() == [[5, -1, 6, -1]]
+    assert parent.tolist() == [[-1, 0, 1, 2, 3, 0, 2]] and source.tolist() == [[-1, -1, -1, -1, -1, 0, 2]]
     # pass: [last, 12, 13, 14, 15, 40, 41]; 40 replaces 12 (sees last), 41 replaces 14 (sees last, 12, 13)
     assert tree[0, 5].tolist() == [True, False, False, False, False, True, False]
     assert tree[0, 6].tolist() == [True, True, True, False, False, False, True]
@@ -60,7 +60,7 @@ def test_tree_layout_puts_each_alternate_beside_its_position():
 def test_tree_pass_scores_each_path_as_if_alone(target):
     """Every token of a tree pass gets the logits of its own path decoded on its own."""
     draft = _example_draft()
-    extra, tree, _ = draft.tree
+    extra, tree = draft.tree.extra, draft.tree.mask
     tokens = torch.cat([torch.tensor([[PREFIX[-1]]]), draft.tokens, extra], 1)
     logits = target.forward(tokens, prefilled(target, PREFIX[:-1]), tree=tree)[0]
     paths = {0: [], 1: [12], 2: [12, 13], 3: [12, 13, 14], 4: [12, 13, 14, 15], 5: [40], 6: [12, 13, 41]}
@@ -75,7 +75,7 @@ def test_tree_pass_scores_each_path_as_if_alone(target):
 def test_retain_keeps_the_accepted_path_and_later_tokens_see_only_it(target):
     """After a tree pass that took position 0's alternate, the cache is the path [last, alternate]."""
     draft = _example_draft()
-    extra, tree, _ = draft.tree
+    extra, tree = draft.tree.extra, draft.tree.mask
     cache = prefilled(target, PREFIX[:-1])
     start = cache.slots.length
     target.forward(torch.cat([torch.tensor([[PREFIX[-1]]]), draft.tokens, extra], 1), cache, tree=tree)

@@ -1,19 +1,21 @@
 """The contract between a drafter, the verifier and the engine.
 
 A drafter proposes up to k tokens per sequence (`Draft`); the verifier answers with a `Verdict`;
-the drafter then rolls its own state back with `commit`. A draft is a chain, optionally with one
-alternate token beside any of its positions (a leaf of a token tree: a second guess that the target
-checks in the same pass, used where the chain's own token is rejected). A greedy draft's alternate is
-its second choice; a sampled draft's is drawn from its q with the chain's token taken out, and carries
-that distribution for the verifier. The engine owns the sequences and the target's cache; each drafter
-owns whatever it keeps (its cache, its n-gram index), or borrows the target's cache while it drafts.
+the drafter then rolls its own state back with `commit`. A draft is a chain, optionally with
+alternates: more candidates that the target checks in the same pass (a token tree), tried where the
+chain's own token is rejected. In the simple form an alternate is a leaf beside a chain position (a
+greedy draft's second choice; a sampled draft's draw from its q with the chain's token taken out,
+carrying that distribution for the verifier). With `alternate_parents` alternates form any tree that
+hangs from the chain: several siblings at a position, and alternates that follow other alternates (an
+EAGLE-2 dynamic tree). The engine owns the sequences and the target's cache; each drafter owns
+whatever it keeps (its cache, its n-gram index), or borrows the target's cache while it drafts.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import torch
 
@@ -21,6 +23,32 @@ from verispec.sampling import SamplingParams, coupled_choice, sample, warp_rows
 
 if TYPE_CHECKING:
     from verispec.models.base import CausalLM, ModelCache
+
+
+class TreePass(NamedTuple):
+    """A draft with alternates as one verify pass over W = 1 + k + m columns: [last token, chain, alternates]."""
+
+    extra: torch.Tensor  # [batch, m] long: the alternates' tokens, appended after the chain (0 in padding columns)
+    mask: torch.Tensor  # [batch, W, W] bool: mask[b, t, j] when column j is t or one of its ancestors (`CausalLM.forward`'s tree)
+    parent: torch.Tensor  # [batch, W] long: the column each column follows (-1 for column 0 and for padding)
+    source: torch.Tensor  # [batch, W] long: which alternate (index into Draft.alternates[b]) a column holds; -1: chain, padding
+
+    def children(self, row: int, column: int) -> list[int]:
+        """The alternate columns that follow `column` in `row`, in the draft's order (its preference)."""
+        hanging = ((self.parent[row] == column) & (self.source[row] >= 0)).nonzero().squeeze(1)
+        return hanging.tolist()
+
+    def token(self, row: int, column: int) -> int:
+        """The token an alternate column holds."""
+        return int(self.extra[row, column - (self.mask.shape[1] - self.extra.shape[1])])
+
+    def path(self, row: int, column: int) -> list[int]:
+        """The columns from column 1 down to `column` (its ancestors after the last token, then itself)."""
+        columns = []
+        while column > 0:
+            columns.append(column)
+            column = int(self.parent[row, column])
+        return columns[::-1]
 
 
 @dataclass
@@ -31,13 +59,17 @@ class Draft:
     # [batch, k] float32: the draft's own probability of each token it proposed (its top probability when
     # greedy); None for drafters that cannot judge their tokens. The policy learns how it predicts acceptance.
     confidence: torch.Tensor | None = None
-    # [batch, k] long: a second candidate for each chain position (-1: none), a sibling leaf of tokens[:, i];
-    # verified only by targets that take token trees.
+    # [batch, m] long: more candidates verified in the same pass (-1: none), only by targets that take token trees.
+    # Without alternate_parents, m = k and alternates[:, i] is a leaf beside chain position i (a sibling of tokens[:, i]).
     alternates: torch.Tensor | None = None
-    alternate_confidence: torch.Tensor | None = None  # [batch, k] float32: the draft's probability of each
-    # [batch, k, vocab] float32: q' each alternate was drawn from (q with the chain's token taken out; one-hot
-    # on a greedy row's second choice); None for an all-greedy draft, whose verifier needs no distributions.
+    alternate_confidence: torch.Tensor | None = None  # [batch, m] float32: the draft's probability of each
+    # [batch, m, vocab] float32: q' each alternate was drawn from (q with the tokens tried before it at its place
+    # taken out; one-hot on a deterministic candidate); None for an all-greedy draft, which needs no distributions.
     alternate_probs: torch.Tensor | None = None
+    # [batch, m] long: where each alternate hangs. p >= 0: beside chain position p (after the last token for 0,
+    # after chain token p - 1 otherwise; p = num_drafted hangs after the whole chain); p < 0: after alternate
+    # -p - 1, which must come earlier in the row. Siblings are tried in their order here. None: the leaf form above.
+    alternate_parents: torch.Tensor | None = None
 
     @property
     def draft_len(self) -> int:
@@ -48,50 +80,79 @@ class Draft:
         return self.alternates is not None and bool((self.alternates >= 0).any())
 
     def narrow(self, width: int) -> "Draft":
-        """The first `width` positions (every row's real proposals, when width >= max(num_drafted))."""
+        """The first `width` chain positions (every row's real proposals, when width >= max(num_drafted)).
+        Alternates hanging past them are dropped, with whatever hangs from them."""
         if width == self.draft_len:
             return self
         cut = lambda t: None if t is None else t[:, :width]  # noqa: E731
-        return Draft(self.tokens[:, :width], self.num_drafted.clamp(max=width), cut(self.probs), cut(self.confidence),
-                     cut(self.alternates), cut(self.alternate_confidence), cut(self.alternate_probs))
+        if self.alternate_parents is None:
+            return Draft(self.tokens[:, :width], self.num_drafted.clamp(max=width), cut(self.probs), cut(self.confidence),
+                         cut(self.alternates), cut(self.alternate_confidence), cut(self.alternate_probs))
+        alternates = self.alternates.clone()
+        for b, j in (self.alternate_parents > width).nonzero().tolist():
+            alternates[b, j] = -1
+        return replace(self, tokens=self.tokens[:, :width], num_drafted=self.num_drafted.clamp(max=width),
+                       probs=cut(self.probs), confidence=cut(self.confidence), alternates=_drop_orphans(alternates, self.alternate_parents))
 
     def rows(self, index: torch.Tensor) -> "Draft":
         """The draft of these rows only (index [n] long), in that order."""
         pick = lambda t: None if t is None else t[index]  # noqa: E731
         return Draft(self.tokens[index], self.num_drafted[index], pick(self.probs), pick(self.confidence),
-                     pick(self.alternates), pick(self.alternate_confidence), pick(self.alternate_probs))
+                     pick(self.alternates), pick(self.alternate_confidence), pick(self.alternate_probs),
+                     pick(self.alternate_parents))
+
+    def first_alternates(self, count: int) -> "Draft":
+        """Only the first `count` alternates of each row (and what they leave whole: a child always comes after
+        its parent, so the kept ones hang from the chain or from kept ones)."""
+        if self.alternate_parents is None:
+            present = self.alternates >= 0
+            keep = present & (present.long().cumsum(1) <= count)
+            return replace(self, alternates=torch.where(keep, self.alternates, -1))
+        cut = lambda t: None if t is None else t[:, :count]  # noqa: E731
+        return replace(self, alternates=cut(self.alternates), alternate_confidence=cut(self.alternate_confidence),
+                       alternate_probs=cut(self.alternate_probs), alternate_parents=cut(self.alternate_parents))
 
     @cached_property
-    def tree(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The verify pass for a draft with alternates: (tokens [batch, m] to append after the chain,
-        tree [batch, 1 + k + m, 1 + k + m] bool over [last token, chain, alternates] (see
-        `CausalLM.forward`), columns [batch, k] long: where each position's alternate sits in that pass, -1
-        if none). A row's alternates are packed left in position order; spare columns are padding leaves."""
+    def tree(self) -> TreePass:
+        """The verify pass for a draft with alternates (see `TreePass`). In the leaf form a row's alternates
+        are packed left in position order; spare columns are padding leaves after the last token."""
         batch, k = self.tokens.shape
-        present = self.alternates >= 0
-        count = present.sum(1)
-        m = int(count.max())
-        order = torch.argsort((~present).long(), dim=1, stable=True)[:, :m]  # positions holding alternates first
-        extra = self.alternates.gather(1, order).clamp(min=0)
-        extra[torch.arange(m)[None, :] >= count[:, None]] = 0
+        if self.alternate_parents is None:  # leaf form: alternate i hangs beside position i
+            present = self.alternates >= 0
+            order = torch.argsort((~present).long(), dim=1, stable=True)  # positions holding alternates first
+            m = int(present.sum(1).max())
+            order = order[:, :m]
+            sources = torch.where(present.gather(1, order), order, -1)
+            hangs = order  # beside position i: after node i
+        else:
+            m = self.alternates.shape[1]
+            sources = torch.where(self.alternates >= 0, torch.arange(m)[None, :], -1)
+            hangs = self.alternate_parents
         width = 1 + k + m
-        tree = torch.tril(torch.ones(width, width, dtype=torch.bool)).repeat(batch, 1, 1)
-        tree[:, 1 + k :, :] = False
-        columns = torch.full((batch, k), -1, dtype=torch.long)
-        for b in range(batch):
-            for j, i in enumerate(order[b, : int(count[b])].tolist()):
-                column = 1 + k + j
-                tree[b, column, : 1 + i] = True  # the last token and chain positions before i: its ancestors
-                columns[b, i] = column
-            tree[b, torch.arange(1 + k, width), torch.arange(1 + k, width)] = True  # and itself
-        return extra, tree, columns
+        extra = torch.zeros(batch, m, dtype=torch.long)
+        parent = torch.full((batch, width), -1, dtype=torch.long)
+        parent[:, 1 : 1 + k] = torch.arange(k)
+        source = torch.full((batch, width), -1, dtype=torch.long)
+        mask = torch.tril(torch.ones(width, width, dtype=torch.bool)).repeat(batch, 1, 1)
+        mask[:, 1 + k :, :] = False
+        mask[:, 1 + k :, 0] = True  # a padding column follows the last token alone
+        mask[:, torch.arange(1 + k, width), torch.arange(1 + k, width)] = True
+        for b, j in (sources >= 0).nonzero().tolist():
+            column, hang = 1 + k + j, int(hangs[b, j])
+            up = hang if hang >= 0 else 1 + k + (-hang - 1)  # the column it follows
+            alternate = int(sources[b, j])
+            extra[b, j] = self.alternates[b, alternate]
+            parent[b, column], source[b, column] = up, alternate
+            mask[b, column, :column] = mask[b, up, :column]
+        return TreePass(extra, mask, parent, source)
 
-    def alternate_at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per row, the alternate beside chain position positions[b] [batch] long (clamped into the chain):
-        (its token, -1 if none; its column in the tree pass)."""
-        at = positions.clamp(max=self.draft_len - 1)[:, None]
-        _, _, columns = self.tree
-        return self.alternates.gather(1, at).squeeze(1), columns.gather(1, at).squeeze(1)
+
+def _drop_orphans(alternates: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
+    """alternates [batch, m] with -1 also wherever an alternate hangs from a dropped one (parents as in `Draft`)."""
+    for b, j in (parents < 0).nonzero().tolist():
+        if alternates[b, -int(parents[b, j]) - 1] < 0:
+            alternates[b, j] = -1
+    return alternates
 
 
 @dataclass
@@ -99,24 +160,39 @@ class Verdict:
     num_accepted: torch.Tensor  # [batch] long: accepted draft tokens, a prefix of each row's draft
     next_tokens: torch.Tensor  # [batch] long: the target's own token after the accepted prefix
     # (recovered from the residual after a rejection, or the bonus token when every drafted token was accepted)
-    # [batch] bool: the chain was rejected at position num_accepted but that position's alternate was
-    # accepted; next_tokens then follows the alternate. None: no alternates were drafted.
-    alternate: torch.Tensor | None = None
+    # Per row, the alternates accepted after the chain's prefix, as columns of the tree pass (`Draft.tree`), in
+    # order down the tree ([] where the row took none); next_tokens then follows the last of them. None: no
+    # alternates were drafted.
+    branch: list[list[int]] | None = None
+
+    @property
+    def alternate(self) -> torch.Tensor | None:
+        """[batch] bool: rows that took an alternate (None: no alternates were drafted)."""
+        return None if self.branch is None else torch.tensor([bool(path) for path in self.branch])
 
     def took_alternate(self, row: int) -> bool:
-        return self.alternate is not None and bool(self.alternate[row])
+        return self.branch is not None and bool(self.branch[row])
 
     def emitted(self, draft: Draft, row: int) -> list[int]:
-        """The tokens row `row` gains this step: its accepted draft prefix (and alternate), then the target's token."""
+        """The tokens row `row` gains this step: its accepted draft prefix (and alternates), then the target's token."""
         accepted = int(self.num_accepted[row])
         tokens = draft.tokens[row, :accepted].tolist()
         if self.took_alternate(row):
-            tokens.append(int(draft.alternates[row, accepted]))
+            tokens += [draft.tree.token(row, column) for column in self.branch[row]]
         return tokens + [int(self.next_tokens[row])]
 
     def tokens_from_draft(self) -> torch.Tensor:
-        """[batch] long: emitted tokens that came from the draft (the chain prefix plus an alternate)."""
-        return self.num_accepted + (0 if self.alternate is None else self.alternate.long())
+        """[batch] long: emitted tokens that came from the draft (the chain prefix plus alternates)."""
+        if self.branch is None:
+            return self.num_accepted
+        return self.num_accepted + torch.tensor([len(path) for path in self.branch])
+
+    def kept_columns(self, draft: Draft, width: int) -> torch.Tensor:
+        """[batch, width] bool over the verify pass: the last token, the accepted chain, the alternates taken."""
+        keep = torch.arange(width)[None, :] <= self.num_accepted[:, None]
+        for b, path in enumerate(self.branch or []):
+            keep[b, path] = True
+        return keep
 
 
 class StopRule(Protocol):

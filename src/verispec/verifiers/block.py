@@ -17,7 +17,7 @@ p itself after a full draft (the bonus token). The emitted text is distributed e
 (the paper proves it; `tests/test_block_verification.py` checks it by exact enumeration and by
 sampling), and the expected number of accepted tokens is never below the token-by-token rule's: with
 one draft token the two rules coincide. Greedy rows (one-hot p and q) get exactly the argmax chain.
-An alternate beside the stop position gets its own test against that residual (`verifiers.tree`).
+Alternates at the stop position get their own tests against that residual (`verifiers.tree`).
 Knows nothing about models: it reads the draft and the target's logits.
 """
 
@@ -62,7 +62,7 @@ class BlockVerifier:
         batch = draft.tokens.shape[0]
         num_accepted = torch.zeros(batch, dtype=torch.long)
         next_tokens = torch.empty(batch, dtype=torch.long)
-        alternate = torch.zeros(batch, dtype=torch.bool)
+        branch = []
         for b in range(batch):
             g = int(draft.num_drafted[b])
             tokens = draft.tokens[b, :g]
@@ -70,9 +70,9 @@ class BlockVerifier:
             draws = torch.rand(g, generator=generators[b], dtype=torch.float64)
             kept = next((i for i in range(g, 0, -1) if draws[i - 1] <= h[i]), 0)  # the longest prefix drawn
             num_accepted[b] = kept
-            if kept == g:  # the bonus token
-                next_tokens[b] = sample(p[b, g], generators[b])
-            else:  # from the residual there, or the alternate beside that position (`verifiers.tree`)
-                dist = residual(float(w[kept]), p[b, kept].double(), q[b, kept].double())
-                next_tokens[b], alternate[b] = target_token(draft, p, b, kept, dist, generators[b])
-        return Verdict(num_accepted=num_accepted, next_tokens=next_tokens, alternate=alternate if draft.has_alternates else None)
+            # The bonus token from p, or the token from the residual there; either way through whatever
+            # alternates hang at that position (`verifiers.tree`).
+            dist = p[b, g] if kept == g else residual(float(w[kept]), p[b, kept].double(), q[b, kept].double())
+            next_tokens[b], path = target_token(draft, p, b, kept, dist, generators[b])
+            branch.append(path)
+        return Verdict(num_accepted=num_accepted, next_tokens=next_tokens, branch=branch if draft.has_alternates else None)

@@ -25,9 +25,19 @@ class GreedyVerifier:
         next_tokens = target_tokens.gather(1, num_accepted[:, None]).squeeze(1)
         if not draft.has_alternates:
             return Verdict(num_accepted=num_accepted, next_tokens=next_tokens)
-        # Where the chain was rejected, the target's token may be that position's alternate: accept it,
-        # and take the target's token after it from the alternate's own row of the pass.
-        token, column = draft.alternate_at(num_accepted)
-        alternate = (num_accepted < draft.num_drafted) & (token == next_tokens)
-        after = target_tokens.gather(1, column.clamp(min=0)[:, None]).squeeze(1)
-        return Verdict(num_accepted=num_accepted, next_tokens=torch.where(alternate, after, next_tokens), alternate=alternate)
+        # Where the chain broke off (or ended), the target's token may be an alternate hanging there: take it,
+        # and the target's token after it from the alternate's own column of the pass, down the tree.
+        tree = draft.tree
+        branch = []
+        for b in range(len(next_tokens)):
+            column, path = int(num_accepted[b]), []
+            while True:
+                wanted = int(target_tokens[b, column])
+                child = next((c for c in tree.children(b, column) if tree.token(b, c) == wanted), None)
+                if child is None:
+                    break
+                column = child
+                path.append(child)
+            next_tokens[b] = target_tokens[b, column]
+            branch.append(path)
+        return Verdict(num_accepted=num_accepted, next_tokens=next_tokens, branch=branch)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from verispec.drafters.base import Draft, Verdict
-from verispec.sampling import SamplingParams, sample
+from verispec.sampling import SamplingParams
 from verispec.verifiers.base import accepted_prefix, chain_distributions, drafted_mask, residual
 from verispec.verifiers.tree import target_token
 
@@ -37,11 +37,13 @@ class SpeculativeSamplingVerifier:
         num_accepted = accepted_prefix(accept)
 
         next_tokens = torch.empty(batch, dtype=torch.long)
-        alternate = torch.zeros(batch, dtype=torch.bool)
+        branch = []
         for b in range(batch):
             j = int(num_accepted[b])
-            if j < int(draft.num_drafted[b]):  # rejected at j: recover from the residual (or the alternate there)
-                next_tokens[b], alternate[b] = target_token(draft, p, b, j, residual(1.0, p[b, j], q[b, j]), generators[b])
-            else:  # every drafted token accepted: bonus token from the target
-                next_tokens[b] = sample(p[b, j], generators[b])
-        return Verdict(num_accepted=num_accepted, next_tokens=next_tokens, alternate=alternate if draft.has_alternates else None)
+            # Rejected at j: recover from the residual there; every drafted token accepted: the bonus token
+            # from p. Either way through whatever alternates hang at j (`verifiers.tree`).
+            dist = residual(1.0, p[b, j], q[b, j]) if j < int(draft.num_drafted[b]) else p[b, j]
+            token, path = target_token(draft, p, b, j, dist, generators[b])
+            next_tokens[b] = token
+            branch.append(path)
+        return Verdict(num_accepted=num_accepted, next_tokens=next_tokens, branch=branch if draft.has_alternates else None)

@@ -10,10 +10,13 @@ against R:
     accept y with probability min(1, R(y) / q'(y)), else draw from norm(max(0, R - q')).
 
 By the speculative sampling lemma with q' as the proposal, the token this emits is distributed exactly
-as R, whatever the chain's token was, so the chain rule stays lossless. An accepted y also earns the
-token after it: the target's own draw from its distribution in y's column of the tree pass. A greedy
-row's alternate is its draft's second choice with q' one-hot on it: it is kept exactly when it is the
-target's argmax, as in `GreedyVerifier`.
+as R, whatever the chain's token was, so the chain rule stays lossless. Several alternates at one place are tried in turn, each against what the test of the one before
+left (recursive rejection over siblings, as in SpecInfer's multi-candidate verification; a
+deterministic candidate, like an EAGLE-2 tree's top-k, has q' one-hot on itself). An accepted y earns
+the token after it: the target's own draw from its distribution in y's column of the tree pass, where
+y's own alternates (a deeper tree) get the same test in turn. A greedy row's alternate is its draft's
+second choice with q' one-hot on it: it is kept exactly when it is the target's argmax, as in
+`GreedyVerifier`.
 Knows nothing about models or drafting: it reads distributions.
 """
 
@@ -38,17 +41,28 @@ def alternate_test(dist: torch.Tensor, alternate_q: torch.Tensor, token: int) ->
 
 
 def target_token(draft: Draft, p: torch.Tensor, row: int, position: int, dist: torch.Tensor,
-                 generator: torch.Generator) -> tuple[int, bool]:
-    """The target's token for `row` at chain `position`, where it must follow `dist` [V]; p [batch, width,
-    V] the target's warped distributions over the whole pass (alternate columns included).
+                 generator: torch.Generator) -> tuple[int, list[int]]:
+    """The target's token for `row` at chain `position`, where it must follow `dist` [V], with whatever of the
+    token tree hangs there; p [batch, width, V] the target's warped distributions over the whole pass
+    (alternate columns included).
 
-    Returns (the token that ends the step, whether the alternate beside `position` was accepted: the
-    token then follows the alternate)."""
-    if draft.alternates is None or position >= draft.draft_len or int(draft.alternates[row, position]) < 0:
-        return sample(dist, generator), False
-    _, _, columns = draft.tree
-    alternate, column = int(draft.alternates[row, position]), int(columns[row, position])
-    chance, otherwise = alternate_test(dist, draft.alternate_probs[row, position], alternate)
-    if float(torch.rand((1,), generator=generator, dtype=torch.float64)) < chance:
-        return sample(p[row, column], generator), True
-    return sample(otherwise, generator), False
+    The alternates hanging at `position` are tried in the draft's order, each against what the ones before it
+    left (`alternate_test`: recursive rejection, SpecInfer's multi-candidate verification drawing without
+    replacement); an accepted one earns a try of its own children against the target's distribution in its
+    column, and so on down the tree. Returns (the token that ends the step, the columns of the alternates
+    accepted on the way, in order: the token follows the last of them)."""
+    if not draft.has_alternates:
+        return sample(dist, generator), []
+    tree = draft.tree
+    column, path = position, []  # chain position i's token follows column i of the pass
+    while True:
+        for child in tree.children(row, column):
+            source = int(tree.source[row, child])
+            chance, otherwise = alternate_test(dist, draft.alternate_probs[row, source], tree.token(row, child))
+            if float(torch.rand((1,), generator=generator, dtype=torch.float64)) < chance:
+                column, dist = child, p[row, child]
+                path.append(child)
+                break
+            dist = otherwise
+        else:
+            return sample(dist, generator), path
