@@ -171,21 +171,50 @@ class ConfidenceStop:
     def branch(self, confidence: torch.Tensor, num_drafted: torch.Tensor) -> torch.Tensor:
         """The `BranchRule`: alternates by decreasing worth, while each pays for the row it adds."""
         batch, k = confidence.shape
-        chosen = torch.zeros(batch, k, dtype=torch.bool)
         judged = min(k, len(self.reach))
         if not judged or not int(num_drafted.max()):
-            return chosen
-        worth = torch.stack(self.reach[:judged], 1) * self.alternates(confidence[:, :judged])
-        worth[torch.arange(judged)[None, :] >= num_drafted[:, None]] = 0.0
-        for b in range(batch):  # every row is priced as if it set the pass width alone (exact at batch size 1)
-            width = 1 + int(num_drafted.max())
-            values, order = worth[b].sort(descending=True)
-            for value, position in zip(values.tolist(), order.tolist()):
-                if width >= len(self.row_prices) or value <= 0 or value < self.row_prices[width]:
+            return torch.zeros(batch, k, dtype=torch.bool)
+        worth = torch.zeros(batch, k)
+        worth[:, :judged] = torch.stack(self.reach[:judged], 1) * self.alternates(confidence[:, :judged])
+        worth[torch.arange(k)[None, :] >= num_drafted[:, None]] = 0.0
+        return self.pick(worth, 1 + int(num_drafted.max()))
+
+    def chance(self, confidence: torch.Tensor, chain: bool) -> torch.Tensor:
+        """The chance a drafted token of each draft probability is the target's where its place is reached: as
+        measured for chain tokens (chain=True) or for alternates."""
+        return self.calibration(confidence) if chain else self.alternates(confidence)
+
+    def pick(self, worth: torch.Tensor, width: int) -> torch.Tensor:
+        """Which candidates join a pass `width` rows wide, given the tokens each is expected to add, worth
+        [batch, n]: by decreasing worth while each pays for the row it adds ([batch, n] bool). Every row is
+        priced as if it set the pass width alone (exact at batch size 1)."""
+        chosen = torch.zeros(worth.shape, dtype=torch.bool)
+        for b in range(worth.shape[0]):
+            at = width
+            values, order = worth[b].sort(descending=True, stable=True)
+            for value, index in zip(values.tolist(), order.tolist()):
+                if at >= len(self.row_prices) or value <= 0 or value < self.row_prices[at]:
                     break
-                chosen[b, position] = True
-                width += 1
+                chosen[b, index] = True
+                at += 1
         return chosen
+
+
+class ConfidenceBranch:
+    """One step's `BranchRule`, priced by the step's `ConfidenceStop`: leaves beside the chain (`__call__`), or
+    the nodes of a drafter's own tree (`chance`, `pick`)."""
+
+    def __init__(self, stop: ConfidenceStop):
+        self.stop = stop
+
+    def __call__(self, confidence: torch.Tensor, num_drafted: torch.Tensor) -> torch.Tensor:
+        return self.stop.branch(confidence, num_drafted)
+
+    def chance(self, confidence: torch.Tensor, chain: bool) -> torch.Tensor:
+        return self.stop.chance(confidence, chain)
+
+    def pick(self, worth: torch.Tensor, width: int) -> torch.Tensor:
+        return self.stop.pick(worth, width)
 
 
 class CostCurve:
@@ -333,21 +362,17 @@ class AdaptiveDraftLen:
                               self.alternate_calibration, [rate * e for e in extra])
 
     def branch_rule(self, stop: StopRule) -> BranchRule | None:
-        return stop.branch if self.alternates and isinstance(stop, ConfidenceStop) else None
+        return ConfidenceBranch(stop) if self.alternates and isinstance(stop, ConfidenceStop) else None
 
     def observe(self, step: StepRecord) -> None:
         batch_size, draft_len, width = step.batch_size, step.draft_len, step.width
         num_drafted, num_accepted, draft_seconds, target_seconds = step.num_drafted, step.num_accepted, step.draft_seconds, step.target_seconds
         self.target_cost.observe(batch_size * (width + step.extra_rows), target_seconds)
         gained = num_accepted + 1
-        if step.alternates is not None:
-            present, alternate_confidence, taken, leaves = step.alternates
-            if leaves:  # a leaf beside position i is reached when the chain is, and taken where it broke off
-                positions = torch.arange(present.shape[1])
-                reached = present & (positions <= num_accepted[:, None])
-                was_taken = reached & (taken > 0)[:, None] & (positions == num_accepted[:, None])
-                self.alternate_calibration.count(alternate_confidence, reached, was_taken)
-            gained = gained + taken
+        if step.alternates is not None:  # how often an alternate of each draft probability is taken where reached
+            outcome = step.alternates
+            self.alternate_calibration.count(outcome.confidence, outcome.reached, outcome.accepted)
+            gained = gained + outcome.taken
         if draft_len > 0:  # including a draft stopped before its first token: that cost a draft pass
             self.speculative.observe(float(gained.float().mean()), draft_seconds + target_seconds)
             # Draft passes run: one per token kept, plus the one that judged the token a stop refused

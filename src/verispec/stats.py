@@ -33,21 +33,33 @@ def acceptance_rate_from_distributions(p: torch.Tensor, q: torch.Tensor) -> torc
 
 
 class AlternateOutcome(NamedTuple):
-    """The alternates of a step whose target pass carried a token tree."""
+    """The alternates of a step whose target pass carried a token tree, per alternate [batch, m]."""
 
-    present: torch.Tensor  # [batch, m] bool: the draft's alternates (leaf form: m = k, beside chain position i)
+    present: torch.Tensor  # [batch, m] bool: the draft's alternates (in the leaf form m = k: beside chain position i)
     confidence: torch.Tensor  # [batch, m] float32: the draft's probability of each alternate
-    taken: torch.Tensor  # [batch] long: alternates the row accepted (a path down the tree; at most 1 in the leaf form)
-    leaves: bool = True  # the leaf form: alternate i is a leaf beside chain position i (what the policy calibrates)
+    reached: torch.Tensor  # [batch, m] bool: the target's token at its place was decided (the path got there)
+    accepted: torch.Tensor  # [batch, m] bool: it was taken (it is on the row's accepted path)
 
     @classmethod
     def of(cls, draft, verdict) -> "AlternateOutcome":
-        """The outcome of a draft with alternates (`drafters.base.Draft`) under its verdict."""
-        confidence = draft.alternate_confidence
-        if confidence is None:
-            confidence = torch.zeros(draft.alternates.shape)
-        return cls(draft.alternates >= 0, confidence, verdict.tokens_from_draft() - verdict.num_accepted,
-                   draft.alternate_parents is None)
+        """The outcome of a draft with alternates (`drafters.base.Draft`) under its verdict: an alternate's place
+        is reached when the accepted path holds the column it hangs from."""
+        tree, m = draft.tree, draft.alternates.shape[1]
+        present = draft.alternates >= 0
+        confidence = draft.alternate_confidence if draft.alternate_confidence is not None else torch.zeros(present.shape)
+        reached = torch.zeros(present.shape, dtype=torch.bool)
+        accepted = torch.zeros(present.shape, dtype=torch.bool)
+        kept = verdict.kept_columns(draft, tree.mask.shape[1])
+        for b, column in (tree.source >= 0).nonzero().tolist():
+            j = int(tree.source[b, column])
+            reached[b, j] = bool(kept[b, tree.parent[b, column]])
+            accepted[b, j] = bool(kept[b, column])
+        return cls(present, confidence[:, :m], reached, accepted)
+
+    @property
+    def taken(self) -> torch.Tensor:
+        """[batch] long: tokens each row gained from its alternates."""
+        return self.accepted.sum(1)
 
 
 @dataclass
@@ -73,7 +85,7 @@ class StepRecord:
     def rows(self, index: torch.Tensor) -> "StepRecord":
         """The record of these rows only (index [n] long): the same pass, its seconds shared."""
         pick = lambda t: None if t is None else t[index]  # noqa: E731
-        alternates = None if self.alternates is None else AlternateOutcome(*(t[index] for t in self.alternates[:3]), self.alternates.leaves)
+        alternates = None if self.alternates is None else AlternateOutcome(*(t[index] for t in self.alternates))
         return replace(self, batch_size=len(index), num_drafted=self.num_drafted[index], num_accepted=self.num_accepted[index],
                        confidence=pick(self.confidence), alternates=alternates, emitted=pick(self.emitted), lossy=pick(self.lossy))
 

@@ -452,8 +452,8 @@ def test_resumed_extraction_reuses_self_distilled_answers(tiny_target, tmp_path,
 
 @pytest.mark.parametrize("k", [2, 5])
 def test_greedy_eagle3_tree_with_alternates_equals_plain(tiny_target, trained_head, k):
-    """Every chain position carries the head's second choice: output still the target's, and alternates
-    were taken where the chain broke off."""
+    """The head grows an EAGLE-2 dynamic tree, every node of it verified: output still the target's, and
+    alternates were taken."""
     from test_trees import _Always, _decode
 
     plain = [_decode(tiny_target, Eagle3Drafter(trained_head, tiny_target), [p], _Always(0))[0][0] for p in PROMPTS]
@@ -462,9 +462,30 @@ def test_greedy_eagle3_tree_with_alternates_equals_plain(tiny_target, trained_he
     assert stats.alternates_drafted > 0 and stats.alternates_accepted > 0
 
 
+def test_eagle3_tree_takes_paths_below_alternates(tiny_target, trained_head):
+    """Not only leaves: some steps accept an alternate and then one hanging below it (two or more tokens from
+    alternates in one step, which siblings at one place cannot give), and the output stays the target's."""
+    from test_trees import _Always
+    from verispec.engine import DecodeBatch, Request
+
+    deepest = 0
+    for prompt in PROMPTS:
+        expected = verispec.generate(tiny_target, prompt, drafter="none", max_new_tokens=30).token_ids
+        batch = DecodeBatch(tiny_target, Eagle3Drafter(trained_head, tiny_target, top_k=6, beam=6), _Always(5))
+        batch.add([Request(prompt=prompt, max_new_tokens=30)])
+        got = []
+        while len(batch):
+            got += [t for event in batch.step() for t in event.tokens]
+            if batch.last_step.alternates is not None:
+                deepest = max(deepest, int(batch.last_step.alternates.taken.max()))
+        assert got == expected
+    assert deepest >= 2
+
+
 def test_sampled_eagle3_tree_follows_the_target(tiny_hf, tiny_target, trained_head):
-    """A sampled row's alternate is drawn from q without the chain's token: the first two tokens of 2000
-    seeded rows (batches of 4, alternates everywhere) follow the target's distribution (chi-square)."""
+    """A sampled row's tree nodes are drawn from q without replacement at each node: the first two tokens of
+    2000 seeded rows (batches of 4, trees two deep, every node verified) follow the target's distribution
+    (chi-square)."""
     from dataclasses import replace
 
     from test_sampling_exactness import P_THRESHOLD, first_two_tokens_pvalues, repeating_prompt
@@ -477,7 +498,7 @@ def test_sampled_eagle3_tree_follows_the_target(tiny_hf, tiny_target, trained_he
     out, taken = {}, 0
     for first_row in range(0, 2000, 4):
         batch = DecodeBatch(tiny_target, Eagle3Drafter(trained_head, tiny_target), _Always(3))
-        batch.add([Request(prompt=prompt, sampling=replace(params, seed=params.seed + b), max_new_tokens=2, id=b)
+        batch.add([Request(prompt=prompt, sampling=replace(params, seed=params.seed + b), max_new_tokens=3, id=b)
                    for b in range(first_row, first_row + 4)])
         while len(batch):
             for event in batch.step():
@@ -495,3 +516,14 @@ def test_expected_tokens_per_pass_from_per_step_agreement():
     assert expected_tokens_per_pass([1.0, 1.0, 1.0]) == 4.0
     assert expected_tokens_per_pass([0.5, 0.5]) == 1.75
     assert expected_tokens_per_pass([0.8, 0.5, 0.0, 1.0], k=2) == pytest.approx(1 + 0.8 + 0.4)
+
+
+def test_adaptive_policy_prices_the_heads_tree_and_stays_exact(tiny_target, trained_head):
+    """With draft_len="tree" the policy prices each node of the head's tree by its measured chance and the
+    row it adds (costs of a real pair fed in): nodes are verified, some taken, and the output is the target's."""
+    from test_trees import _decode, _PricedLikeAPair
+
+    plain = [verispec.generate(tiny_target, p, drafter="none", max_new_tokens=40).token_ids for p in PROMPTS]
+    got, stats = _decode(tiny_target, Eagle3Drafter(trained_head, tiny_target), PROMPTS, _PricedLikeAPair(alternates=True), 40)
+    assert got == plain
+    assert stats.alternates_drafted > 0 and stats.alternates_accepted > 0

@@ -207,3 +207,72 @@ def test_engine_samples_the_target_with_alternates(blockwise):
     first, second = first_two_tokens_pvalues(hf, prompt, params, [out[b] for b in range(2000)])
     assert first > P_THRESHOLD and second > P_THRESHOLD
     assert taken > 100
+
+
+# --- deeper trees: several siblings at a place, and alternates that follow alternates ------------------
+
+N_DEEP = 12000  # draws for the deep tree: enough for every branch's conditional check, a third of the time
+
+
+def deep_tree_drafts(q: torch.Tensor, seed: int = 0) -> tuple[Draft, list[torch.Generator]]:
+    """N_DEEP drafts laid out as an EAGLE-2 tree of a sampled row: the chain token x ~ q[0]; two siblings beside it
+    drawn from q[0] without replacement (y1 without x, y2 without x and y1); after each sibling one child,
+    z1 ~ q[1] after y1 and z2 ~ q[2] after y2. Pass columns: [last, x, y1, y2, z1, z2]."""
+    gens = make_generators(SamplingParams(temperature=1.0, seed=seed), N_DEEP)
+    tokens = torch.zeros(N_DEEP, 1, dtype=torch.long)
+    alternates = torch.full((N_DEEP, 4), -1, dtype=torch.long)
+    alternate_probs = torch.zeros(N_DEEP, 4, VOCAB)
+    for n, g in enumerate(gens):
+        x = sample(q[0], g)
+        first = without(q[0], x)
+        y1 = sample(first, g)
+        second = without(first, y1)
+        tokens[n, 0], alternates[n, 0], alternate_probs[n, 0] = x, y1, first
+        alternates[n, 1], alternate_probs[n, 1] = sample(second, g), second
+        for j, child_q in ((2, q[1]), (3, q[2])):
+            alternates[n, j], alternate_probs[n, j] = sample(child_q, g), child_q
+    parents = torch.tensor([[0, 0, -1, -2]]).expand(N_DEEP, 4)  # y1, y2 beside position 0; z1 after y1, z2 after y2
+    draft = Draft(tokens=tokens, num_drafted=torch.ones(N_DEEP, dtype=torch.long), probs=q[:1].expand(N_DEEP, 1, VOCAB),
+                  alternates=alternates, alternate_confidence=torch.zeros(N_DEEP, 4), alternate_probs=alternate_probs,
+                  alternate_parents=parents)
+    return draft, gens
+
+
+def verify_deep_tree(verifier):
+    g = torch.Generator().manual_seed(4)
+    logits = (torch.randn(6, VOCAB, generator=g) * 1.5).expand(N_DEEP, 6, VOCAB)
+    q = warp(torch.randn(3, VOCAB, generator=g) * 1.5, SamplingParams(temperature=1.0))
+    draft, gens = deep_tree_drafts(q)
+    params = SamplingParams(temperature=1.0)
+    return draft, logits, verifier.verify(draft, logits, [params] * N_DEEP, gens)
+
+
+def test_deep_tree_layout_follows_the_parents():
+    draft, _ = deep_tree_drafts(warp(torch.randn(3, VOCAB), SamplingParams(temperature=1.0)))
+    tree = draft.rows(torch.tensor([0])).tree
+    assert tree.parent.tolist() == [[-1, 0, 0, 0, 2, 3]] and tree.source.tolist() == [[-1, -1, 0, 1, 2, 3]]
+    assert tree.children(0, 0) == [2, 3] and tree.children(0, 2) == [4] and tree.path(0, 5) == [3, 5]
+    assert tree.mask[0, 4].tolist() == [True, False, True, False, True, False]  # z1 sees the last token, y1, itself
+
+
+@pytest.mark.parametrize("verifier", [BlockVerifier(), SpeculativeSamplingVerifier()], ids=["block", "token"])
+def test_verifiers_sample_the_target_down_a_deep_tree(verifier):
+    """N_DEEP draws through the real verifiers: the first token follows p at the last token's column; after a
+    sibling taken, the next token follows p in that sibling's column, and after its child, in the child's."""
+    draft, logits, verdict = verify_deep_tree(verifier)
+    emitted = [verdict.emitted(draft, n) for n in range(N_DEEP)]
+    assert chi2_pvalue(np.array([e[0] for e in emitted]), reference_probs(logits[0, 0].numpy(), 1.0)) > P_THRESHOLD
+    for path_start in ([2], [3], [2, 4], [3, 5]):
+        rows = [n for n in range(N_DEEP) if verdict.branch[n][: len(path_start)] == path_start]
+        assert len(rows) > 150, (path_start, len(rows))  # every branch of the tree is really taken
+        after = np.array([emitted[n][len(path_start)] for n in rows])
+        assert chi2_pvalue(after, reference_probs(logits[0, path_start[-1]].numpy(), 1.0)) > P_THRESHOLD
+
+
+def test_deep_tree_check_catches_siblings_judged_against_the_same_distribution(monkeypatch):
+    """Negative control: a rejected sibling's q' not taken out of the distribution the next one is judged by."""
+    honest = tree_rule.alternate_test
+    monkeypatch.setattr(tree_rule, "alternate_test", lambda dist, q, y: (honest(dist, q, y)[0], dist))
+    draft, logits, verdict = verify_deep_tree(BlockVerifier())
+    first = np.array([verdict.emitted(draft, n)[0] for n in range(N_DEEP)])
+    assert chi2_pvalue(first, reference_probs(logits[0, 0].numpy(), 1.0)) < 1e-10

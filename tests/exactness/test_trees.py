@@ -48,7 +48,8 @@ def _example_draft() -> Draft:
 
 
 def test_tree_layout_puts_each_alternate_beside_its_position():
-    extra, tree, parent, source = _example_draft().tree
+    layout = _example_draft().tree
+    extra, tree, parent, source = layout.extra, layout.mask, layout.parent, layout.source
     assert extra.tolist() == [[40, 41]]
     assert parent.tolist() == [[-1, 0, 1, 2, 3, 0, 2]] and source.tolist() == [[-1, -1, -1, -1, -1, 0, 2]]
     # pass: [last, 12, 13, 14, 15, 40, 41]; 40 replaces 12 (sees last), 41 replaces 14 (sees last, 12, 13)
@@ -114,8 +115,22 @@ def test_greedy_verifier_takes_the_alternate_where_the_chain_breaks():
     assert verdict.alternate.tolist() == [False] and verdict.emitted(draft, 0) == [12, 13, 33]
 
 
+class _Everywhere:
+    """A branch rule that takes every alternate: a leaf beside every position, every node of a drafter's tree
+    (valued, as EAGLE-2 does, by the product of the draft's probabilities along its path)."""
+
+    def __call__(self, confidence, num_drafted):
+        return torch.ones(confidence.shape, dtype=torch.bool)
+
+    def chance(self, confidence, chain):
+        return confidence
+
+    def pick(self, worth, width):
+        return worth > 0
+
+
 class _Always:
-    """A policy that drafts k tokens and places an alternate at every position."""
+    """A policy that drafts k tokens and places an alternate at every position (every tree node)."""
 
     def __init__(self, k: int):
         self.k = k
@@ -127,7 +142,7 @@ class _Always:
         return lambda position, confidence: torch.ones(confidence.shape[0], dtype=torch.bool)
 
     def branch_rule(self, stop):
-        return lambda confidence, num_drafted: torch.ones(confidence.shape, dtype=torch.bool)
+        return _Everywhere()
 
     def observe(self, *args, **kwargs):
         pass
@@ -199,5 +214,5 @@ def test_alternate_calibration_learns_from_taken_alternates():
     present = torch.tensor([[True, False]])
     for _ in range(30):  # the chain breaks at position 0 and the alternate (confidence 0.35) is the target's token
         policy.observe(StepRecord(1, 2, 3, torch.tensor([2]), torch.tensor([0]), 0.01, 0.1, torch.tensor([[0.9, 0.9]]), extra_rows=1,
-                                  alternates=AlternateOutcome(present, torch.tensor([[0.35, 0.0]]), torch.tensor([True]))))
+                                  alternates=AlternateOutcome(present, torch.tensor([[0.35, 0.0]]), present, present)))
     assert before < 0.4 < float(policy.alternate_calibration(torch.tensor([0.35])))

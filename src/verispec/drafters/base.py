@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from functools import cached_property
-from typing import TYPE_CHECKING, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -25,7 +25,8 @@ if TYPE_CHECKING:
     from verispec.models.base import CausalLM, ModelCache
 
 
-class TreePass(NamedTuple):
+@dataclass
+class TreePass:
     """A draft with alternates as one verify pass over W = 1 + k + m columns: [last token, chain, alternates]."""
 
     extra: torch.Tensor  # [batch, m] long: the alternates' tokens, appended after the chain (0 in padding columns)
@@ -33,21 +34,35 @@ class TreePass(NamedTuple):
     parent: torch.Tensor  # [batch, W] long: the column each column follows (-1 for column 0 and for padding)
     source: torch.Tensor  # [batch, W] long: which alternate (index into Draft.alternates[b]) a column holds; -1: chain, padding
 
+    @cached_property
+    def _lists(self) -> tuple[list[dict[int, list[int]]], list[list[int]], list[list[int]]]:
+        """Per row: {column: its alternate columns in order}, the parent list, the token list (the verifiers walk
+        rows one by one, and Python lists serve them faster than tensor indexing)."""
+        parents, sources = self.parent.tolist(), self.source.tolist()
+        tokens = [[0] * (len(p) - len(e)) + e for p, e in zip(parents, self.extra.tolist())]
+        children = []
+        for row_parents, row_sources in zip(parents, sources):
+            hanging: dict[int, list[int]] = {}
+            for column, (up, alternate) in enumerate(zip(row_parents, row_sources)):
+                if alternate >= 0:
+                    hanging.setdefault(up, []).append(column)
+            children.append(hanging)
+        return children, parents, tokens
+
     def children(self, row: int, column: int) -> list[int]:
         """The alternate columns that follow `column` in `row`, in the draft's order (its preference)."""
-        hanging = ((self.parent[row] == column) & (self.source[row] >= 0)).nonzero().squeeze(1)
-        return hanging.tolist()
+        return self._lists[0][row].get(column, [])
 
     def token(self, row: int, column: int) -> int:
         """The token an alternate column holds."""
-        return int(self.extra[row, column - (self.mask.shape[1] - self.extra.shape[1])])
+        return self._lists[2][row][column]
 
     def path(self, row: int, column: int) -> list[int]:
         """The columns from column 1 down to `column` (its ancestors after the last token, then itself)."""
-        columns = []
+        parents, columns = self._lists[1][row], []
         while column > 0:
             columns.append(column)
-            column = int(self.parent[row, column])
+            column = parents[column]
         return columns[::-1]
 
 
@@ -129,21 +144,24 @@ class Draft:
             sources = torch.where(self.alternates >= 0, torch.arange(m)[None, :], -1)
             hangs = self.alternate_parents
         width = 1 + k + m
-        extra = torch.zeros(batch, m, dtype=torch.long)
+        present = sources >= 0
+        extra = torch.where(present, self.alternates.gather(1, sources.clamp(min=0)), 0)
+        # the column each alternate follows: p >= 0 beside chain position p (column p), p < 0 after alternate -p - 1
+        up = torch.where(hangs >= 0, hangs, 1 + k + (-hangs - 1))
         parent = torch.full((batch, width), -1, dtype=torch.long)
         parent[:, 1 : 1 + k] = torch.arange(k)
+        parent[:, 1 + k :] = torch.where(present, up, -1)
         source = torch.full((batch, width), -1, dtype=torch.long)
+        source[:, 1 + k :] = sources
         mask = torch.tril(torch.ones(width, width, dtype=torch.bool)).repeat(batch, 1, 1)
         mask[:, 1 + k :, :] = False
         mask[:, 1 + k :, 0] = True  # a padding column follows the last token alone
         mask[:, torch.arange(1 + k, width), torch.arange(1 + k, width)] = True
-        for b, j in (sources >= 0).nonzero().tolist():
-            column, hang = 1 + k + j, int(hangs[b, j])
-            up = hang if hang >= 0 else 1 + k + (-hang - 1)  # the column it follows
-            alternate = int(sources[b, j])
-            extra[b, j] = self.alternates[b, alternate]
-            parent[b, column], source[b, column] = up, alternate
-            mask[b, column, :column] = mask[b, up, :column]
+        rows = torch.arange(batch)
+        for j in range(m):  # in order: an alternate's parent column is complete before it
+            column = 1 + k + j
+            inherited = mask[rows, up[:, j].clamp(min=0), :column]
+            mask[:, column, :column] = torch.where(present[:, j, None], inherited, mask[:, column, :column])
         return TreePass(extra, mask, parent, source)
 
 
@@ -205,12 +223,23 @@ class StopRule(Protocol):
 
 
 class BranchRule(Protocol):
-    """Decides where a draft adds an alternate beside its chain (see `Draft.alternates`)."""
+    """Decides where a draft adds alternates beside its chain (see `Draft.alternates`)."""
 
     def __call__(self, confidence: torch.Tensor, num_drafted: torch.Tensor) -> torch.Tensor:
-        """[batch, k] bool: where to add an alternate, given the draft's probability for its candidate at each
-        position [batch, k] and the chain each row drafted [batch]. Called once the chain is drafted
+        """Leaves: [batch, k] bool: where to add an alternate, given the draft's probability for its candidate at
+        each position [batch, k] and the chain each row drafted [batch]. Called once the chain is drafted
         (and judged position by position by the same step's stop rule)."""
+        ...
+
+    def chance(self, confidence: torch.Tensor, chain: bool) -> torch.Tensor:
+        """For a drafter that grows its own tree: the chance [same shape] that a token of this draft probability
+        is the target's token where its place is reached, for the chain's tokens (chain=True) or others."""
+        ...
+
+    def pick(self, worth: torch.Tensor, width: int) -> torch.Tensor:
+        """For a drafter that grows its own tree: which of its candidate nodes [batch, n] to verify, given the
+        tokens each is expected to add (worth: the chance its whole path is taken), in a pass already `width`
+        rows wide: [batch, n] bool, by decreasing worth while each pays for the row it adds."""
         ...
 
 

@@ -9,9 +9,9 @@ the token after them is known, which it is by the next `propose`. A round that d
    Rounds that draft nothing (the policy found drafting does not pay) leave the taps waiting, so a head
    that does not pay costs nothing per step, and a later catch-up reads them in one wider pass;
 2. drafts: each further token feeds the head its own output hidden state beside the token it chose,
-   one position to the right (as training-time test trained it); where the step asks for token-tree
-   alternates, a position's alternate is the head's second choice (a sampled row's: a draw from q
-   without the chain's token);
+   one position to the right (as training-time test trained it). Where the step asks for a token tree,
+   it grows an EAGLE-2 dynamic tree around that chain instead (`drafters.dynamic_tree`): each depth is
+   one head pass over the chain's node and the best other candidates, each attending to its own path;
 3. forgets the drafted positions in its cache: they were built from its own hidden states, and the next
    round rebuilds the accepted ones from the target's.
 
@@ -28,6 +28,7 @@ import torch
 
 from verispec.cache import SlotCache
 from verispec.drafters.base import BranchRule, Draft, Drafter, StopRule, Verdict, VocabDraft, empty_draft
+from verispec.drafters.dynamic_tree import DynamicTree
 from verispec.heads.eagle3 import Eagle3Head, target_embedding
 from verispec.models import kernels
 from verispec.prefill import left_pad
@@ -37,8 +38,10 @@ from verispec.sampling import SamplingParams
 class Eagle3Drafter(Drafter):
     """Drafts with a trained EAGLE-3 head; `target_taps` (set per head) makes the engine hand it the target's taps."""
 
-    def __init__(self, head: Eagle3Head, target, min_confidence: float = 0.0, weights: str | None = "auto"):
-        """weights: how the head's matrices are stored while drafting: "int8", "int4" or "bfloat16" (a copy
+    def __init__(self, head: Eagle3Head, target, min_confidence: float = 0.0, weights: str | None = "auto",
+                 top_k: int = 4, beam: int = 4):
+        """top_k, beam: the dynamic tree's shape where the step asks for a tree: candidates per expanded node,
+        and nodes expanded per depth (its verified size is priced by the step's branch rule). weights: how the head's matrices are stored while drafting: "int8", "int4" or "bfloat16" (a copy
         of the head rounded for verispec's CPU kernels: a quarter of float32's bytes per draft token at
         int8), None (the head as given), or "auto" (int8 on a CPU with the kernels, else as given). A head
         already rounded (`Eagle3Head.quantize`) drafts as it is."""
@@ -54,6 +57,7 @@ class Eagle3Drafter(Drafter):
         self.target_taps = tuple(head.config.taps)  # the engine's verify passes return these for `observe_taps`
         self.vocab_size = target.vocab_size
         self.min_confidence = min_confidence
+        self.top_k, self.beam = top_k, beam
         config = head.config
         self.slots = SlotCache(0)
         self.keys = torch.zeros(0, config.num_key_value_heads, 0, config.head_dim)
@@ -127,6 +131,8 @@ class Eagle3Drafter(Drafter):
         hidden, known = self._catch_up(sequences)
         if not bool(known.any()):
             return empty_draft(batch)
+        if branch is not None:
+            return self._grow_tree(sequences, draft_len, sampling, generators, stop, branch, hidden, known)
         kept = self.slots.length
         built = VocabDraft(sequences, draft_len, self.vocab_size, self.head.draft_token_ids, sampling, generators, branch)
         num_drafted = torch.zeros(batch, dtype=torch.long)
@@ -145,6 +151,43 @@ class Eagle3Drafter(Drafter):
         finally:
             self._truncate(kept)  # drafted positions hold the head's own states: the target's replace them
         return built.draft(num_drafted)
+
+    def _grow_tree(self, sequences, draft_len, sampling, generators, stop, branch, hidden: torch.Tensor,
+                   known: torch.Tensor) -> Draft:
+        """An EAGLE-2 dynamic tree from the head's output at each row's last position (hidden [B, H]). The tree's
+        nodes attend to the head's cache and to their own path, kept apart from the cache (`_tree_layer`)."""
+        tree = DynamicTree(sequences, draft_len, self.vocab_size, self.head.draft_token_ids, sampling, generators,
+                           stop, branch, self.top_k, self.beam)
+        if self.min_confidence:
+            tree.stop = _with_floor(stop, self.min_confidence)
+        positions = self.slots.num_tokens()  # the first draft token's position in each row
+        keys, values, paths = [], [], None
+        expansion = tree.grow(0, self.head.logits(hidden)[:, None], known)
+        outputs = hidden[:, None]
+        depth = 0
+        while expansion is not None:
+            parents = outputs.gather(1, expansion.from_slot[..., None].expand(-1, -1, outputs.shape[-1]))
+            # each node sees the head's cache, its ancestors among the tree's earlier nodes, and itself
+            width = expansion.tokens.shape[1]
+            own = torch.eye(width, dtype=torch.bool).expand(len(sequences), -1, -1)
+            paths = own if paths is None else torch.cat([paths.gather(1, expansion.from_slot[..., None].expand(-1, -1, paths.shape[2])), own], 2)
+            outputs = self._tree_layer(expansion.tokens, parents, positions + depth, keys, values, paths)
+            depth += 1
+            expansion = tree.grow(depth, self.head.logits(outputs), None)
+        return tree.draft()
+
+    def _tree_layer(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, keys: list, values: list,
+                    paths: torch.Tensor) -> torch.Tensor:
+        """One head pass over a depth of tree nodes: tokens [B, F], their parents' outputs hidden [B, F, H], at
+        positions [B]; keys, values: the tree's earlier depths (appended to here); paths [B, F, earlier + F]
+        bool: which tree nodes each one sees. -> outputs [B, F, H]."""
+        width = tokens.shape[1]
+        q, k, v = self.head.qkv(tokens, hidden, positions[:, None].expand(-1, width))
+        keys.append(k)
+        values.append(v)
+        allowed = torch.cat([self.slots.visible[:, None, :].expand(-1, width, -1), paths], 2)
+        attended = self.head.attend(q, torch.cat([self.keys, *keys], 2), torch.cat([self.values, *values], 2), allowed)
+        return self.head.finish(hidden, attended)
 
     def _truncate(self, length: int) -> None:
         self.slots.truncate(torch.full((self.slots.batch_size,), length, dtype=torch.long))
@@ -180,3 +223,11 @@ def rounded_copy(head: Eagle3Head, weights: str) -> Eagle3Head:
 
 
 _ROUNDED: "weakref.WeakKeyDictionary[Eagle3Head, dict]" = weakref.WeakKeyDictionary()
+
+
+def _with_floor(stop: StopRule | None, floor: float) -> StopRule:
+    """`stop`, also refusing tokens the draft gives less than `floor`."""
+    def rule(position: int, confidence: torch.Tensor) -> torch.Tensor:
+        keep = confidence >= floor
+        return keep if stop is None else keep & stop(position, confidence)
+    return rule

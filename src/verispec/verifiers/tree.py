@@ -51,7 +51,7 @@ def target_token(draft: Draft, p: torch.Tensor, row: int, position: int, dist: t
     replacement); an accepted one earns a try of its own children against the target's distribution in its
     column, and so on down the tree. Returns (the token that ends the step, the columns of the alternates
     accepted on the way, in order: the token follows the last of them)."""
-    if not draft.has_alternates:
+    if draft.alternates is None:
         return sample(dist, generator), []
     tree = draft.tree
     column, path = position, []  # chain position i's token follows column i of the pass
