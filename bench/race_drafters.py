@@ -6,7 +6,7 @@ neighbour hits them alike), and its median time counts; the speedups are medians
 per-prompt tokens/s ratios. Greedy: every drafter's text must equal plain decoding (it is checked and
 reported). A method is `plain`, `suffix`, `ngram`, `self`, `model:DRAFT` (a draft model, int4 unless
 `model:DRAFT:fp32|bf16|int8`), `eagle3:DIR[:int8|int4|bfloat16]` (a trained head, chain; int8 unless given) or
-`eagle3-tree:DIR[:...]` (chain plus the head's second choices as token-tree alternates), `medusa:DIR` or
+`eagle3-tree:DIR[:...]` (an EAGLE-2 dynamic tree grown around the head's chain, priced node by node), `medusa:DIR` or
 `medusa-tree:DIR` (Medusa-1 heads, `verispec train medusa`; float32).
 
     python bench/race_drafters.py --target qwen2.5-coder-1.5b --numerics q8 --prompts humaneval --rows odd \\
