@@ -66,16 +66,25 @@ def medusa_loss(head: MedusaHead, shard: dict, rows: list[int], decay: float):
     return total, accuracy, losses
 
 
-def new_medusa_head(target, shards: list[Path], draft_vocab: int, num_heads: int, num_layers: int) -> MedusaHead:
-    """Heads for `target`, their draft vocabulary chosen from the shards, each LM head the target's rows."""
-    head = MedusaHead(MedusaConfig.for_target(target, min(draft_vocab, target.vocab_size), num_heads, num_layers))
-    head.set_draft_vocab(choose_draft_vocab(shards, target.vocab_size, head.config.draft_vocab_size,
-                                            tuple(sorted(target.eos_token_ids))))
+def medusa_head_from_target(target, token_ids: torch.Tensor, num_heads: int = 4, num_layers: int = 1) -> MedusaHead:
+    """Untrained heads for `target` over the draft vocabulary `token_ids` (target ids, [V] long), as Medusa-1
+    starts them: each LM head the target's rows for those ids, each residual block the identity (zero weight).
+    Head 0 then guesses x_{t+1} again where it should guess x_{t+2}: a cold start that only training
+    (offline, or online from served traffic: `heads.online`) makes useful."""
+    head = MedusaHead(MedusaConfig.for_target(target, len(token_ids), num_heads, num_layers))
+    head.set_draft_vocab(token_ids)
     lm_head, _ = target_output_rows(target, head.draft_token_ids)
     with torch.no_grad():
         for linear in head.lm_heads():
             linear.weight.copy_(lm_head)
     return head
+
+
+def new_medusa_head(target, shards: list[Path], draft_vocab: int, num_heads: int, num_layers: int) -> MedusaHead:
+    """Heads for `target`, their draft vocabulary chosen from the shards, each LM head the target's rows."""
+    token_ids = choose_draft_vocab(shards, target.vocab_size, min(draft_vocab, target.vocab_size),
+                                   tuple(sorted(target.eos_token_ids)))
+    return medusa_head_from_target(target, token_ids, num_heads, num_layers)
 
 
 def evaluate(head: MedusaHead, shards: list[Path], config: TrainConfig) -> dict:
