@@ -251,7 +251,12 @@ class OnlineMedusa:
 
     def step(self) -> float | None:
         """One AdamW step of the training copy on a batch of the buffer (`medusa_loss`); its loss, None if
-        the buffer is empty. Not published until `publish`."""
+        the buffer is empty. Not published until `publish`. Callable from the engine's thread too (which
+        decodes under inference mode: gradients are switched back on here)."""
+        with torch.inference_mode(False), torch.enable_grad():
+            return self._step()
+
+    def _step(self) -> float | None:
         from verispec.heads.train_medusa import medusa_loss
 
         batch = self.buffer.sample(self.options.batch_windows, self.rng)
