@@ -10,7 +10,7 @@ labels online speculative decoding uses); the prompt's text is not the target's.
     TrafficRecorder   (one per drafter, engine thread)  a row's hidden states + tokens -> windows [L]
     ReplayBuffer      (shared, locked)                  the newest `buffer_tokens` positions of windows
     OnlineMedusa      (shared; a worker thread)         AdamW steps on a training copy of the heads, with
-                                                        `heads.train_medusa.medusa_loss` (hard labels:
+                                                        `heads.medusa.medusa_loss` (hard labels:
                                                         the served token), within a budget; then publish
 
 A window is L consecutive positions: taps [L, H] and next tokens [L] (x_{t+1} beside h_t), the layout
@@ -53,7 +53,7 @@ from typing import Iterator
 import torch
 
 from verispec.errors import VerispecError
-from verispec.heads.medusa import MedusaConfig, MedusaHead
+from verispec.heads.medusa import MedusaConfig, MedusaHead, medusa_loss
 
 log = logging.getLogger("verispec.online")
 
@@ -257,8 +257,6 @@ class OnlineMedusa:
             return self._step()
 
     def _step(self) -> float | None:
-        from verispec.heads.train_medusa import medusa_loss
-
         batch = self.buffer.sample(self.options.batch_windows, self.rng)
         if batch is None:
             return None
