@@ -194,3 +194,30 @@ def test_bad_online_settings_are_refused(tiny_target):
         OnlineMedusa(cold_heads(tiny_target), OnlineConfig(window=HEADS))
     with pytest.raises(VerispecError, match="max_busy"):
         OnlineMedusa(cold_heads(tiny_target), OnlineConfig(max_busy=0))
+
+
+# --- smollm2-135m behind the real server (slow) ---------------------------------------------------------
+
+@pytest.mark.slow
+def test_server_online_cold_start_serves_plain_text_and_stops_its_worker():
+    """`verispec serve --online` without a head: cold-start heads learn from the requests, every greedy
+    answer is plain decoding's, and the worker ends with the app."""
+    from fastapi.testclient import TestClient
+
+    from verispec.server.app import build_app
+
+    prompts = ["def add(a, b):\n", "The capital of France is", "for i in range(10):\n"]
+    expected = [verispec.generate("smollm2-135m", p, drafter="none", max_new_tokens=24).text for p in prompts]
+    app = build_app("smollm2-135m", online=OnlineConfig(window=8, tokens_per_step=2, max_busy=1.0, batch_windows=2))
+    with TestClient(app) as client:
+        for _ in range(2):
+            for prompt, text in zip(prompts, expected):
+                body = {"prompt": prompt, "max_tokens": 24, "temperature": 0}
+                response = client.post("/v1/completions", json=body)
+                assert response.status_code == 200 and response.json()["choices"][0]["text"] == text
+        assert any(t.name == WORKER for t in threading.enumerate())
+    online = app.state.online
+    assert online.served_tokens > 100 and online.steps > 0 and online.error is None
+    assert not any(t.name == WORKER for t in threading.enumerate())
+    with pytest.raises(VerispecError, match="Medusa"):
+        build_app("smollm2-135m", drafter="ngram", online=OnlineConfig())

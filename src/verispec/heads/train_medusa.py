@@ -36,11 +36,14 @@ def final_tap(target) -> int:
     return int(target.config.num_hidden_layers)
 
 
-def medusa_head_from_target(target, token_ids: torch.Tensor, num_heads: int = 4, num_layers: int = 1) -> MedusaHead:
-    """Untrained heads for `target` over the draft vocabulary `token_ids` (target ids, [V] long), as Medusa-1
+def medusa_head_from_target(target, token_ids: torch.Tensor | None = None, num_heads: int = 4,
+                            num_layers: int = 1) -> MedusaHead:
+    """Untrained heads for `target` over the draft vocabulary `token_ids` (target ids, [V] long; None: the
+    target's whole vocabulary), as Medusa-1
     starts them: each LM head the target's rows for those ids, each residual block the identity (zero weight).
     Head 0 then guesses x_{t+1} again where it should guess x_{t+2}: a cold start that only training
     (offline, or online from served traffic: `heads.online`) makes useful."""
+    token_ids = torch.arange(target.vocab_size) if token_ids is None else token_ids
     head = MedusaHead(MedusaConfig.for_target(target, len(token_ids), num_heads, num_layers))
     head.set_draft_vocab(token_ids)
     lm_head, _ = target_output_rows(target, head.draft_token_ids)
