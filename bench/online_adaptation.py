@@ -15,15 +15,20 @@ roughly frequency; SmolLM2's first 8192 cover ~80% of the tokens it generates he
 
 Overhead: the learner's busy share of the wall clock, and an A/B of plain decoding (no drafter) with a
 learner training in the background at the same budget against none, interleaved per prompt (medians of
-per-prompt tokens/s ratios).
+per-prompt ratios of tokens/s and of CPU seconds per token). Run the A/B with OMP_WAIT_POLICY=PASSIVE: with
+OpenMP's default waiting, plain decoding on the shared 2-core machine ran 2.4x *faster* beside a busy learner
+(idle OpenMP workers spinning, throttled once a second team exists, is the likely cause), which hides the
+learner's cost.
 
     PYTHONPATH=src python bench/online_adaptation.py --out bench/reports/online_adaptation
+    OMP_WAIT_POLICY=PASSIVE PYTHONPATH=src python bench/online_adaptation.py --overhead-only --overhead-prompts 6
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import time
@@ -62,29 +67,36 @@ def record(phase: str, arm: str, result, served_before: int) -> dict:
             "draft_seconds": round(stats.draft_seconds, 4), "ids": result.token_ids}
 
 
-def overhead_ab(target, head, options: OnlineConfig, windows_from: OnlineMedusa, prompts, max_new_tokens: int) -> dict:
-    """Plain decoding's tokens/s with a learner training in the background (its own copy of the heads, the
-    buffer of the served run, credit for a full backlog) against none, interleaved per prompt."""
-    ratios, busy_shares = [], []
+def overhead_ab(target, head, options: OnlineConfig, buffer, prompts, max_new_tokens: int) -> dict:
+    """Plain decoding with a learner training in the background (its own copy of the heads, windows of served
+    traffic in `buffer`, credit for a full backlog, so it trains at its max_busy share throughout) against
+    none, interleaved per prompt. Two ratios, busy over idle: wall-clock tokens/s, which on a shared machine
+    also moves with the neighbours' load (an extra runnable thread wins CPU from them too), and the process's
+    CPU seconds per token (every thread: the target's and the learner's), the compute the learner adds."""
+    wall, cpu, busy_shares = [], [], []
     for i, ids in enumerate(prompts):
         timed = {}
         for arm in (("busy", "idle") if i % 2 == 0 else ("idle", "busy")):
             learner = None
             if arm == "busy":
                 learner = OnlineMedusa(head, options)
-                learner.buffer = windows_from.buffer  # the served run's windows to train on
+                learner.buffer = buffer
                 learner.start()
-                learner.served(10**6)  # all the credit it may owe: it trains at its max_busy share throughout
-            started = time.perf_counter()
+                learner.served(10**6)
+            started, started_cpu = time.perf_counter(), time.process_time()
             result = verispec.generate(target, ids, drafter="none", max_new_tokens=max_new_tokens)
-            timed[arm] = len(result.token_ids) / (time.perf_counter() - started)
+            seconds, cpu_seconds = time.perf_counter() - started, time.process_time() - started_cpu
+            timed[arm] = (len(result.token_ids) / seconds, cpu_seconds / len(result.token_ids))
             if learner is not None:
-                wall = time.perf_counter() - started
                 learner.close()
-                busy_shares.append(learner.busy_seconds / wall)
-        ratios.append(timed["busy"] / timed["idle"])
-    return {"plain_tokens_per_second_ratio_busy_over_idle": round(statistics.median(ratios), 4),
-            "per_prompt": [round(r, 4) for r in ratios], "learner_busy_share": round(statistics.median(busy_shares), 4)}
+                busy_shares.append(learner.busy_seconds / seconds)
+        wall.append(timed["busy"][0] / timed["idle"][0])
+        cpu.append(timed["busy"][1] / timed["idle"][1])
+    return {"plain_tokens_per_second_ratio_busy_over_idle": round(statistics.median(wall), 4),
+            "plain_cpu_seconds_per_token_ratio_busy_over_idle": round(statistics.median(cpu), 4),
+            "per_prompt_wall": [round(r, 4) for r in wall], "per_prompt_cpu": [round(r, 4) for r in cpu],
+            "learner_busy_share": round(statistics.median(busy_shares), 4), "prompts": len(prompts),
+            "max_new_tokens": max_new_tokens, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "(unset)")}
 
 
 def summarize(rows: list[dict], arm: str, phase: str, part: slice = slice(None)) -> dict:
@@ -124,6 +136,21 @@ def plot(rows: list[dict], shift: int, out: Path) -> None:
     fig.savefig(out)
 
 
+def rerun_overhead(target, head, options: OnlineConfig, requests, args) -> None:
+    """The overhead A/B alone, written into the existing report (its buffer: windows of the first requests'
+    traffic, served with a worker-less learner)."""
+    out = Path(args.out)
+    report = json.loads(out.with_suffix(".json").read_text())
+    filler = OnlineMedusa(head, options)
+    for _, ids in requests[:3]:
+        verispec.generate(target, ids, draft=filler, draft_len=args.draft_len, max_new_tokens=args.max_new_tokens)
+    prompts = [ids for _, ids in requests[3 : 3 + args.overhead_prompts]]
+    report["overhead"] = overhead_ab(target, head, options, filler.buffer, prompts, args.max_new_tokens)
+    out.with_suffix(".json").write_text(json.dumps(report, indent=1))
+    out.with_suffix(".md").write_text(markdown(report))
+    print(json.dumps(report["overhead"], indent=1))
+
+
 def markdown(report: dict) -> str:
     """The report's tables: tokens per pass by phase and arm (all requests, the second half of each phase, the
     first four code requests right after the shift), speed, the learner, the overhead A/B."""
@@ -145,10 +172,13 @@ def markdown(report: dict) -> str:
               f"Learner: {learner['steps']} steps, {learner['version']} swaps, {learner['served_tokens']} served tokens, "
               f"{learner['windows_added']} windows, busy {learner['busy_seconds']} s = {learner['busy_share_of_run']:.0%} of "
               f"the run's {report['wall_seconds']} s; last batch loss {learner['loss']}, head accuracies {learner['accuracy']}.", "",
-              f"Overhead A/B: plain decoding with a learner training in the background at this budget runs at "
-              f"{overhead['plain_tokens_per_second_ratio_busy_over_idle']}x of plain decoding without one (median of "
-              f"{len(overhead['per_prompt'])} per-prompt ratios {overhead['per_prompt']}; the learner busy "
-              f"{overhead['learner_busy_share']:.0%} of the time).", ""]
+              f"Overhead A/B (OMP_WAIT_POLICY {overhead.get('OMP_WAIT_POLICY', '(unset)')}), plain decoding of "
+              f"{overhead['prompts']} prompts ({overhead['max_new_tokens']} tokens) with a "
+              f"learner training in the background at this budget (busy {overhead['learner_busy_share']:.0%} of the time) "
+              f"against none, medians of per-prompt ratios busy/idle: CPU seconds per token (all threads) "
+              f"{overhead['plain_cpu_seconds_per_token_ratio_busy_over_idle']}x {overhead['per_prompt_cpu']}; wall-clock "
+              f"tokens/s {overhead['plain_tokens_per_second_ratio_busy_over_idle']}x {overhead['per_prompt_wall']} (on a "
+              "shared machine an extra runnable thread also wins CPU from the neighbours).", ""]
     return "\n".join(lines)
 
 
@@ -167,6 +197,8 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--overhead-prompts", type=int, default=4)
     parser.add_argument("--out", default="bench/reports/online_adaptation")
+    parser.add_argument("--overhead-only", action="store_true",
+                        help="rerun only the overhead A/B (its buffer filled by serving the first prompts) into --out's report")
     args = parser.parse_args()
 
     target = verispec.load(args.target)
@@ -177,6 +209,8 @@ def main() -> None:
         head = medusa_head_from_target(target, ids, num_heads=args.heads)
     options = OnlineConfig(tokens_per_step=args.tokens_per_step, max_busy=args.max_busy, lr=args.lr)
     requests = workload(target, args.chat, args.code)
+    if args.overhead_only:
+        return rerun_overhead(target, head, options, requests, args)
     verispec.generate(target, requests[0][1], draft=head, draft_len=args.draft_len, max_new_tokens=8)  # warm up
 
     rows, started = [], time.perf_counter()
@@ -200,7 +234,7 @@ def main() -> None:
     identical = sum(a["ids"] == b["ids"] for a, b in zip(rows[0::2], rows[1::2]))
     shift = sum(r["tokens"] for r in rows if r["arm"] == "online" and r["phase"] == "chat")
 
-    overhead = overhead_ab(target, head, options, online, [ids for _, ids in requests[: args.overhead_prompts]],
+    overhead = overhead_ab(target, head, options, online.buffer, [ids for _, ids in requests[: args.overhead_prompts]],
                            args.max_new_tokens)
     half = lambda n: slice(n // 2, None)  # noqa: E731 - the second half of a phase: after some learning on it
     report = {
