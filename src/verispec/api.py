@@ -20,7 +20,7 @@ from verispec.engine import Request, SpeculativeEngine, TokenEvent
 from verispec import options
 from verispec.errors import VerispecError
 from verispec.grammar import response_format_grammar
-from verispec.heads import HEAD_TYPES, Eagle3Head, MedusaHead, is_head_directory, load_head
+from verispec.heads import HEAD_TYPES, Eagle3Head, MedusaHead, OnlineMedusa, is_head_directory, load_head
 from verispec.models import stored
 from verispec.models.base import CausalLM
 from verispec.models.hf import HFCausalLM, pick_device
@@ -217,7 +217,7 @@ DRAFTERS: dict[str, Callable[[CausalLM, CausalLM | None, float], Drafter]] = {
 
 
 # The drafter each kind of trained head drafts with (and the only one it drafts with).
-HEAD_DRAFTERS: dict[type, str] = {Eagle3Head: "eagle3", MedusaHead: "medusa"}
+HEAD_DRAFTERS: dict[type, str] = {Eagle3Head: "eagle3", MedusaHead: "medusa", OnlineMedusa: "medusa"}
 
 
 def head_drafter(draft) -> str | None:

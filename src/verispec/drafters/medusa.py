@@ -14,14 +14,22 @@ vocabulary; sampled rows draw each position from q_i, head i's warped distributi
 vocabulary (zero outside the draft vocabulary), and report it. q_i does not depend on the tokens drafted
 before position i, and need not: speculative sampling is exact for any proposal distribution fixed before
 the draw, so the output is the target's either way.
+
+Given an `OnlineMedusa` (`heads.online`) instead of fixed heads, the drafter reads the learner's live
+weights for each forward (one consistent copy per draft, however often they change) and hands it the
+hidden states and tokens it serves, which the learner trains on in the background. Exact all the same.
 """
 
 from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator
 
 import torch
 
 from verispec.drafters.base import BranchRule, Draft, Drafter, StopRule, Verdict, VocabDraft, empty_draft
 from verispec.heads.medusa import MedusaHead, check_target
+from verispec.heads.online import OnlineMedusa
 from verispec.sampling import SamplingParams
 
 
@@ -29,9 +37,12 @@ class MedusaDrafter(Drafter):
     """Drafts with trained Medusa heads; `target_taps` (the target's final normed state) makes the engine
     hand it the target's last hidden states."""
 
-    def __init__(self, head: MedusaHead, target, min_confidence: float = 0.0):
+    def __init__(self, head: MedusaHead | OnlineMedusa, target, min_confidence: float = 0.0):
         check_target(head, target)
-        self.head = head.eval()
+        # the heads this drafter reads, and where its traffic goes: fixed heads read as they are, learning ones
+        # through their double buffer (`OnlineMedusa.reading`), fed by a recorder of this drafter's rows
+        self.heads = head if isinstance(head, OnlineMedusa) else _Fixed(head.eval())
+        self.recorder = head.recorder() if isinstance(head, OnlineMedusa) else None
         self.target_taps = (int(target.config.num_hidden_layers),)  # the final hidden state, after the norm
         self.vocab_size = target.vocab_size
         self.min_confidence = min_confidence
@@ -42,6 +53,8 @@ class MedusaDrafter(Drafter):
         """New rows: their prompt's hidden states arrive through `observe_taps`."""
         self.last.extend(None for _ in prompts)
         self.kept.extend(0 for _ in prompts)
+        if self.recorder is not None:
+            self.recorder.add(prompts)
 
     def observe_taps(self, hidden: list[torch.Tensor | None]) -> None:
         """Per row, the target's final hidden states [n, H] of the n tokens its cache just kept."""
@@ -49,6 +62,8 @@ class MedusaDrafter(Drafter):
             if states is not None and states.numel():
                 self.last[b] = states[-1].float().cpu()
                 self.kept[b] += states.shape[0]
+        if self.recorder is not None:
+            self.recorder.observe(hidden)
 
     @torch.inference_mode()
     def propose(self, sequences: list[list[int]], draft_len: int, sampling: list[SamplingParams], generators: list[torch.Generator],
@@ -58,13 +73,18 @@ class MedusaDrafter(Drafter):
             if self.kept[b] != len(sequences[b]) - 1:
                 raise RuntimeError(f"row {b}: the drafter saw {self.kept[b]} of the target's hidden states, but the "
                                    f"target's cache holds {len(sequences[b]) - 1} tokens")
+        if self.recorder is not None:  # the tokens after every observed position are known now
+            self.recorder.cut(sequences)
         known = torch.tensor([state is not None for state in self.last])  # a one-token prompt: nothing read yet
-        width = min(draft_len, self.head.config.num_heads)
+        config = self.heads.config
+        width = min(draft_len, config.num_heads)
         if width == 0 or not bool(known.any()):
             return empty_draft(batch)
-        hidden = torch.stack([state if state is not None else torch.zeros(self.head.config.hidden_size) for state in self.last])
-        all_logits = self.head(hidden, heads=width)  # [B, width, V] over the draft vocabulary: every head at once
-        built = VocabDraft(sequences, width, self.vocab_size, self.head.draft_token_ids, sampling, generators, branch)
+        hidden = torch.stack([state if state is not None else torch.zeros(config.hidden_size) for state in self.last])
+        with self.heads.reading() as head:  # one copy of the weights for the whole draft
+            all_logits = head(hidden, heads=width)  # [B, width, V] over the draft vocabulary: every head at once
+            draft_ids = head.draft_token_ids
+        built = VocabDraft(sequences, width, self.vocab_size, draft_ids, sampling, generators, branch)
         num_drafted = torch.zeros(batch, dtype=torch.long)
         going = known.clone()
         for i in range(width):
@@ -84,3 +104,16 @@ class MedusaDrafter(Drafter):
     def select(self, rows: list[int]) -> None:
         self.last = [self.last[b] for b in rows]
         self.kept = [self.kept[b] for b in rows]
+        if self.recorder is not None:
+            self.recorder.select(rows)
+
+
+class _Fixed:
+    """Fixed heads, read as `OnlineMedusa` reads its live copy."""
+
+    def __init__(self, head: MedusaHead):
+        self.head, self.config = head, head.config
+
+    @contextmanager
+    def reading(self) -> Iterator[MedusaHead]:
+        yield self.head

@@ -3,7 +3,7 @@
 `eagle3` holds the EAGLE-3 head and its files, `formats` the other ecosystems' layouts of it (speculators,
 SpecForge), `medusa` Medusa-1 heads and theirs, `files` the directory every kind writes; `data` extracts training
 features from a target, `train` trains an EAGLE-3 head with training-time test, `train_medusa` Medusa
-heads. The drafters that serve them are `drafters.eagle3` and `drafters.medusa`.
+heads, `online` Medusa heads that keep learning from served traffic. The drafters that serve them are `drafters.eagle3` and `drafters.medusa`.
 
 `load_head` reads any kind from its directory: each kind declares the directories it recognizes
 (`is_head_directory`) and how to load them, in the `KINDS` table.
@@ -15,10 +15,11 @@ from verispec.errors import VerispecError
 from verispec.heads import eagle3, formats, medusa
 from verispec.heads.eagle3 import Eagle3Config, Eagle3Head, save_head
 from verispec.heads.medusa import MedusaConfig, MedusaHead
+from verispec.heads.online import OnlineConfig, OnlineMedusa
 
 # (recognizes a directory, loads it): one row per kind of head
 KINDS = ((eagle3.is_head_directory, formats.load_head), (medusa.is_head_directory, medusa.load_head))
-HEAD_TYPES = (Eagle3Head, MedusaHead)
+HEAD_TYPES = (Eagle3Head, MedusaHead, OnlineMedusa)  # OnlineMedusa: Medusa heads learning from served traffic
 
 
 def is_head_directory(path) -> bool:
@@ -36,5 +37,5 @@ def load_head(directory, target=None):
                         "head beside its weights (train one with `verispec train eagle3` or `verispec train medusa`)")
 
 
-__all__ = ["Eagle3Config", "Eagle3Head", "MedusaConfig", "MedusaHead", "HEAD_TYPES", "is_head_directory", "load_head",
+__all__ = ["Eagle3Config", "Eagle3Head", "MedusaConfig", "MedusaHead", "OnlineConfig", "OnlineMedusa", "HEAD_TYPES", "is_head_directory", "load_head",
            "save_head"]

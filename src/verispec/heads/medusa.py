@@ -21,7 +21,8 @@ Files: verispec's layout is config.json (architecture "MedusaHeads", Medusa's `m
 full vocabulary).
 
 The module knows nothing about data, training loops or the engine: given final hidden states, it
-computes each head's logits.
+computes each head's logits, and their loss against the target's tokens (offline training, `train_medusa`,
+and online, `online`, share it).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from torch import nn
 
 from verispec.errors import VerispecError
 from verispec.heads.files import CONFIG_FILE, WEIGHTS_FILE, write_head
-from verispec.heads.vocab import DraftVocab
+from verispec.heads.vocab import DraftVocab, soft_targets
 
 ARCHITECTURE = "MedusaHeads"
 MEDUSA_FILES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")  # the Medusa repository's, in preference order
@@ -122,6 +123,39 @@ class MedusaHead(DraftVocab, nn.Module):
         (the first `heads` heads only, if given); head i's predict the token 2 + i positions on."""
         hidden = hidden.to(self.lm_heads()[0].weight.dtype)
         return torch.stack([head(hidden) for head in self.medusa_head[:heads]], -2).float()
+
+
+# --- the loss -------------------------------------------------------------------------------------
+
+def medusa_loss(head: MedusaHead, shard: dict, rows: list[int], decay: float):
+    """(loss, [accuracy of head i], [loss of head i]) over sequences `rows` of a shard whose taps are the
+    target's final hidden states.
+
+    Head i at position t reads h_t and is scored against the target's distribution at t + 1 + i (the
+    token t + 2 + i), for t in [0, T - 1 - i)."""
+    tokens = shard["tokens"][rows]
+    length, width = tokens.shape[1], head.config.hidden_size
+    if length < head.config.num_heads + 1:
+        raise VerispecError(f"sequences of {length} tokens are too short for {head.config.num_heads} Medusa heads")
+    hidden = shard["taps"][rows].float()
+    if hidden.shape[-1] != width:
+        raise VerispecError(f"the features hold {hidden.shape[-1]} numbers per token, not one final hidden state of "
+                            f"{width}: extract them with taps=(the target's layer count,)")
+    total, accuracy, losses = 0.0, [], []
+    draft_to_target = head.draft_token_ids
+    for i, layers in enumerate(head.medusa_head):
+        span = length - 1 - i
+        logits = layers(hidden[:, :span]).float()
+        ids = shard["top_ids"][rows, 1 + i : 1 + i + span]
+        p, mask = soft_targets(ids, shard["top_logprobs"][rows, 1 + i : 1 + i + span], head)
+        per_position = -(p * torch.log_softmax(logits, -1)).sum(-1)
+        count = mask.sum().clamp(min=1)
+        loss = (per_position * mask).sum() / count
+        total = total + decay ** i * loss
+        hits = (draft_to_target[logits.argmax(-1)] == ids[..., 0].long()) & mask
+        accuracy.append(float(hits.sum()) / float(count))
+        losses.append(float(loss.detach()))
+    return total, accuracy, losses
 
 
 # --- files ------------------------------------------------------------------------------------------

@@ -35,6 +35,7 @@ from tqdm import tqdm
 from verispec.errors import VerispecError
 from verispec.heads.data import FeatureSpec, extract, load_shard
 from verispec.heads.eagle3 import Eagle3Config, Eagle3Head, default_taps, save_head, target_embedding
+from verispec.heads.vocab import soft_targets
 
 CHECKPOINT = "checkpoint.pt"
 LOG = "train.jsonl"
@@ -100,20 +101,6 @@ def choose_draft_vocab(shards: list[Path], vocab_size: int, size: int, always: t
     # stable order: by count, ties by id
     order = sorted(range(vocab_size), key=lambda i: (-int(counts[i]), i))[:size]
     return torch.tensor(sorted(order), dtype=torch.long)
-
-
-def soft_targets(top_ids: torch.Tensor, top_logprobs: torch.Tensor, head: Eagle3Head) -> tuple[torch.Tensor, torch.Tensor]:
-    """The target's distribution over the draft vocabulary [.., V] (its top-k log-probabilities
-    [.., K], renormalized over those in the vocabulary) and a mask [..] of positions whose target argmax
-    is in the draft vocabulary."""
-    ids = top_ids.long()
-    in_vocab = head.t2d[ids]
-    draft_ids = (head.t2d.long().cumsum(0) - 1)[ids].clamp(min=0)
-    logprobs = top_logprobs.float().masked_fill(~in_vocab, float("-inf"))
-    weights = torch.softmax(logprobs, -1).nan_to_num(0.0)
-    p = torch.zeros(*ids.shape[:-1], head.config.draft_vocab_size)
-    p.scatter_add_(-1, draft_ids, weights)
-    return p, in_vocab[..., 0]
 
 
 def ttt_loss(head: Eagle3Head, shard: dict, rows: list[int], steps: int, decay: float):

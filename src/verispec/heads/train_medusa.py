@@ -6,11 +6,12 @@ its LM head reads) and its top-k next-token log-probabilities, cached in shards 
 target's distribution of the token at t + 2 + i, which the shards hold at position t + 1 + i: Medusa-1
 with self-distillation's soft labels (Cai et al. 2024, section 2.3.2) rather than the text's tokens. The
 loss is sum_i decay^i * CE(p_target, q_head_i) (Medusa's lambda_i = 0.8^i), over positions whose target
-argmax is in the draft vocabulary, p renormalized over it (`train.soft_targets`, as for EAGLE-3).
+argmax is in the draft vocabulary, p renormalized over it (`vocab.soft_targets`, as for EAGLE-3).
 
 The draft vocabulary, the optimizer (AdamW, warmup and cosine decay, clipped gradients), bfloat16 autocast,
-checkpoints and resuming are `train`'s: this module only knows the heads' loss and the loop around it. Each
-head's LM head starts as the target's rows for the draft vocabulary, its residual blocks as the identity.
+checkpoints and resuming are `train`'s, the loss `medusa.medusa_loss` (shared with online learning): this
+module only knows the loop around it. Each head's LM head starts as the target's rows for the draft
+vocabulary, its residual blocks as the identity (`medusa_head_from_target`, also the online cold start).
 Held-out shards (never trained on) give each head's top-1 agreement with the target's argmax at the end.
 """
 
@@ -25,9 +26,9 @@ from tqdm import tqdm
 
 from verispec.errors import VerispecError
 from verispec.heads.data import load_shard
-from verispec.heads.medusa import MedusaConfig, MedusaHead, save_head
+from verispec.heads.medusa import MedusaConfig, MedusaHead, medusa_loss, save_head
 from verispec.heads.train import (LOG, TrainConfig, _checkpoint, _lr_factor, _resume, add_common_arguments, choose_draft_vocab,
-                                  soft_targets, target_output_rows, training_features)
+                                  target_output_rows, training_features)
 
 
 def final_tap(target) -> int:
@@ -35,47 +36,28 @@ def final_tap(target) -> int:
     return int(target.config.num_hidden_layers)
 
 
-def medusa_loss(head: MedusaHead, shard: dict, rows: list[int], decay: float):
-    """(loss, [accuracy of head i], [loss of head i]) over sequences `rows` of a shard whose taps are the
-    target's final hidden states.
-
-    Head i at position t reads h_t and is scored against the target's distribution at t + 1 + i (the
-    token t + 2 + i), for t in [0, T - 1 - i)."""
-    tokens = shard["tokens"][rows]
-    length, width = tokens.shape[1], head.config.hidden_size
-    if length < head.config.num_heads + 1:
-        raise VerispecError(f"sequences of {length} tokens are too short for {head.config.num_heads} Medusa heads")
-    hidden = shard["taps"][rows].float()
-    if hidden.shape[-1] != width:
-        raise VerispecError(f"the features hold {hidden.shape[-1]} numbers per token, not one final hidden state of "
-                            f"{width}: extract them with taps=(the target's layer count,)")
-    total, accuracy, losses = 0.0, [], []
-    draft_to_target = head.draft_token_ids
-    for i, layers in enumerate(head.medusa_head):
-        span = length - 1 - i
-        logits = layers(hidden[:, :span]).float()
-        ids = shard["top_ids"][rows, 1 + i : 1 + i + span]
-        p, mask = soft_targets(ids, shard["top_logprobs"][rows, 1 + i : 1 + i + span], head)
-        per_position = -(p * torch.log_softmax(logits, -1)).sum(-1)
-        count = mask.sum().clamp(min=1)
-        loss = (per_position * mask).sum() / count
-        total = total + decay ** i * loss
-        hits = (draft_to_target[logits.argmax(-1)] == ids[..., 0].long()) & mask
-        accuracy.append(float(hits.sum()) / float(count))
-        losses.append(float(loss.detach()))
-    return total, accuracy, losses
-
-
-def new_medusa_head(target, shards: list[Path], draft_vocab: int, num_heads: int, num_layers: int) -> MedusaHead:
-    """Heads for `target`, their draft vocabulary chosen from the shards, each LM head the target's rows."""
-    head = MedusaHead(MedusaConfig.for_target(target, min(draft_vocab, target.vocab_size), num_heads, num_layers))
-    head.set_draft_vocab(choose_draft_vocab(shards, target.vocab_size, head.config.draft_vocab_size,
-                                            tuple(sorted(target.eos_token_ids))))
+def medusa_head_from_target(target, token_ids: torch.Tensor | None = None, num_heads: int = 4,
+                            num_layers: int = 1) -> MedusaHead:
+    """Untrained heads for `target` over the draft vocabulary `token_ids` (target ids, [V] long; None: the
+    target's whole vocabulary), as Medusa-1
+    starts them: each LM head the target's rows for those ids, each residual block the identity (zero weight).
+    Head 0 then guesses x_{t+1} again where it should guess x_{t+2}: a cold start that only training
+    (offline, or online from served traffic: `heads.online`) makes useful."""
+    token_ids = torch.arange(target.vocab_size) if token_ids is None else token_ids
+    head = MedusaHead(MedusaConfig.for_target(target, len(token_ids), num_heads, num_layers))
+    head.set_draft_vocab(token_ids)
     lm_head, _ = target_output_rows(target, head.draft_token_ids)
     with torch.no_grad():
         for linear in head.lm_heads():
             linear.weight.copy_(lm_head)
     return head
+
+
+def new_medusa_head(target, shards: list[Path], draft_vocab: int, num_heads: int, num_layers: int) -> MedusaHead:
+    """Heads for `target`, their draft vocabulary chosen from the shards, each LM head the target's rows."""
+    token_ids = choose_draft_vocab(shards, target.vocab_size, min(draft_vocab, target.vocab_size),
+                                   tuple(sorted(target.eos_token_ids)))
+    return medusa_head_from_target(target, token_ids, num_heads, num_layers)
 
 
 def evaluate(head: MedusaHead, shards: list[Path], config: TrainConfig) -> dict:

@@ -27,3 +27,17 @@ class DraftVocab:
     def draft_token_ids(self) -> torch.Tensor:
         """[V] long: the target id of each draft id."""
         return torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t
+
+
+def soft_targets(top_ids: torch.Tensor, top_logprobs: torch.Tensor, head: DraftVocab) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's distribution over the draft vocabulary [.., V] (its top-k log-probabilities
+    [.., K], renormalized over those in the vocabulary) and a mask [..] of positions whose target argmax
+    is in the draft vocabulary."""
+    ids = top_ids.long()
+    in_vocab = head.t2d[ids]
+    draft_ids = (head.t2d.long().cumsum(0) - 1)[ids].clamp(min=0)
+    logprobs = top_logprobs.float().masked_fill(~in_vocab, float("-inf"))
+    weights = torch.softmax(logprobs, -1).nan_to_num(0.0)
+    p = torch.zeros(*ids.shape[:-1], head.config.draft_vocab_size)
+    p.scatter_add_(-1, draft_ids, weights)
+    return p, in_vocab[..., 0]

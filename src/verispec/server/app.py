@@ -36,6 +36,7 @@ from verispec.api import load, make_drafter, resolve_drafter
 from verispec.engine import Request as EngineRequest
 from verispec.errors import VerispecError
 from verispec.grammar import ll_tokenizer
+from verispec.heads import MedusaHead, OnlineConfig, OnlineMedusa
 from verispec.prefix_cache import PrefixCache
 from verispec.options import DRAFTER_NAMES, WEIGHT_DTYPES, DraftLen, flag, positive_int
 from verispec.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, Metrics
@@ -303,7 +304,7 @@ DRAFT_DTYPES = WEIGHT_DTYPES
 def build_app(target, draft=None, drafter: str = "auto", draft_len: DraftLen | int | str = "auto", api_key: str | None = None,
               max_batch: int = 8, max_queue: int = 256, draft_dtype: str = "fp32", model_name: str | None = None,
               max_body_bytes: int = MAX_BODY_BYTES, max_model_len: int | None = None, chat_template: str | None = None,
-              numerics: str = "float32", prefix_cache_bytes: int = PREFIX_CACHE_BYTES):
+              numerics: str = "float32", prefix_cache_bytes: int = PREFIX_CACHE_BYTES, online: OnlineConfig | None = None):
     """A FastAPI app serving `target` (a zoo name, path or loaded model) with OpenAI's API.
 
     draft / drafter / draft_len: as for `verispec.generate` (drafter "none" serves plain decoding);
@@ -315,8 +316,10 @@ def build_app(target, draft=None, drafter: str = "auto", draft_len: DraftLen | i
     plus answer a request may ask for (default and upper bound: the model's context). chat_template: a Jinja
     chat template (text, or a path to a file holding it) in place of the tokenizer's. numerics: the target's,
     as for `verispec.load` ("float32" or "q8"). prefix_cache_bytes: most bytes of prompt keys and values
-    kept for reuse by later requests (`prefix_cache.PrefixCache`; 0 turns it off). The models load now; the
-    worker starts with the app.
+    kept for reuse by later requests (`prefix_cache.PrefixCache`; 0 turns it off). online: Medusa heads
+    keep learning from the traffic (`heads.online`), starting from `draft` (a Medusa head directory) or, with
+    no draft, from a cold start (the target's LM head copied into 4 heads); output stays exact. The models
+    load now; the worker (and the learner's) starts with the app.
     """
     for option, value, low in (("max_batch", max_batch, 1), ("max_queue", max_queue, 0), ("max_body_bytes", max_body_bytes, 1),
                                ("prefix_cache_bytes", prefix_cache_bytes, 0),
@@ -330,6 +333,10 @@ def build_app(target, draft=None, drafter: str = "auto", draft_len: DraftLen | i
     draft_len = DraftLen.parse(draft_len)
     target_model = load(target, numerics=numerics) if isinstance(target, str) else load(target)
     draft_model = load(draft, weight_dtype=draft_dtype) if draft is not None else None
+    if online is not None:
+        if drafter not in ("auto", "medusa"):
+            raise VerispecError(f"--online learns Medusa heads, which draft with drafter 'medusa', not {drafter!r}: drop --drafter")
+        draft_model, drafter = online_heads(target_model, draft_model, online), "medusa"
     if target_model.tokenizer is None:
         raise VerispecError(f"{target_model.name} has no tokenizer: the server needs one to read and write text")
     drafter = resolve_drafter(target_model, draft_model, drafter)  # a server makes many calls: "auto" may make a self copy
@@ -361,13 +368,19 @@ def build_app(target, draft=None, drafter: str = "auto", draft_len: DraftLen | i
     @asynccontextmanager
     async def lifespan(app):
         scheduler.start()
+        if online is not None:
+            draft_model.start()
         try:
             yield
         finally:
             scheduler.stop()
+            if online is not None:
+                draft_model.close()
+                log.info("online: %s", {k: v for k, v in draft_model.summary().items() if k != "options"})
 
     app = FastAPI(title="verispec", lifespan=lifespan)
     app.state.scheduler, app.state.metrics, app.state.stats, app.state.config = scheduler, metrics, stats, config
+    app.state.online = draft_model if online is not None else None  # the learning heads, for tests and operators
 
     def error_response(error: ApiError) -> JSONResponse:
         headers = {"WWW-Authenticate": "Bearer"} if error.status == 401 else None
@@ -617,6 +630,19 @@ def build_app(target, draft=None, drafter: str = "auto", draft_len: DraftLen | i
     return app
 
 
+def online_heads(target, draft, options: OnlineConfig) -> OnlineMedusa:
+    """The learning heads `--online` serves: from a Medusa head, or a cold start without one."""
+    from verispec.heads.train_medusa import medusa_head_from_target
+
+    if draft is None:
+        draft = medusa_head_from_target(target)
+        log.info("online: cold-start Medusa heads (%d heads over %d tokens)", draft.config.num_heads, draft.config.draft_vocab_size)
+    if not isinstance(draft, MedusaHead):
+        raise VerispecError("--online trains Medusa heads: give --draft a Medusa head directory (verispec train medusa), "
+                            "or no --draft to start them cold from the target's own LM head")
+    return OnlineMedusa(draft, options)
+
+
 def read_chat_template(template: str) -> str:
     """A chat template given as text, or as the path of a file holding it (vLLM's --chat-template)."""
     if "{" not in template:
@@ -663,6 +689,13 @@ def main(argv: list[str] | None = None) -> None:
                         help="the target's numbers, as for `verispec generate` (default: %(default)s)")
     parser.add_argument("--threads", type=flag(lambda text: positive_int("--threads", text)), default=None,
                         help="CPU threads for PyTorch and verispec's kernels (default: PyTorch's choice)")
+    parser.add_argument("--online", action="store_true",
+                        help="Medusa heads keep learning from the traffic in a background thread (--draft: a Medusa head "
+                             "directory to start from; none: a cold start from the target's LM head); output stays exact")
+    parser.add_argument("--online-tokens-per-step", type=float, default=OnlineConfig.tokens_per_step,
+                        help="with --online: at most one training step per this many served tokens (default: %(default)s)")
+    parser.add_argument("--online-max-busy", type=float, default=OnlineConfig.max_busy,
+                        help="with --online: the most of the wall time the learner may spend training (default: %(default)s)")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                         help="the server's and uvicorn's log level (default: %(default)s)")
     args = parser.parse_args(argv)
@@ -676,7 +709,9 @@ def main(argv: list[str] | None = None) -> None:
               drafter=args.drafter, draft_len=args.draft_len, api_key=args.api_key, max_batch=args.max_batch,
               max_queue=args.max_queue, max_body_bytes=max(1, int(args.max_body_mb * 2**20)), model_name=args.served_model_name,
               prefix_cache_bytes=max(0, int(args.prefix_cache_mb * 2**20)),
-              max_model_len=args.max_model_len, chat_template=args.chat_template, numerics=args.numerics)
+              max_model_len=args.max_model_len, chat_template=args.chat_template, numerics=args.numerics,
+              online=OnlineConfig(tokens_per_step=args.online_tokens_per_step, max_busy=args.online_max_busy)
+              if args.online else None)
     except VerispecError as exc:
         parser.exit(2, f"verispec serve: error: {exc}\n")
 
