@@ -153,11 +153,11 @@ class Cascade:
         if isinstance(value, str):
             rule, _, alpha = value.partition(":")
             try:
-                alpha = float(alpha)
+                number = float(alpha)
             except ValueError:
-                alpha = None
-            if alpha is not None:
-                return cls(rule.strip(), alpha)
+                pass
+            else:
+                return cls(rule.strip(), number)
         raise VerispecError(f'cascade must be "rule:alpha" (e.g. "chow:0.1"), {{"rule": ..., "alpha": ...}} or None, got {value!r:.80}')
 
     @property
@@ -190,7 +190,8 @@ def _bias_pairs(bias) -> tuple[tuple[int, float], ...]:
     return tuple(sorted((token, float(value)) for token, value in pairs))
 
 
-def default_coupled(seed: int | None, temperature: float, typical_acceptance: float = 0.0, cascade=None) -> bool:
+def default_coupled(seed: int | None, temperature: float, typical_acceptance: float = 0.0,
+                    cascade: Cascade | None = None) -> bool:
     """What `coupled` defaults to in the API and the server: on for a seeded sampled request (its text is
     then a function of the seed, whatever the draft lengths, timing or batch mates), except for rows that
     asked for a lossy rule (typical acceptance, a cascade). The price: a coupled draft token is accepted with chance at
