@@ -164,6 +164,8 @@ def markdown(report: dict) -> str:
 
 
 def plot(report: dict, path: Path) -> None:
+    """Tokens per target pass and decoding speed against the target log-likelihood given up, one marker per
+    method (squares: LOSSY), named in the legend."""
     try:
         import matplotlib
 
@@ -171,16 +173,21 @@ def plot(report: dict, path: Path) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         return
-    fig, ax = plt.subplots(figsize=(6.5, 4.2))
-    for name, m in report["table"].items():
-        ax.scatter(m["logprob_vs_plain"], m["tokens_per_pass"], s=40, marker="s" if m["lossy"] else "o")
-        ax.annotate(f"{name}: {m['decode_vs_plain']:.2f}x decode, {m['passed']}/{report['problems']} pass",
-                    (m["logprob_vs_plain"], m["tokens_per_pass"]),
-                    fontsize=7, xytext=(4, 4), textcoords="offset points")
-    ax.axvline(0.0, color="black", linewidth=0.6)
-    ax.set_xlabel("target log-likelihood per token, minus plain decoding's (nats)")
-    ax.set_ylabel("tokens per target pass")
-    ax.set_title(f"Speed vs deviation: {report['target']} ({report['numerics']}), {report['threads']} threads", fontsize=9)
+    fig, (passes, speed) = plt.subplots(1, 2, figsize=(10, 4.6), sharex=True)
+    for i, (name, m) in enumerate(report["table"].items()):
+        style = dict(s=45, marker="s" if m["lossy"] else "o", color=f"C{i}", alpha=0.85,
+                     label=f"{name}: {m['passed']}/{report['problems']} pass")
+        passes.scatter(m["logprob_vs_plain"], m["tokens_per_pass"], **style)
+        speed.scatter(m["logprob_vs_plain"], m["decode_vs_plain"], **style)
+    passes.set_ylabel("tokens per target pass")
+    speed.set_ylabel("decode tokens/s vs plain (median)")
+    speed.axhline(1.0, color="black", linewidth=0.6)
+    for ax in (passes, speed):
+        ax.axvline(0.0, color="black", linewidth=0.6)
+        ax.set_xlabel("target log-lik per token minus plain's (nats)")
+    passes.legend(fontsize=7, loc="lower left")
+    fig.suptitle(f"Speculative cascades: {report['target']} ({report['numerics']}), draft {report['draft']}, "
+                 f"k={report['draft_len']}, {report['problems']} HumanEval problems, {report['threads']} threads", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
