@@ -25,7 +25,7 @@ from verispec.models import stored
 from verispec.models.base import CausalLM
 from verispec.models.hf import HFCausalLM, pick_device
 from verispec.options import DraftLen
-from verispec.sampling import SamplingParams, TokenLogprob, default_coupled
+from verispec.sampling import Cascade, SamplingParams, TokenLogprob, default_coupled
 from verispec.stats import SpecStats
 from verispec.text import IncrementalText, StopSequences, encode_prompt, final_text, normalize_stop
 
@@ -433,15 +433,15 @@ class Session:
                  seed=None, coupled=None, blockwise=True, typical_acceptance=0.0, max_new_tokens=128, chat=False, stop=None,
                  draft_confidence=0.0, system=None, head=None, presence_penalty=0.0, frequency_penalty=0.0,
                  repetition_penalty=1.0, min_p=0.0, logit_bias=None, min_tokens=0, logprobs=None, processed_logprobs=False,
-                 response_format=None):
+                 response_format=None, cascade=None):
         # The options first: a bad value fails before any model loads.
         draft_len = DraftLen.parse(draft_len)
         max_new_tokens = options.max_new_tokens(max_new_tokens)
         options.drafter_name(drafter)
         if coupled is None:  # seeded sampling reproduces its text by default
-            coupled = default_coupled(seed, temperature, typical_acceptance)
+            coupled = default_coupled(seed, temperature, typical_acceptance, cascade)
         self.sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, coupled=coupled,
-                                       blockwise=blockwise, typical_acceptance=typical_acceptance,
+                                       blockwise=blockwise, typical_acceptance=typical_acceptance, cascade=cascade,
                                        presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
                                        repetition_penalty=repetition_penalty, min_p=min_p, logit_bias=logit_bias or (),
                                        min_tokens=min_tokens)
@@ -491,7 +491,8 @@ def generate(target, prompt, *, draft=None, drafter: str = "auto", draft_len: Dr
              draft_confidence: float = 0.0, system: str | None = None, head=None, presence_penalty: float = 0.0,
              frequency_penalty: float = 0.0, repetition_penalty: float = 1.0, min_p: float = 0.0,
              logit_bias: dict[int, float] | None = None, min_tokens: int = 0, logprobs: int | None = None,
-             processed_logprobs: bool = False, response_format: dict | None = None) -> GenerationResult | list[GenerationResult]:
+             processed_logprobs: bool = False, response_format: dict | None = None,
+             cascade: Cascade | dict | str | None = None) -> GenerationResult | list[GenerationResult]:
     """Generate from `prompt` with speculative decoding; the output is what the target alone would give.
 
     target / draft: zoo name, path, hub id or loaded model. prompt: text, token ids, or a list of
@@ -534,6 +535,11 @@ def generate(target, prompt, *, draft=None, drafter: str = "auto", draft_len: Dr
     rule; e.g. 0.09): a draft token is kept while the target gives it more than
     min(eps, sqrt(eps) * exp(-entropy)). LOSSY: the text is plausible to the target but no longer a sample
     of its distribution. Greedy decoding is unaffected (exact either way).
+    cascade: a speculative cascade (`CascadeVerifier`, Narasimhan et al. 2025), e.g. {"rule": "chow", "alpha":
+    0.1} or "chow:0.1": where the deferral rule finds the draft model good enough (chow: its top probability
+    above 1 - alpha; diff: above the target's minus alpha) its token stands unchecked. LOSSY, greedy decoding
+    too; more tokens per target pass the larger alpha (chow 0 / diff -1: exact). Needs a draft model's
+    probabilities: deterministic drafts (n-gram) always defer.
     chat: each text prompt is one user turn in the model's chat template; system: a system turn before
     it (with chat=True).
     response_format: structured output, OpenAI's shapes: {"type": "json_object"} (any JSON object), {"type":
@@ -551,7 +557,7 @@ def generate(target, prompt, *, draft=None, drafter: str = "auto", draft_len: Dr
                       stop=stop, draft_confidence=draft_confidence, system=system, head=head, presence_penalty=presence_penalty,
                       frequency_penalty=frequency_penalty, repetition_penalty=repetition_penalty, min_p=min_p,
                       logit_bias=logit_bias, min_tokens=min_tokens, logprobs=logprobs, processed_logprobs=processed_logprobs,
-                      response_format=response_format)
+                      response_format=response_format, cascade=cascade)
     generated = [[] for _ in session.prompt_ids]
     logprobs_out = [[] if logprobs is not None else None for _ in session.prompt_ids]
     finish = ["length"] * len(generated)

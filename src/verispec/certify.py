@@ -16,7 +16,8 @@ Two checks, each with its figures:
    target's own continuation of it, so prompt lookup drafts there too, and the draft tokens accepted and
    rejected are reported: a check where nothing was drafted proves nothing, and fails as such.
 
-Typical acceptance can be asked for as a mode too: it is lossy by design, and certify shows by how much.
+Typical acceptance and a speculative cascade can be asked for as modes too: they are lossy by design, and
+certify shows by how much (the cascade needs a draft model: a draft without probabilities always defers).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ MODES: dict[str, dict[str, Any]] = {
     "block": dict(blockwise=True),
     "coupled": dict(coupled=True),
     "typical": dict(typical_acceptance=0.3),  # LOSSY by design: not a default mode
+    "cascade": dict(cascade="diff:0.2"),  # LOSSY by design: keeps the draft's token where it is about as sure as the target
 }
 LOSSLESS_MODES = ("speculative_sampling", "block", "coupled")
 

@@ -15,6 +15,7 @@ import verispec
 from verispec import options, zoo
 from verispec.errors import VerispecError
 from verispec.options import DRAFTER_NAMES, WEIGHT_DTYPES, DraftLen, flag
+from verispec.sampling import Cascade
 
 # Escape sequences a flag's text may carry, as in C and llama.cpp (`--stop '\n'` stops at a newline).
 _ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "0": "\0", "\\": "\\", "'": "'", '"': '"'}
@@ -50,6 +51,10 @@ def _add_generation_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--typical-acceptance", type=float, default=0.0, metavar="EPS",
                    help="LOSSY, sampling only: keep draft tokens the target finds typical (Medusa's rule, e.g. 0.09) "
                         "instead of exact speculative sampling")
+    p.add_argument("--cascade", type=flag(Cascade.parse), default=None, metavar="RULE:ALPHA",
+                   help="LOSSY, greedy too: a speculative cascade; where the deferral rule finds the draft model good "
+                        "enough, its token stands unchecked (chow:A trusts it where its top probability > 1 - A, diff:A "
+                        "where > the target's - A; e.g. chow:0.1; chow:0 is exact)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="the models' dtype (default: float32)")
     p.add_argument("--gguf-blocks", action="store_true",
                    help="the target keeps its GGUF's Q4_K/Q6_K blocks, rebuilt exactly (same output; plain decoding ~2x faster)")
@@ -75,12 +80,12 @@ def _generation_options(args, chat: bool) -> dict:
     if args.draft is None and args.draft_dtype != "fp32":
         raise VerispecError("--draft-dtype applies to a draft model: give one with --draft, or drop --draft-dtype")
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                              coupled=(default_coupled(args.seed, args.temperature, args.typical_acceptance)
+                              coupled=(default_coupled(args.seed, args.temperature, args.typical_acceptance, args.cascade)
                                        if args.coupled is None else args.coupled), blockwise=not args.token_verification,
-                              typical_acceptance=args.typical_acceptance)
+                              typical_acceptance=args.typical_acceptance, cascade=args.cascade)
     return dict(drafter=args.drafter, draft_len=args.draft_len, temperature=sampling.temperature, top_k=sampling.top_k,
                 top_p=sampling.top_p, seed=sampling.seed, coupled=sampling.coupled, blockwise=sampling.blockwise,
-                typical_acceptance=sampling.typical_acceptance, max_new_tokens=args.max_new_tokens)
+                typical_acceptance=sampling.typical_acceptance, cascade=sampling.cascade, max_new_tokens=args.max_new_tokens)
 
 
 def _load_models(args):
@@ -304,8 +309,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--drafter", default="auto", choices=DRAFTER_NAMES, help="as for generate")
     p.add_argument("--draft-len", type=flag(DraftLen.parse), action="append",
                    help="draft length to certify, repeatable: an int, 'auto' or 'tree' (default: 4)")
-    p.add_argument("--mode", action="append", choices=["speculative_sampling", "block", "coupled", "typical"],
-                   help="sampling rule to test, repeatable (default: the three lossless ones; typical is lossy and should fail)")
+    p.add_argument("--mode", action="append", choices=["speculative_sampling", "block", "coupled", "typical", "cascade"],
+                   help="sampling rule to test, repeatable (default: the three lossless ones; typical and cascade are lossy "
+                        "and should fail)")
     p.add_argument("--prompts", type=int, default=4, help="bundled prompts for greedy identity (default: %(default)s)")
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--samples", type=int, default=2000, help="seeded samples per sampling mode (default: %(default)s)")

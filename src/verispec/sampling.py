@@ -38,6 +38,10 @@ class SamplingParams:
     # min(eps, sqrt(eps) * exp(-entropy)). LOSSY: the text is typical of the target, not a sample of its
     # distribution. 0 (the default) keeps sampling exact; Medusa's suggested eps is 0.09.
     typical_acceptance: float = 0.0
+    # A speculative cascade (`CascadeVerifier`, Narasimhan et al. 2025): where the deferral rule trusts the
+    # draft, its token stands without the target's check. LOSSY, greedy rows included. Given as a `Cascade`,
+    # {"rule": "chow"|"diff", "alpha": number} or "rule:alpha"; None (the default) keeps decoding exact.
+    cascade: "Cascade | Mapping | str | None" = None
     # OpenAI's penalties, over the tokens generated so far: logit -= frequency_penalty * count + presence_penalty * (count > 0).
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -69,6 +73,11 @@ class SamplingParams:
             raise VerispecError(f"typical_acceptance must be in [0, 1) (0 keeps sampling exact; e.g. 0.09), got {self.typical_acceptance!r}")
         if self.typical_acceptance and self.coupled:
             raise VerispecError("typical_acceptance is lossy and coupled=True promises plain sampling's tokens: choose one")
+        object.__setattr__(self, "cascade", Cascade.parse(self.cascade))
+        if self.cascade is not None and self.coupled:
+            raise VerispecError("cascade is lossy and coupled=True promises plain sampling's tokens: choose one")
+        if self.cascade is not None and self.typical_acceptance:
+            raise VerispecError("cascade and typical_acceptance are two lossy rules for the same tokens: choose one")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not _is_number(value) or not -2.0 <= value <= 2.0:
@@ -98,8 +107,66 @@ class SamplingParams:
 
     @property
     def lossy(self) -> bool:
-        """Whether this row's draft tokens are judged by a lossy rule (typical acceptance on a sampled row)."""
-        return self.typical_acceptance > 0 and not self.greedy
+        """Whether this row's draft tokens are judged by a lossy rule it asked for: typical acceptance on a
+        sampled row, or a speculative cascade that can trust the draft (any row)."""
+        return (self.typical_acceptance > 0 and not self.greedy) or (self.cascade is not None and not self.cascade.exact)
+
+
+CASCADE_RULES = ("chow", "diff")
+
+
+@dataclass(frozen=True)
+class Cascade:
+    """A speculative cascade's deferral rule (Narasimhan et al., "Faster Cascades via Speculative Decoding",
+    ICLR 2025): at each draft position it decides whether the draft model is good enough there, from the
+    draft's top probability max q and (for "diff") the target's max p.
+
+    chow: trust the draft where max q > 1 - alpha (Chow's rule), alpha in [0, 1].
+    diff: trust the draft where max q > max p - alpha (the paper's Diff rule), alpha in [-1, 1].
+
+    Larger alpha trusts the draft more (alpha = 1 always: the draft's own text). The other end never
+    trusts it (chow 0, diff -1: `exact`), and the cascade is then exact speculative decoding. Checked
+    here; `verifiers.cascade` applies it."""
+
+    rule: str = "chow"
+    alpha: float = 0.1
+
+    def __post_init__(self):
+        if self.rule not in CASCADE_RULES:
+            raise VerispecError(f"cascade rule must be one of {', '.join(CASCADE_RULES)}, got {self.rule!r}")
+        low = 0.0 if self.rule == "chow" else -1.0
+        if not _is_number(self.alpha) or not low <= self.alpha <= 1.0:
+            raise VerispecError(f"cascade alpha for the {self.rule} rule must be a number in [{low:g}, 1] "
+                                f"({low:g} keeps decoding exact, larger trusts the draft more; e.g. 0.1), got {self.alpha!r}")
+
+    @classmethod
+    def parse(cls, value) -> "Cascade | None":
+        """A Cascade from what a user gave: None, a Cascade, {"rule": ..., "alpha": ...} (rule defaults to
+        "chow") or the text "rule:alpha" (e.g. "chow:0.1"). Raises VerispecError otherwise."""
+        if value is None or isinstance(value, Cascade):
+            return value
+        if isinstance(value, Mapping):
+            unknown = set(value) - {"rule", "alpha"}
+            if unknown or "alpha" not in value:
+                raise VerispecError(f'cascade must be {{"rule": "chow"|"diff", "alpha": number}}, got {value!r:.80}')
+            return cls(value.get("rule", "chow"), value["alpha"])
+        if isinstance(value, str):
+            rule, _, alpha = value.partition(":")
+            try:
+                number = float(alpha)
+            except ValueError:
+                pass
+            else:
+                return cls(rule.strip(), number)
+        raise VerispecError(f'cascade must be "rule:alpha" (e.g. "chow:0.1"), {{"rule": ..., "alpha": ...}} or None, got {value!r:.80}')
+
+    @property
+    def exact(self) -> bool:
+        """Whether this setting never trusts the draft (so decoding stays exact)."""
+        return self.alpha == (0.0 if self.rule == "chow" else -1.0)
+
+    def __str__(self) -> str:
+        return f"{self.rule}:{self.alpha:g}"
 
 
 def _is_number(value) -> bool:
@@ -123,13 +190,14 @@ def _bias_pairs(bias) -> tuple[tuple[int, float], ...]:
     return tuple(sorted((token, float(value)) for token, value in pairs))
 
 
-def default_coupled(seed: int | None, temperature: float, typical_acceptance: float = 0.0) -> bool:
+def default_coupled(seed: int | None, temperature: float, typical_acceptance: float = 0.0,
+                    cascade: Cascade | None = None) -> bool:
     """What `coupled` defaults to in the API and the server: on for a seeded sampled request (its text is
     then a function of the seed, whatever the draft lengths, timing or batch mates), except for rows that
-    asked for the lossy typical acceptance. The price: a coupled draft token is accepted with chance at
+    asked for a lossy rule (typical acceptance, a cascade). The price: a coupled draft token is accepted with chance at
     least (1 - TV) / (1 + TV) where speculative sampling accepts with 1 - TV (TV the total variation
     distance between draft and target), so unseeded requests keep the faster rules."""
-    return seed is not None and temperature > 0 and not typical_acceptance
+    return seed is not None and temperature > 0 and not typical_acceptance and cascade is None
 
 
 def process_logits(logits: torch.Tensor, params: SamplingParams, sequence: Sequence[int], prompt_len: int,

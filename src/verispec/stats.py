@@ -112,7 +112,7 @@ class SpecStats:
     alternates_drafted: int = 0  # token-tree candidates beside the chain (second guesses, a dynamic tree's nodes)
     alternates_accepted: int = 0  # ... taken after the chain's accepted prefix (tokens gained from them)
     drafter: str = ""  # which drafter the call ran (a draft model whose start did not pay gives way to prompt lookup)
-    lossy: bool = False  # some row was verified by a lossy rule it asked for (typical acceptance): not exact samples
+    lossy: bool = False  # some row was verified by a lossy rule it asked for (typical acceptance, a cascade): not the target's output
 
     def observe(self, step: StepRecord) -> None:
         """Record one verification step (of the rows these stats count)."""
@@ -232,5 +232,5 @@ class SpecStats:
             f"{d['target_passes']} target passes, {d['mean_accepted_tokens']:.2f} tokens/pass, "
             f"acceptance {d['acceptance_rate']:.2%} ({d['accepted_tokens']}/{d['drafted_tokens']}), "
             f"cost ratio c={d['cost_ratio']:.3f}, predicted speedup {d['predicted_speedup']:.2f}x"
-            + (", LOSSY (typical acceptance)" if self.lossy else "")
+            + (", LOSSY (typical acceptance or a speculative cascade: not the target's own output)" if self.lossy else "")
         )

@@ -205,6 +205,8 @@ class Generation:
                 "acceptance_rate": round(stats.acceptance_rate, 4),
                 "mean_accepted_tokens": round(stats.mean_accepted_tokens, 4),
                 "target_passes": stats.target_passes,
+                # asked for a lossy rule (typical acceptance, a cascade): the text is not the target's own
+                **({"lossy": True} if self.spec.sampling.lossy else {}),
             },
         }
 

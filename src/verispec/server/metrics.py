@@ -40,7 +40,7 @@ class Metrics:
                                ["endpoint"], buckets=TTFT_BUCKETS, registry=self.registry)
         self._prompt_tokens = Counter("verispec_prompt_tokens", "Prompt tokens prefilled (a prompt with n choices counts n times).",
                                       registry=self.registry)
-        self._lossy = Counter("verispec_lossy_sequences", "Sequences decoded with typical acceptance (asked for; lossy: "
+        self._lossy = Counter("verispec_lossy_sequences", "Sequences decoded with typical acceptance or a speculative cascade (asked for; lossy: "
                               "not exact samples of the target).", registry=self.registry)
         # vLLM's request-level names.
         self._e2e = Histogram("verispec:e2e_request_latency_seconds", "End to end request latency in seconds.",

@@ -20,7 +20,7 @@ from verispec.errors import VerispecError
 from verispec.grammar import Grammar, ll_tokenizer, response_format_grammar
 from verispec.models.base import CausalLM
 from verispec.options import DraftLen
-from verispec.sampling import SamplingParams, default_coupled
+from verispec.sampling import Cascade, SamplingParams, default_coupled
 from verispec.server.scheduler import DraftSetting
 from verispec.server.tools import CLOSE, OPEN, ToolError, ToolSetup, call_grammar, read_tools, supports_tools, template_message
 from verispec.text import encode_chat
@@ -109,7 +109,7 @@ class Fields:
 
 COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "n", "stream", "stream_options", "stop", "seed",
                  "user", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens", "logit_bias",
-                 "logprobs", "draft_len", "speculate", "coupled", "blockwise", "typical_acceptance", "logprobs_mode",
+                 "logprobs", "draft_len", "speculate", "coupled", "blockwise", "typical_acceptance", "cascade", "logprobs_mode",
                  "response_format"}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "suffix", "best_of"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "functions",
@@ -169,10 +169,17 @@ def parse_common(fields: Fields, config: ServerConfig, prompts: list[list[int]],
     typical = fields.number("typical_acceptance", 0.0, 0.0, 1.0, high_open=True)  # verispec extensions: the lossy opt-in ...
     # ... and coupled sampling (SamplingParams.coupled), on by default for a seeded request so that its
     # text is the same every time, whatever the timing, draft lengths and batch mates
-    coupled = fields.boolean("coupled", default_coupled(seed, temperature, typical))
+    try:  # ... or a speculative cascade, {"rule": "chow"|"diff", "alpha": number} (SamplingParams.cascade)
+        cascade = Cascade.parse(fields.body.get("cascade"))
+    except VerispecError as exc:
+        raise ApiError(400, str(exc), param="cascade", code="invalid_value") from exc
+    coupled = fields.boolean("coupled", default_coupled(seed, temperature, typical, cascade))
     if typical and coupled:
         raise ApiError(400, "typical_acceptance is lossy and coupled sampling promises plain sampling's tokens: ask for one",
                        param="typical_acceptance", code="invalid_value")
+    if cascade is not None and (coupled or typical):
+        raise ApiError(400, "cascade is lossy and " + ("coupled sampling promises plain sampling's tokens" if coupled else
+                       "typical_acceptance is another lossy rule") + ": ask for one", param="cascade", code="invalid_value")
     try:
         sampling = SamplingParams(
             temperature=temperature,
@@ -182,6 +189,7 @@ def parse_common(fields: Fields, config: ServerConfig, prompts: list[list[int]],
             coupled=coupled,
             blockwise=fields.boolean("blockwise", True),  # see SamplingParams.blockwise
             typical_acceptance=typical,
+            cascade=cascade,
             presence_penalty=fields.number("presence_penalty", 0.0, -2.0, 2.0),
             frequency_penalty=fields.number("frequency_penalty", 0.0, -2.0, 2.0),
             repetition_penalty=fields.number("repetition_penalty", 1.0, 0.0, 10.0, low_open=True),
