@@ -41,7 +41,7 @@ from verispec.drafters.base import BranchRule, Draft, Drafter, StopRule, Verdict
 from verispec.drafters.model import ModelDrafter
 from verispec.grammar import Constraint, mask_logits
 from verispec.models.base import CausalLM
-from verispec.policy import AdaptiveDraftLen
+from verispec.policy import AdaptiveDraftLen, DraftPolicy
 from verispec.prefill import left_pad
 from verispec.sampling import SamplingParams, coupled_choice, process_logits, sample, warp
 from verispec.stats import StepRecord
@@ -71,13 +71,15 @@ MAX_STAGE2_DEPTH = 8
 class StagedDrafter(Drafter):
     reads_grammars = True
 
-    def __init__(self, model: ModelDrafter, proposer: Lookahead, max_depth: int = MAX_STAGE2_DEPTH):
+    def __init__(self, model: ModelDrafter, proposer: Lookahead, policy: DraftPolicy | None = None):
+        """model: the draft model's drafter; proposer: stage 2; policy: how deep stage 2 proposes each pass
+        (default: adaptive, up to MAX_STAGE2_DEPTH, from the draft model's measured pass costs and what it
+        accepts; a `FixedDraftLen` always proposes that many)."""
         self.model = model  # the draft model and its cache (its own, or the target's: `shares_cache`)
         self.proposer = proposer
         self.shares_cache = model.shares_cache
         self.reads_tenants = proposer.reads_tenants
-        # Stage 2's depth each pass, from the draft model's measured pass costs and the lookup's acceptance.
-        self.policy = AdaptiveDraftLen(max_draft_len=max_depth)
+        self.policy = policy if policy is not None else AdaptiveDraftLen(max_draft_len=MAX_STAGE2_DEPTH)
         # Draft-model passes may not exceed the rows its exact small-pass kernels take (a wider pass would
         # run the big-pass path, built for prompts, for a few draft tokens).
         self.max_rows = model.model.max_exact_rows
@@ -167,7 +169,8 @@ class StagedDrafter(Drafter):
                 ends[b].append(start + first + 1)  # the tail (first pass) or the token that opened this pass is in
                 for j in range(len(chain) + 1):
                     position = len(drafted[b])
-                    token, q, conf = self._choose(row_logits[j], sampling[b], generators[b], len(sequences[b]) + position)
+                    proposed = chain[j] if j < len(chain) else None
+                    token, q, conf = self._choose(row_logits[j], sampling[b], generators[b], len(sequences[b]) + position, proposed)
                     tokens[b, position], confidence[b, position] = token, conf
                     if probs is not None:  # a greedy row of a sampled batch: q one-hot on its argmax, as ModelDrafter's
                         probs[b, position] = q if q is not None else torch.nn.functional.one_hot(torch.tensor(token), vocab)
@@ -214,11 +217,13 @@ class StagedDrafter(Drafter):
         return logits
 
     @staticmethod
-    def _choose(logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator,
-                position: int) -> tuple[int, torch.Tensor | None, float]:
+    def _choose(logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator, position: int,
+                proposed: int | None) -> tuple[int, torch.Tensor | None, float]:
         """(token, q [vocab] or None for a greedy row, confidence) at one position, as `ModelDrafter` chooses:
-        the argmax; a coupled draw keyed by (seed, position); else a draw from q. Confidence is q's top
-        probability, never q of the drawn token (see `ModelDrafter`)."""
+        the argmax; a coupled draw keyed by (seed, position); else a draw from q. The stage-2 proposal there
+        (None past the chain) is deliberately not consulted: the draw alone decides, and the proposal counts
+        as accepted where it equals the draw, which is speculative sampling against its point mass. Confidence
+        is q's top probability, never q of the drawn token (see `ModelDrafter`)."""
         if sampling.greedy:
             top = logits.max(-1)
             return int(top.indices), None, float(torch.exp(top.values - torch.logsumexp(logits, -1)))
