@@ -160,6 +160,16 @@ class SuffixIndex:
             while self.num_tokens > self.max_tokens or self.num_sequences > self.max_sequences:
                 self._evict(*self.order.popleft())
 
+    def limit_tenants(self, max_tokens_per_tenant: int) -> None:
+        """Hold at most this many tokens per tenant from now on (a server's bound on each tenant's history)."""
+        if not isinstance(max_tokens_per_tenant, int) or max_tokens_per_tenant < 2:
+            raise VerispecError(f"a suffix index needs max_tokens_per_tenant >= 2, got {max_tokens_per_tenant!r}")
+        with self._lock:
+            self.max_tokens_per_tenant = min(self.max_tokens, max_tokens_per_tenant)
+            for tenant, corpus in list(self.corpora.items()):
+                while tenant in self.corpora and corpus.num_tokens > self.max_tokens_per_tenant:
+                    self._evict(tenant, next(iter(corpus.sequences)))
+
     def tenant_tokens(self, tenant: Hashable) -> int:
         """Tokens held for `tenant`."""
         with self._lock:
