@@ -156,15 +156,18 @@ class StagedDrafter(Drafter):
             pass_tokens, visible = left_pad(rows)
             start = cache.slots.length
             t1 = time.perf_counter()
-            logits = model.forward(pass_tokens, cache, visible)
+            # With no proposal anywhere this is a plain draft step: only the last column is scored (the LM head is
+            # the biggest matrix), as `ModelDrafter` scores its catch-up pass.
+            logits = model.forward(pass_tokens, cache, visible, last_only=not any(chains))
             width = pass_tokens.shape[1]
+            offset = width - logits.shape[1]  # columns the pass did not score
             # 3. Each live row keeps the chain's prefix its own choices agree with, and one token of its own.
             keep = [ends[b][-1] if ends[b] else start for b in range(batch)]  # rows not live keep what they had
             accepted = torch.zeros(len(live), dtype=torch.long)
             for i, b in enumerate(live):
                 chain = chains[b]
                 first = width - len(chain) - 1  # the column scoring the token after the pending ones
-                row_logits = self._processed(logits[b, first:], sequences[b], drafted[b], chain, sampling[b],
+                row_logits = self._processed(logits[b, first - offset :], sequences[b], drafted[b], chain, sampling[b],
                                              self.model.prompt_lens[b], constraints[b] if constraints else None)
                 ends[b].append(start + first + 1)  # the tail (first pass) or the token that opened this pass is in
                 for j in range(len(chain) + 1):
