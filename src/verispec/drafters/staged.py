@@ -122,8 +122,7 @@ class StagedDrafter(Drafter):
     def _draft(self, sequences, draft_len, sampling, generators, stop, constraints) -> Draft:
         model, cache = self.model.model, self.model.cache
         batch = len(sequences)
-        greedy = [s.greedy for s in sampling]
-        all_greedy = all(greedy)
+        all_greedy = all(s.greedy for s in sampling)
         vocab = self.model.vocab_size
         tokens = torch.zeros(batch, draft_len, dtype=torch.long)
         probs = None if all_greedy else torch.zeros(batch, draft_len, vocab)
