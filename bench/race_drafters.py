@@ -7,7 +7,12 @@ per-prompt tokens/s ratios. Greedy: every drafter's text must equal plain decodi
 reported). A method is `plain`, `suffix`, `ngram`, `self`, `model:DRAFT` (a draft model, int4 unless
 `model:DRAFT:fp32|bf16|int8`), `eagle3:DIR[:int8|int4|bfloat16]` (a trained head, chain; int8 unless given) or
 `eagle3-tree:DIR[:...]` (an EAGLE-2 dynamic tree grown around the head's chain, priced node by node), `medusa:DIR` or
-`medusa-tree:DIR` (Medusa-1 heads, `verispec train medusa`; float32).
+`medusa-tree:DIR` (Medusa-1 heads, `verispec train medusa`; float32), `staged:DRAFT[:DTYPE]` (staged drafting: the draft
+model itself sped up by suffix proposals; `staged` alone: the target's int4 copy, float32 targets). For staged methods
+the report adds stage 2's figures: draft tokens per draft-model pass and proposals accepted per pass.
+
+    python bench/race_drafters.py --target qwen2.5-coder-1.5b --numerics q8 --prompts spec_bench_dev.jsonl --rows all \\
+        --method model:qwen2.5-coder-0.5b --method staged:qwen2.5-coder-0.5b --method suffix --out bench/reports/staged
 
     python bench/race_drafters.py --target qwen2.5-coder-1.5b --numerics q8 --prompts humaneval --rows odd \\
         --method eagle3:HEAD --method model:qwen2.5-coder-0.5b --method suffix --peer llama.cpp \\
@@ -46,8 +51,12 @@ def methods_of(target, specs: list[str]) -> list[Method]:
         kind, _, rest = spec.partition(":")
         if kind == "plain":
             continue
-        if kind in ("suffix", "ngram", "self"):
+        if kind in ("suffix", "ngram", "self") or spec == "staged":
             out.append(Method(kind, dict(drafter=kind)))
+        elif kind == "staged":
+            name, _, dtype = rest.partition(":")
+            draft = verispec.load(name, weight_dtype=dtype or "int4")
+            out.append(Method(f"staged {Path(name).name} {dtype or 'int4'}", dict(draft=draft, drafter="staged")))
         elif kind == "model":
             name, _, dtype = rest.partition(":")
             draft = verispec.load(name, weight_dtype=dtype or "int4")
@@ -65,16 +74,28 @@ def methods_of(target, specs: list[str]) -> list[Method]:
                               dict(draft=head, drafter="medusa", draft_len="tree" if kind == "medusa-tree" else "auto")))
         else:
             raise SystemExit(f"unknown method {spec!r}: plain, suffix, ngram, self, model:DRAFT[:DTYPE], eagle3:DIR, "
-                             "eagle3-tree:DIR, medusa:DIR, medusa-tree:DIR")
+                             "eagle3-tree:DIR, medusa:DIR, medusa-tree:DIR, staged, staged:DRAFT[:DTYPE]")
     return out
 
 
 def run_method(target, ids: list[int], method: Method, max_new_tokens: int):
-    if method.options.get("drafter") == "suffix":
+    """(result, seconds, stage 2's counters {passes, tokens, accepted} for a staged drafter, else None)."""
+    drafter = method.options.get("drafter")
+    if drafter in ("suffix", "staged"):
         verispec.api.suffix_index(target).clear()  # drafts from this call's text only, as in a first request
-    started = time.perf_counter()
-    result = verispec.generate(target, ids, max_new_tokens=max_new_tokens, **{"draft_len": "auto", **method.options})
-    return result, time.perf_counter() - started
+    made, build = [], verispec.api.DRAFTERS.get(drafter)
+    if drafter == "staged":  # keep the call's drafter, to read what its stage 2 did
+        verispec.api.DRAFTERS["staged"] = lambda *args: made.append(build(*args)) or made[-1]
+    try:
+        started = time.perf_counter()
+        result = verispec.generate(target, ids, max_new_tokens=max_new_tokens, **{"draft_len": "auto", **method.options})
+        seconds = time.perf_counter() - started
+    finally:
+        if drafter == "staged":
+            verispec.api.DRAFTERS["staged"] = build
+    stage2 = {"passes": sum(d.passes for d in made), "tokens": sum(d.tokens_drafted for d in made),
+              "accepted": sum(d.proposals_accepted for d in made)} if made else None
+    return result, seconds, stage2
 
 
 def main() -> None:
@@ -113,7 +134,7 @@ def main() -> None:
         peer, gguf = LlamaCpp(args.peer_bin), zoo.gguf_path(args.target) if args.target in zoo.ZOO else Path(args.target)
     warm = encode_prompt(target.tokenizer, "def f(x):\n    return x + 1\n\n" * 8, chat=False)
     for method in methods:
-        run_method(target, warm, method, 8)
+        run_method(target, warm, method, 32)
     print(f"[race] {len(prompts)} prompts, target {args.target} ({args.numerics}), methods "
           f"{[m.name for m in methods]}, {threads} threads, {_cpu_name()}", file=sys.stderr)
 
@@ -121,11 +142,11 @@ def main() -> None:
     for n, p in enumerate(prompts):
         ids = encode_prompt(target.tokenizer, p.text, chat=p.chat)
         times: dict[str, list[float]] = {m.name: [] for m in methods}
-        results = {}
+        results, stage2 = {}, {}
         for r in range(args.rounds):
             order = methods[r % len(methods):] + methods[: r % len(methods)]
             for method in order:
-                result, seconds = run_method(target, ids, method, args.max_new_tokens)
+                result, seconds, stage2[method.name] = run_method(target, ids, method, args.max_new_tokens)
                 times[method.name].append(seconds)
                 results[method.name] = result
         plain = results["plain"].token_ids
@@ -136,7 +157,13 @@ def main() -> None:
                 "seconds": statistics.median(times[method.name]), "tokens": len(result.token_ids),
                 "tokens_per_pass": result.stats.mean_accepted_tokens, "identical": result.token_ids == plain,
                 "draft_seconds_per_token": result.stats.draft_seconds / max(1, result.stats.drafted_tokens),
-                "target_seconds_per_pass": result.stats.target_seconds / max(1, result.stats.target_passes)}
+                "target_seconds_per_pass": result.stats.target_seconds / max(1, result.stats.target_passes),
+                "draft_seconds_per_pass": result.stats.draft_seconds / max(1, result.stats.target_passes),
+                "prefill_seconds": result.stats.prefill_seconds}  # the target's, and a draft model's own, prompt prefill
+            if stage2[method.name] is not None:  # the last round's: draft tokens and accepted proposals per draft pass
+                passes = max(1, stage2[method.name]["passes"])
+                row["methods"][method.name]["stage2"] = {**stage2[method.name], "tokens_per_draft_pass": stage2[method.name]["tokens"] / passes,
+                                                         "accepted_per_draft_pass": stage2[method.name]["accepted"] / passes}
         if peer is not None:
             text = target.tokenizer.decode(ids, skip_special_tokens=False)
             runs = sorted((peer.complete(gguf, text, args.max_new_tokens, threads) for _ in range(args.rounds)),
@@ -163,6 +190,11 @@ def _rate(m: dict) -> float:
     return m["tokens"] / m["seconds"] if m["seconds"] > 0 and m["tokens"] else float("nan")
 
 
+def _decode_rate(m: dict) -> float:
+    """Tokens per second of decoding, the last round's prompt prefill taken out of the median time."""
+    return m["tokens"] / max(1e-9, m["seconds"] - m["prefill_seconds"])
+
+
 def summarize(rows: list[dict], methods: list[Method], args, threads: int) -> dict:
     names = [m.name for m in methods] + (["llama.cpp"] if args.peer else [])
     categories = sorted({r["category"] for r in rows})
@@ -175,6 +207,9 @@ def summarize(rows: list[dict], methods: list[Method], args, threads: int) -> di
             entry[name] = {
                 "vs_plain": statistics.median(_rate(m) / _rate(r["methods"]["plain"]) for m, r in zip(ms, rs)),
                 "tokens_per_second": statistics.median(_rate(m) for m in ms)}
+            if "prefill_seconds" in ms[0]:  # decoding alone: each run's prompt prefill (a draft model's too) taken out
+                entry[name]["vs_plain_after_prefill"] = statistics.median(
+                    _decode_rate(m) / _decode_rate(r["methods"]["plain"]) for m, r in zip(ms, rs))
             if args.peer:
                 entry[name]["vs_llama_cpp"] = statistics.median(_rate(m) / _rate(r["methods"]["llama.cpp"]) for m, r in zip(ms, rs))
             if "tokens_per_pass" in ms[0]:
@@ -182,6 +217,9 @@ def summarize(rows: list[dict], methods: list[Method], args, threads: int) -> di
                 entry[name]["identical"] = f"{sum(m['identical'] for m in ms)}/{len(ms)}"
                 entry[name]["draft_ms_per_token"] = 1e3 * statistics.median(m["draft_seconds_per_token"] for m in ms)
                 entry[name]["target_ms_per_pass"] = 1e3 * statistics.median(m["target_seconds_per_pass"] for m in ms)
+                entry[name]["draft_ms_per_pass"] = 1e3 * statistics.median(m["draft_seconds_per_pass"] for m in ms)
+            if "stage2" in ms[0]:
+                entry[name]["stage2_tokens_per_draft_pass"] = statistics.median(m["stage2"]["tokens_per_draft_pass"] for m in ms)
         table[category] = entry
     return {"target": args.target, "numerics": args.numerics, "prompts": args.prompts, "rows": args.rows,
             "count": len(rows), "max_new_tokens": args.max_new_tokens, "rounds": args.rounds, "threads": threads,
@@ -194,13 +232,16 @@ def markdown(report: dict) -> str:
              f"per method, {report['threads']} threads, {report['cpu']}, {report['date']}. Speedups are medians over "
              "prompts of per-prompt tokens/s ratios, end to end (prefill included).", ""]
     for category, entry in report["table"].items():
-        lines += [f"## {category}", "", "| method | tokens/s | vs plain | vs llama.cpp | tokens/pass | draft ms/token | "
-                  "target ms/pass | identical |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        lines += [f"## {category}", "", "| method | tokens/s | vs plain | after prefill | vs llama.cpp | tokens/pass | draft ms/token | "
+                  "draft ms/pass | target ms/pass | draft tokens per draft pass | identical |",
+                  "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
         for name, m in entry.items():
             get = lambda key, fmt: fmt.format(m[key]) if key in m else "-"  # noqa: E731
-            lines.append(f"| {name} | {m['tokens_per_second']:.1f} | {m['vs_plain']:.2f}x | {get('vs_llama_cpp', '{:.2f}x')} | "
+            lines.append(f"| {name} | {m['tokens_per_second']:.1f} | {m['vs_plain']:.2f}x | {get('vs_plain_after_prefill', '{:.2f}x')} | "
+                         f"{get('vs_llama_cpp', '{:.2f}x')} | "
                          f"{get('tokens_per_pass', '{:.2f}')} | {get('draft_ms_per_token', '{:.2f}')} | "
-                         f"{get('target_ms_per_pass', '{:.1f}')} | {m.get('identical', '-')} |")
+                         f"{get('draft_ms_per_pass', '{:.1f}')} | {get('target_ms_per_pass', '{:.1f}')} | "
+                         f"{get('stage2_tokens_per_draft_pass', '{:.2f}')} | {m.get('identical', '-')} |")
         lines.append("")
     return "\n".join(lines)
 

@@ -14,7 +14,7 @@ import torch
 from transformers import PreTrainedModel
 
 from verispec.drafters import (CrossTokenizerDrafter, Eagle3Drafter, HybridDrafter, MedusaDrafter, ModelDrafter, NgramDrafter,
-                               NoDrafter, SharedCacheDrafter, SuffixDrafter)
+                               NoDrafter, SharedCacheDrafter, StagedDrafter, SuffixDrafter)
 from verispec.drafters.base import Drafter
 from verispec.engine import Request, SpeculativeEngine, TokenEvent
 from verispec import options
@@ -208,6 +208,10 @@ DRAFTERS: dict[str, Callable[[CausalLM, CausalLM | None, float], Drafter]] = {
     "hybrid": lambda target, draft, confidence: HybridDrafter(ModelDrafter(draft, target.vocab_size, min_confidence=confidence)),
     "self": lambda target, draft, confidence: SharedCacheDrafter(draft if draft is not None else self_draft(target), target,
                                                                  min_confidence=confidence),
+    "staged": lambda target, draft, confidence: StagedDrafter(
+        ModelDrafter(draft, target.vocab_size, min_confidence=confidence) if draft is not None
+        else SharedCacheDrafter(self_draft(target), target, min_confidence=confidence),
+        SuffixDrafter(suffix_index(target), target.vocab_size)),
     "eagle3": lambda target, draft, confidence: Eagle3Drafter(draft, target, min_confidence=confidence),
     "medusa": lambda target, draft, confidence: MedusaDrafter(draft, target, min_confidence=confidence),
     "ngram": lambda target, draft, confidence: NgramDrafter(),
@@ -363,11 +367,13 @@ def make_drafter(target: CausalLM, draft: CausalLM | None, drafter: str, draft_c
             raise VerispecError(f"a trained head drafts with drafter={head_drafter(draft)!r} (or 'auto'), not {drafter!r}")
         raise VerispecError(f"drafter={drafter!r} drafts with a trained head: pass draft=verispec.load_head(DIR) (or the "
                             f"head's directory); train one with `verispec train {drafter}`")
-    if head_drafter(draft) is not None and drafter in ("model", "cross_tokenizer", "hybrid", "self"):
+    if head_drafter(draft) is not None and drafter in ("model", "cross_tokenizer", "hybrid", "self", "staged"):
         raise VerispecError(f"a trained head drafts with drafter={head_drafter(draft)!r} (or 'auto'), not {drafter!r}")
     if head_drafter(draft) is not None and draft.config.vocab_size != target.vocab_size:
         raise VerispecError(f"the head was trained for {draft.config.target!r} ({draft.config.vocab_size} tokens); "
                             f"{target.name!r} has {target.vocab_size}: use it with its own target")
+    if drafter == "staged" and draft is not None:
+        check_compatible(target, draft, drafter)
     if drafter in ("model", "cross_tokenizer", "hybrid"):
         if draft is None:
             raise VerispecError(f"drafter={drafter!r} needs a draft model: pass draft=NAME_OR_PATH")
@@ -505,7 +511,9 @@ def generate(target, prompt, *, draft=None, drafter: str = "auto", draft_len: Dr
     re-encoded with the target's: what "auto" and "model" pick when the vocabularies differ), "self" (the
     target's own int4 copy drafts on the target's cache; native float32 targets; `draft`
     may give another copy with the target's layer shapes), "hybrid" (prompt lookup when it finds a match,
-    else the draft model), "ngram", "suffix" (suffix decoding: the longest match of the text's end in the
+    else the draft model), "staged" (the draft model, or without one the target's int4 copy, drafts by
+    speculating itself: suffix-decoding proposals checked in one pass of the draft model, which keeps the
+    prefix it agrees with and one token of its own; the draft tokens are distributed as its own), "ngram", "suffix" (suffix decoding: the longest match of the text's end in the
     prompt, the output so far and earlier calls' outputs on this target, most frequent continuation first), or
     "none" (plain decoding). draft_len: "auto" (the default) drafts while the draft model's confidence
     says the next token pays for itself, up to 10, and decides from measured acceptance and costs

@@ -38,7 +38,7 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
                         "Spec-Bench ({category, turns}) or HumanEval ({task_id, prompt}) form")
     p.add_argument("--target", default=zoo.DEFAULT_TARGET)
     p.add_argument("--draft", default=zoo.DEFAULT_DRAFT, help="draft model; 'none' for n-gram only")
-    p.add_argument("--drafter", default="auto", choices=DRAFTER_NAMES, help="auto (model with a draft; with --draft none, self where the target allows, else ngram) | model | self (the target's int4 copy on its cache; use with --draft none) | hybrid | ngram")
+    p.add_argument("--drafter", default="auto", choices=DRAFTER_NAMES, help="auto (model with a draft; with --draft none, self where the target allows, else ngram) | model | self (the target's int4 copy on its cache; use with --draft none) | hybrid | staged (the draft, or with --draft none the int4 copy, sped up by suffix proposals) | ngram | suffix")
     p.add_argument("--draft-len", type=flag(DraftLen.parse), default=DraftLen("auto"), help="int, 'auto' (adaptive) or 'tree' (auto plus token-tree alternates)")
     p.add_argument("--draft-dtype", default="int4", help="matrix dtype of a native-backend draft: fp32, bf16 (half the bytes), int8 (weight-only, a quarter) or int4 (grouped, ~1/7) (default: %(default)s)")
     p.add_argument("--gguf-blocks", action="store_true",
@@ -158,12 +158,12 @@ def _paired_runs(plain, speculative, rounds: int):
 
 
 def _speculative_run(target, ids: list[int], spec_options: dict, args):
-    """One timed speculative call. drafter="suffix" drafts from earlier calls' outputs: each run starts with
+    """One timed speculative call. drafter="suffix" (and "staged", whose stage 2 is suffix lookup) drafts from earlier calls' outputs: each run starts with
     none, or a prompt's later rounds would draft their answer from its first (bench/suffix_repeat.py
     measures that memory on purpose)."""
     from verispec.api import generate, suffix_index
 
-    if args.drafter == "suffix":
+    if args.drafter in ("suffix", "staged"):  # staged drafting's stage 2 is suffix lookup
         suffix_index(target).clear()
     return generate(target, ids, **spec_options)
 

@@ -55,6 +55,9 @@ class Request:
     # A grammar the output must follow (structured output, `grammar.Grammar`): at every position, draft positions
     # included, the tokens it forbids get probability zero, so the output is plain constrained decoding's.
     grammar: "Grammar | None" = None
+    # Whose request this is (a server keys it by API key and `user`): drafters that keep earlier outputs
+    # (`Drafter.reads_tenants`) draft a row from its own tenant's only.
+    tenant: Hashable = None
 
 
 @dataclass
@@ -175,7 +178,8 @@ class DecodeBatch:
             self.fallback = None
         self.stats.drafter = type(self.drafter).__name__
         drafting = time.perf_counter()
-        self.drafter.add([list(r.prompt) for r in requests])
+        tenants = {"tenants": [r.tenant for r in requests]} if self.drafter.reads_tenants else {}
+        self.drafter.add([list(r.prompt) for r in requests], **tenants)
         if taps is not None:
             self.drafter.observe_taps([None] * len(self.rows) + hidden)
         draft_model = self.drafter.prefill_model

@@ -311,3 +311,31 @@ def test_server_lanes_share_one_index_and_add_finished_outputs():
     assert first["choices"][0]["text"] == second["choices"][0]["text"] == plain
     passes = [r["usage"]["speculative"]["mean_accepted_tokens"] for r in (first, second)]
     assert passes[1] > 4 and passes[1] > 2 * passes[0]
+
+
+def test_each_tenant_has_its_own_budget_and_never_sees_another_tenants_outputs():
+    index = SuffixIndex(max_tokens=1000, max_tokens_per_tenant=100)
+    index.add(list(range(10, 60)), tenant="a")
+    index.add(list(range(100, 150)), tenant="b")
+    index.add(list(range(200, 260)), tenant="a")  # a holds 110 > 100: its own oldest goes, b's stays
+    assert index.tenant_tokens("a") == 60 and index.tenant_tokens("b") == 50 and index.num_tokens == 110
+    assert draft_of(SuffixDrafter(index, tenant="a"), [1, 10, 11], k=2) == []
+    assert draft_of(SuffixDrafter(index, tenant="a"), [1, 200, 201], k=2) == [202, 203]
+    assert draft_of(SuffixDrafter(index, tenant="b"), [1, 200, 201], k=2) == []  # a's text, asked for by b
+    assert draft_of(SuffixDrafter(index, tenant="b"), [1, 100, 101], k=2) == [102, 103]
+    index.limit_tenants(55)  # a server's bound, applied to what is held already
+    assert index.tenant_tokens("a") == 0 and index.tenant_tokens("b") == 50 and index.num_sequences == 1
+
+
+def test_rows_of_one_batch_draft_from_their_own_tenants():
+    """A server batches several tenants' rows in one drafter: each row names its tenant at `add`."""
+    index = SuffixIndex()
+    index.add([5, 6, 7, 8, 9], tenant="a")
+    index.add([5, 6, 70, 80, 90], tenant="b")
+    drafter = SuffixDrafter(index)
+    drafter.add([[1, 5, 6], [2, 5, 6], [3, 5, 6]], tenants=["a", "b", "c"])
+    draft = drafter.propose([[1, 5, 6], [2, 5, 6], [3, 5, 6]], 3, [SamplingParams()] * 3, [torch.Generator()] * 3)
+    assert [draft.tokens[b, : int(draft.num_drafted[b])].tolist() for b in range(3)] == [[7, 8], [70, 80], []]
+    drafter.propose([[1, 5, 6, 7], [2, 5, 6, 70], [3, 5, 6, 9]], 0, [SamplingParams()] * 3, [torch.Generator()] * 3)
+    drafter.select([])  # the rows leave: each output, with its prompt, joins its own tenant's partition
+    assert [index.tenant_tokens(t) for t in "abc"] == [5 + 4, 5 + 4, 4]

@@ -9,7 +9,8 @@ from verispec.drafters.model import ModelDrafter
 from verispec.drafters.ngram import NgramDrafter
 from verispec.drafters.none import NoDrafter
 from verispec.drafters.shared import SharedCacheDrafter
+from verispec.drafters.staged import StagedDrafter
 from verispec.drafters.suffix import SuffixDrafter, SuffixIndex
 
 __all__ = ["Draft", "Drafter", "Verdict", "CrossTokenizerDrafter", "Eagle3Drafter", "HybridDrafter", "MedusaDrafter", "ModelDrafter", "NgramDrafter", "NoDrafter",
-           "SharedCacheDrafter", "SuffixDrafter", "SuffixIndex"]
+           "SharedCacheDrafter", "StagedDrafter", "SuffixDrafter", "SuffixIndex"]

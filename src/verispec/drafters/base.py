@@ -267,6 +267,10 @@ class Drafter(Protocol):
     # `grammar.Constraint` (None for a row without one) as `constraints`. Acceptance only: any draft is exact.
     reads_grammars: bool = False
 
+    # Keeps state per tenant (earlier requests' outputs, `SuffixDrafter`): the engine passes `add` each new
+    # row's `Request.tenant` as `tenants`, so a row drafts only from its own tenant's history.
+    reads_tenants: bool = False
+
     def share_cache(self, cache: "ModelCache") -> None:
         """Draft on this target cache from now on (called only when `shares_cache`)."""
         raise NotImplementedError(f"{type(self).__name__} does not draft on the target's cache")

@@ -52,10 +52,17 @@ class NgramDrafter(Drafter):
 
     def propose(self, sequences: list[list[int]], draft_len: int, sampling: list[SamplingParams], generators: list[torch.Generator],
                 stop: StopRule | None = None, branch: BranchRule | None = None) -> Draft:
-        tokens = torch.zeros(len(sequences), draft_len, dtype=torch.long)
-        num_drafted = torch.zeros(len(sequences), dtype=torch.long)
-        for row, (index, sequence) in enumerate(zip(self.rows, sequences)):
+        for index, sequence in zip(self.rows, sequences):
             index.update(sequence)
+        return self.lookahead(sequences, draft_len, sampling)
+
+    def lookahead(self, contexts: list[list[int]], draft_len: int, sampling: list[SamplingParams],
+                  stop: StopRule | None = None, branch: BranchRule | None = None) -> Draft:
+        """The draft that would follow each row's context, which may end in speculative tokens (another
+        drafter's, `StagedDrafter`), without indexing it: the index holds accepted text only."""
+        tokens = torch.zeros(len(contexts), draft_len, dtype=torch.long)
+        num_drafted = torch.zeros(len(contexts), dtype=torch.long)
+        for row, (index, sequence) in enumerate(zip(self.rows, contexts)):
             continuation = index.lookup(sequence, draft_len)
             tokens[row, : len(continuation)] = torch.tensor(continuation, dtype=torch.long)
             num_drafted[row] = len(continuation)

@@ -120,24 +120,32 @@ def _match_length(sequence: list[int], end: int, context: list[int]) -> int:
 
 
 class SuffixIndex:
-    """Earlier requests' outputs, for `SuffixDrafter`s to draft from: one corpus per tenant, all under one
-    budget of `max_tokens` (the oldest sequences, of any tenant, are evicted first). Thread-safe: a
-    server's worker adds finished requests while other drafters read."""
+    """Earlier requests' outputs, for `SuffixDrafter`s to draft from: one corpus per tenant, so a tenant's
+    outputs only ever draft for that tenant (a privacy boundary: a server keys tenants by API key and
+    `user`). All corpora share one budget of `max_tokens` (the oldest sequences, of any tenant, are evicted
+    first), and each tenant has its own of `max_tokens_per_tenant` (its own oldest go first), so one busy
+    tenant cannot evict everyone else's history. Thread-safe: a server's worker adds finished requests while
+    other drafters read."""
 
-    def __init__(self, max_tokens: int = 1 << 18, max_sequences: int = 10_000):
+    def __init__(self, max_tokens: int = 1 << 18, max_sequences: int = 10_000, max_tokens_per_tenant: int | None = None):
         if not isinstance(max_tokens, int) or max_tokens < 1:
             raise VerispecError(f"a suffix index needs max_tokens >= 1, got {max_tokens!r}")
+        if max_tokens_per_tenant is not None and (not isinstance(max_tokens_per_tenant, int) or max_tokens_per_tenant < 2):
+            raise VerispecError(f"a suffix index needs max_tokens_per_tenant >= 2 (or None), got {max_tokens_per_tenant!r}")
         self.max_tokens = max_tokens
+        self.max_tokens_per_tenant = min(max_tokens, max_tokens_per_tenant or max_tokens)
         self.max_sequences = max_sequences  # as Arctic's max_cached_requests
         self.corpora: dict[Hashable, _Corpus] = {}
-        self.order: deque[tuple[Hashable, int]] = deque()  # (tenant, sequence id), oldest first
+        # (tenant, sequence id), oldest first; entries a tenant's own budget evicted earlier are skipped
+        self.order: deque[tuple[Hashable, int]] = deque()
         self.num_tokens = 0
+        self.num_sequences = 0
         self._next_id = 0
         self._lock = threading.Lock()
 
     def add(self, tokens: list[int], tenant: Hashable = None) -> None:
         """Remember a finished sequence (an output, with the prompt tokens that lead into it) for `tenant`."""
-        tokens = list(tokens[-self.max_tokens :])
+        tokens = list(tokens[-self.max_tokens_per_tenant :])
         if len(tokens) < 2:
             return
         with self._lock:
@@ -146,13 +154,35 @@ class SuffixIndex:
             self.order.append((tenant, self._next_id))
             self._next_id += 1
             self.num_tokens += len(tokens)
-            while self.num_tokens > self.max_tokens or len(self.order) > self.max_sequences:
-                self._evict_oldest()
+            self.num_sequences += 1
+            while corpus.num_tokens > self.max_tokens_per_tenant:
+                self._evict(tenant, next(iter(corpus.sequences)))  # ids grow: the first is the tenant's oldest
+            while self.num_tokens > self.max_tokens or self.num_sequences > self.max_sequences:
+                self._evict(*self.order.popleft())
 
-    def _evict_oldest(self) -> None:
-        tenant, seq_id = self.order.popleft()
-        corpus = self.corpora[tenant]
+    def limit_tenants(self, max_tokens_per_tenant: int) -> None:
+        """Hold at most this many tokens per tenant from now on (a server's bound on each tenant's history)."""
+        if not isinstance(max_tokens_per_tenant, int) or max_tokens_per_tenant < 2:
+            raise VerispecError(f"a suffix index needs max_tokens_per_tenant >= 2, got {max_tokens_per_tenant!r}")
+        with self._lock:
+            self.max_tokens_per_tenant = min(self.max_tokens, max_tokens_per_tenant)
+            for tenant, corpus in list(self.corpora.items()):
+                while tenant in self.corpora and corpus.num_tokens > self.max_tokens_per_tenant:
+                    self._evict(tenant, next(iter(corpus.sequences)))
+
+    def tenant_tokens(self, tenant: Hashable) -> int:
+        """Tokens held for `tenant`."""
+        with self._lock:
+            corpus = self.corpora.get(tenant)
+            return 0 if corpus is None else corpus.num_tokens
+
+    def _evict(self, tenant: Hashable, seq_id: int) -> None:
+        """Forget a sequence, the oldest of its tenant's corpus (a stale entry of `order`: already gone)."""
+        corpus = self.corpora.get(tenant)
+        if corpus is None or seq_id not in corpus.sequences:
+            return
         self.num_tokens -= len(corpus.sequences[seq_id])
+        self.num_sequences -= 1
         corpus.remove(seq_id)
         if not corpus.sequences:
             del self.corpora[tenant]
@@ -162,7 +192,7 @@ class SuffixIndex:
         with self._lock:
             self.corpora.clear()
             self.order.clear()
-            self.num_tokens = 0
+            self.num_tokens = self.num_sequences = 0
 
     def find(self, context: list[int], tenant: Hashable, max_occurrences: int) -> list[tuple[list[int], int, int]]:
         with self._lock:
@@ -175,10 +205,12 @@ class SuffixIndex:
 
 
 class SuffixDrafter(Drafter):
+    reads_tenants = True
     """Drafts the most frequent continuation of the longest matching suffix (see the module docstring).
 
     index: earlier requests' outputs (None: this drafter's own, not shared). tenant: the partition of
-    the index this drafter reads and adds to. vocab_size: the target's, for the one-hot distribution
+    the index a row reads and adds to, unless `add` names each row's own (`reads_tenants`: a server's rows
+    of several tenants share one batch, and each row drafts from its tenant's outputs only). vocab_size: the target's, for the one-hot distribution
     a sampled row's alternate carries. Finished rows' outputs are added to the index when they leave
     the batch (`select`), with the last `lead_in` prompt tokens, so a later identical request can
     draft its first tokens from them.
@@ -200,27 +232,37 @@ class SuffixDrafter(Drafter):
         self.rows: list[_Corpus] = []  # per row: its own prompt and output so far
         self.prompt_lengths: list[int] = []
         self.sequences: list[list[int]] = []  # per row: the sequence last seen (the engine's own list)
+        self.tenants: list[Hashable] = []  # per row: its partition of the index
 
-    def add(self, prompts: list[list[int]]) -> None:
-        for prompt in prompts:
+    def add(self, prompts: list[list[int]], tenants: list[Hashable] | None = None) -> None:
+        for b, prompt in enumerate(prompts):
+            self.tenants.append(self.tenant if tenants is None else tenants[b])
             self.rows.append(_Corpus())
             self.prompt_lengths.append(len(prompt))
             self.sequences.append(list(prompt))
 
     def propose(self, sequences: list[list[int]], draft_len: int, sampling: list[SamplingParams], generators: list[torch.Generator],
                 stop: StopRule | None = None, branch: BranchRule | None = None) -> Draft:
-        batch = len(sequences)
+        for row, (own, sequence) in enumerate(zip(self.rows, sequences)):
+            self.sequences[row] = sequence  # a reference: the row's final text is read when it leaves
+            own.extend(0, sequence[len(own.sequences.get(0, ())) :])
+        return self.lookahead(sequences, draft_len, sampling, stop, branch)
+
+    def lookahead(self, contexts: list[list[int]], draft_len: int, sampling: list[SamplingParams],
+                  stop: StopRule | None = None, branch: BranchRule | None = None) -> Draft:
+        """The draft that would follow each row's context without learning from it: a context may end in
+        speculative tokens (another drafter's, `StagedDrafter`), which must not enter the row's corpus, as
+        it holds accepted text only. `propose` is this after taking in the rows' sequences."""
+        batch = len(contexts)
         tokens = torch.zeros(batch, draft_len, dtype=torch.long)
         confidence = torch.zeros(batch, draft_len)
         second = torch.full((batch, draft_len), -1, dtype=torch.long)
         second_confidence = torch.zeros(batch, draft_len)
         limits = torch.zeros(batch, dtype=torch.long)
-        for row, (own, sequence) in enumerate(zip(self.rows, sequences)):
-            self.sequences[row] = sequence  # a reference: the row's final text is read when it leaves
-            own.extend(0, sequence[len(own.sequences.get(0, ())) :])
+        for row, (own, sequence) in enumerate(zip(self.rows, contexts)):
             if draft_len == 0:
                 continue
-            chain, probs, alternates, alternate_probs = self._walk(own, sequence, draft_len)
+            chain, probs, alternates, alternate_probs = self._walk(own, sequence, draft_len, self.tenants[row])
             limits[row] = len(chain)
             tokens[row, : len(chain)] = torch.tensor(chain, dtype=torch.long)
             confidence[row, : len(chain)] = torch.tensor(probs)
@@ -250,9 +292,10 @@ class SuffixDrafter(Drafter):
                      alternates=alternates, alternate_confidence=second_confidence if alternates is not None else None,
                      alternate_probs=alternate_probs)
 
-    def _walk(self, own: _Corpus, sequence: list[int], draft_len: int) -> tuple[list[int], list[float], list[int], list[float]]:
+    def _walk(self, own: _Corpus, sequence: list[int], draft_len: int,
+              tenant: Hashable) -> tuple[list[int], list[float], list[int], list[float]]:
         """The draft for one row: (chain tokens, their confidence, the second choice at each, -1 if none, its confidence)."""
-        found = own.find(sequence, self.max_occurrences) + self.index.find(sequence, self.tenant, self.max_occurrences)
+        found = own.find(sequence, self.max_occurrences) + self.index.find(sequence, tenant, self.max_occurrences)
         if not found:
             return [], [], [], []
         # The deepest match, as the paper's walk to the matched node: places matching at least that far count.
@@ -285,7 +328,8 @@ class SuffixDrafter(Drafter):
             if row not in kept:
                 start = max(0, self.prompt_lengths[row] - self.lead_in)
                 if len(self.sequences[row]) > self.prompt_lengths[row]:
-                    self.index.add(self.sequences[row][start:], self.tenant)
+                    self.index.add(self.sequences[row][start:], self.tenants[row])
         self.rows = [self.rows[r] for r in rows]
+        self.tenants = [self.tenants[r] for r in rows]
         self.prompt_lengths = [self.prompt_lengths[r] for r in rows]
         self.sequences = [self.sequences[r] for r in rows]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import hmac
 import itertools
 import json
@@ -32,7 +33,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import verispec
 from verispec import zoo
-from verispec.api import load, make_drafter, resolve_drafter
+from verispec.api import load, make_drafter, resolve_drafter, suffix_index
 from verispec.engine import Request as EngineRequest
 from verispec.errors import VerispecError
 from verispec.grammar import ll_tokenizer
@@ -111,8 +112,9 @@ class Generation:
     """The choices of one HTTP request; events reach it through an asyncio queue fed by the worker."""
 
     def __init__(self, spec: Spec, tokenizer: LockedTokenizer, loop: asyncio.AbstractEventLoop,
-                 on_gap: Callable[[float], None] | None = None):
-        """on_gap: called with the seconds between two deliveries of tokens (inter-token latency)."""
+                 on_gap: Callable[[float], None] | None = None, tenant=None):
+        """on_gap: called with the seconds between two deliveries of tokens (inter-token latency). tenant: whose
+        request this is (`tenant_of`): drafters that keep earlier outputs draft it from that tenant's only."""
         self.spec = spec
         self.on_gap = on_gap
         self.last_tokens_at = 0.0
@@ -130,7 +132,7 @@ class Generation:
                 stats = SpecStats()
                 request = EngineRequest(prompt=ids, sampling=sampling, max_new_tokens=spec.max_tokens[p],
                                         stop_checker=checker, id=next(_job_ids), stats=stats, logprobs=spec.logprobs,
-                                        processed_logprobs=spec.processed_logprobs, grammar=spec.grammar)
+                                        processed_logprobs=spec.processed_logprobs, grammar=spec.grammar, tenant=tenant)
                 deliver = (lambda item, index=index: _post(loop, self.events, (index, item)))
                 job = Job(request, spec.draft, deliver)
                 calls = CallStream(spec.tools.parallel, spec.tools.names) if spec.tools is not None else None
@@ -301,16 +303,55 @@ class Endpoint:
 
 
 DRAFT_DTYPES = WEIGHT_DTYPES
+# Tokens of earlier outputs kept per tenant for suffix drafting (drafter "suffix" or "staged"), oldest out first.
+SUFFIX_TOKENS_PER_TENANT = 1 << 16
 
 
-def build_app(target, draft=None, drafter: str = "auto", draft_len: DraftLen | int | str = "auto", api_key: str | None = None,
-              max_batch: int = 8, max_queue: int = 256, draft_dtype: str = "fp32", model_name: str | None = None,
-              max_body_bytes: int = MAX_BODY_BYTES, max_model_len: int | None = None, chat_template: str | None = None,
-              numerics: str = "float32", prefix_cache_bytes: int = PREFIX_CACHE_BYTES, online: OnlineConfig | None = None):
+def key_tenant(key: str) -> str:
+    """The tenant an API key stands for: a digest, so the key itself is kept nowhere but the key list."""
+    return "key-" + hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def tenant_of(key_tenant: str | None, user: str | None) -> tuple[str | None, str | None]:
+    """Whose request it is: the API key in use, then OpenAI's `user` within it (where no key distinguishes
+    requests, `user` alone does). One tenant's outputs never draft another's (`SuffixIndex` partitions)."""
+    return (key_tenant, user)
+
+
+def read_api_keys(keys: "str | list[str] | tuple[str, ...] | None") -> list[str]:
+    """The keys a server accepts (one, several, or none), checked: each a non-empty string without spaces."""
+    keys = [keys] if isinstance(keys, str) else list(keys or ())
+    for key in keys:
+        if not isinstance(key, str) or not key or any(c.isspace() for c in key):
+            raise VerispecError("an API key must be a non-empty string without spaces: check --api-key / --api-key-file")
+    return keys
+
+
+def read_key_file(path: str) -> list[str]:
+    """--api-key-file: one key per line; blank lines and lines starting with # are skipped."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except OSError as exc:
+        raise VerispecError(f"--api-key-file {path!r} cannot be read: {exc}") from exc
+    keys = [line.strip() for line in lines if line.strip() and not line.strip().startswith("#")]
+    if not keys:
+        raise VerispecError(f"--api-key-file {path!r} holds no keys: put one key per line")
+    return keys
+
+
+def build_app(target, draft=None, drafter: str = "auto", draft_len: DraftLen | int | str = "auto",
+              api_key: str | list[str] | None = None, max_batch: int = 8, max_queue: int = 256, draft_dtype: str = "fp32",
+              model_name: str | None = None, max_body_bytes: int = MAX_BODY_BYTES, max_model_len: int | None = None,
+              chat_template: str | None = None, numerics: str = "float32", prefix_cache_bytes: int = PREFIX_CACHE_BYTES,
+              suffix_tokens_per_tenant: int = SUFFIX_TOKENS_PER_TENANT, online: OnlineConfig | None = None):
     """A FastAPI app serving `target` (a zoo name, path or loaded model) with OpenAI's API.
 
     draft / drafter / draft_len: as for `verispec.generate` (drafter "none" serves plain decoding);
-    draft_len is an int >= 1, "auto" or "tree". api_key: when set, /v1/* needs `Authorization: Bearer KEY`.
+    draft_len is an int >= 1, "auto" or "tree". api_key: a key, or a list of keys (one per tenant): when set,
+    /v1/* needs `Authorization: Bearer KEY` with one of them. Each key, and within it each OpenAI `user`, is a
+    tenant: suffix drafting ("suffix", "staged") drafts a request only from its own tenant's earlier outputs,
+    at most `suffix_tokens_per_tenant` tokens of them (its oldest evicted first).
     max_batch: most sequences decoded at once; max_queue: most sequences waiting for a row (a request
     beyond it gets a 503). draft_dtype: "fp32", "bf16", "int8" or "int4" (weight-only), the draft model's
     matrices on the native backend. max_body_bytes: largest request body read (larger ones get a 413).
@@ -323,8 +364,9 @@ def build_app(target, draft=None, drafter: str = "auto", draft_len: DraftLen | i
     no draft, from a cold start (the target's LM head copied into 4 heads); output stays exact. The models
     load now; the worker (and the learner's) starts with the app.
     """
+    api_keys = {key_tenant(key): key for key in read_api_keys(api_key)}
     for option, value, low in (("max_batch", max_batch, 1), ("max_queue", max_queue, 0), ("max_body_bytes", max_body_bytes, 1),
-                               ("prefix_cache_bytes", prefix_cache_bytes, 0),
+                               ("prefix_cache_bytes", prefix_cache_bytes, 0), ("suffix_tokens_per_tenant", suffix_tokens_per_tenant, 2),
                                ("max_model_len", 2 if max_model_len is None else max_model_len, 2)):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise VerispecError(f"{option} must be an integer >= {low}, got {value!r}")
@@ -344,6 +386,7 @@ def build_app(target, draft=None, drafter: str = "auto", draft_len: DraftLen | i
     drafter = resolve_drafter(target_model, draft_model, drafter)  # a server makes many calls: "auto" may make a self copy
     make_drafter(target_model, draft_model, drafter)  # fails now on a bad choice (unknown name, vocabularies differ)
     log.info("drafter: %s", drafter)
+    suffix_index(target_model).limit_tenants(suffix_tokens_per_tenant)  # what "suffix" and "staged" draft from
     speculative = drafter != "none"
     name = model_name or (target if isinstance(target, str) else target_model.name)
     context = min(target_model.max_context, max_model_len or target_model.max_context)
@@ -399,13 +442,21 @@ def build_app(target, draft=None, drafter: str = "auto", draft_len: DraftLen | i
     async def http_error(request: Request, exc: StarletteHTTPException):
         return error_response(ApiError(exc.status_code, str(exc.detail), code="not_found" if exc.status_code == 404 else None))
 
-    def check_key(request: Request) -> None:
-        if api_key is None:
-            return
+    def check_key(request: Request) -> str | None:
+        """The tenant of the request's API key (`key_tenant`), None when the server takes no keys; else a 401.
+        Every key is compared, in constant time each, so the time taken says nothing about which one matched."""
+        if not api_keys:
+            return None
         header = request.headers.get("authorization", "")
         scheme, _, given = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), api_key.encode()):
+        given = given.strip().encode()
+        matched = None
+        for tenant, key in api_keys.items():
+            if hmac.compare_digest(given, key.encode()):
+                matched = tenant
+        if scheme.lower() != "bearer" or matched is None:
             raise ApiError(401, "missing or wrong API key: send the header 'Authorization: Bearer YOUR_KEY'", code="invalid_api_key")
+        return matched
 
     @app.get("/health")
     async def health():
@@ -528,12 +579,13 @@ def build_app(target, draft=None, drafter: str = "auto", draft_len: DraftLen | i
     async def generate(request: Request, endpoint: Endpoint):
         status = 200
         try:
-            check_key(request)
+            key = check_key(request)
             spec = await asyncio.to_thread(parse, await read_body(request), endpoint)
             if spec.ignored:
                 log.warning("%s: ignored fields this server does not know: %s", endpoint.path, ", ".join(spec.ignored[:10]))
             headers = {"X-Verispec-Ignored-Fields": ",".join(spec.ignored[:10])[:200]} if spec.ignored else None
-            generation = Generation(spec, tokenizer, asyncio.get_running_loop(), metrics.observe_delivery_gap)
+            generation = Generation(spec, tokenizer, asyncio.get_running_loop(), metrics.observe_delivery_gap,
+                                    tenant=tenant_of(key, spec.user))
             jobs = [c.job for c in generation.choices]
             capacity = scheduler.max_batch + scheduler.max_queue
             if len(jobs) > capacity:  # would get a 503 for ever: retrying cannot help
@@ -669,12 +721,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--draft", default=None, help="draft model (any tokenizer: with another vocabulary than the target's it drafts through text); omit to draft with the target's own int4 copy (or n-gram where it cannot have one)")
     parser.add_argument("--draft-dtype", default="fp32", choices=DRAFT_DTYPES,
                         help="the draft model's matrices on the native backend: bf16 halves their bytes, int8 quarters them, int4 leaves ~1/7 (default: %(default)s)")
-    parser.add_argument("--drafter", default="auto", choices=DRAFTER_NAMES, help="auto = model with --draft, else self where the target allows (a native float32 target on verispec's CPU kernels), else ngram; self = the target's int4 copy drafting on its cache; suffix = suffix decoding over the prompt and earlier requests' outputs (one index per server); none = plain decoding")
+    parser.add_argument("--drafter", default="auto", choices=DRAFTER_NAMES, help="auto = model with --draft, else self where the target allows (a native float32 target on verispec's CPU kernels), else ngram; self = the target's int4 copy drafting on its cache; suffix = suffix decoding over the prompt and the same tenant's earlier outputs; staged = the draft model (or the int4 copy) itself sped up by suffix proposals; none = plain decoding")
     parser.add_argument("--draft-len", type=flag(DraftLen.parse), default=DraftLen("auto"), help="draft tokens per step, 'auto', or 'tree' (auto plus token-tree alternates) (default: %(default)s)")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s, this machine only)")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--api-key", default=os.environ.get("VERISPEC_API_KEY"),
-                        help="require 'Authorization: Bearer KEY' on /v1/* (default: $VERISPEC_API_KEY, else none)")
+    parser.add_argument("--api-key", action="append", default=None,
+                        help="require 'Authorization: Bearer KEY' on /v1/*; repeat for several keys, each a tenant whose "
+                             "outputs draft only its own requests (default: $VERISPEC_API_KEY, else none)")
+    parser.add_argument("--api-key-file", default=None, help="a file of API keys, one per line (adds to --api-key)")
+    parser.add_argument("--suffix-tokens-per-tenant", type=flag(lambda text: positive_int("--suffix-tokens-per-tenant", text)),
+                        default=SUFFIX_TOKENS_PER_TENANT,
+                        help="tokens of earlier outputs kept per tenant (API key and `user`) for --drafter suffix or "
+                             "staged; a tenant's oldest go first (default: %(default)s)")
     parser.add_argument("--max-batch", type=int, default=8, help="most sequences decoded at once (default: %(default)s)")
     parser.add_argument("--max-queue", type=int, default=256,
                         help="most sequences waiting for a free row; beyond it requests get 503 (default: %(default)s)")
@@ -707,11 +765,15 @@ def main(argv: list[str] | None = None) -> None:
 
         torch.set_num_threads(args.threads)
     try:
+        keys = args.api_key or ([os.environ["VERISPEC_API_KEY"]] if os.environ.get("VERISPEC_API_KEY") else [])
+        if args.api_key_file:
+            keys = keys + read_key_file(args.api_key_file)
         serve(args.target, host=args.host, port=args.port, log_level=args.log_level, draft=args.draft, draft_dtype=args.draft_dtype,
-              drafter=args.drafter, draft_len=args.draft_len, api_key=args.api_key, max_batch=args.max_batch,
+              drafter=args.drafter, draft_len=args.draft_len, api_key=keys or None, max_batch=args.max_batch,
               max_queue=args.max_queue, max_body_bytes=max(1, int(args.max_body_mb * 2**20)), model_name=args.served_model_name,
               prefix_cache_bytes=max(0, int(args.prefix_cache_mb * 2**20)),
               max_model_len=args.max_model_len, chat_template=args.chat_template, numerics=args.numerics,
+              suffix_tokens_per_tenant=args.suffix_tokens_per_tenant,
               online=OnlineConfig(tokens_per_step=args.online_tokens_per_step, max_busy=args.online_max_busy)
               if args.online else None)
     except VerispecError as exc:

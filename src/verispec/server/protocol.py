@@ -134,6 +134,8 @@ class Spec:
     echo: list[str] | None = None  # completions with echo: each prompt's text, put before its choices' text
     grammar: Grammar | None = None  # response_format, or a forced tool_choice: the output follows it
     tools: ToolSetup | None = None  # chat with tools: tool calls are parsed from the output (unless tool_choice is "none")
+    # OpenAI's `user` (the end user): with the API key in use, the tenant whose earlier outputs may draft this request
+    user: str | None = None
 
 
 @dataclass
@@ -234,8 +236,11 @@ def parse_common(fields: Fields, config: ServerConfig, prompts: list[list[int]],
     if mode not in ("raw", "processed"):
         raise ApiError(400, f'logprobs_mode must be "raw" (the model\'s logits, the default) or "processed" (after logit_bias, '
                             f'min_tokens and penalties), got {show(mode)}', param="logprobs_mode", code="invalid_value")
+    user = fields.body.get("user")
+    if user is not None and not isinstance(user, str):
+        raise ApiError(400, f"user must be a string, got {show(user)}", param="user", code="invalid_type")
     return Spec(prompts, budgets, n, sampling, stop or [], parse_draft(fields, config), stream, include_usage, fields.ignored,
-                processed_logprobs=mode == "processed", grammar=response_format(fields, config, sampling))
+                processed_logprobs=mode == "processed", grammar=response_format(fields, config, sampling), user=user or None)
 
 
 def response_format(fields: Fields, config: ServerConfig, sampling: SamplingParams) -> Grammar | None:
