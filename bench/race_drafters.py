@@ -6,8 +6,9 @@ neighbour hits them alike), and its median time counts; the speedups are medians
 per-prompt tokens/s ratios. Greedy: every drafter's text must equal plain decoding (it is checked and
 reported). A method is `plain`, `suffix`, `ngram`, `self`, `model:DRAFT` (a draft model, int4 unless
 `model:DRAFT:fp32|bf16|int8`), `eagle3:DIR[:int8|int4|bfloat16]` (a trained head, chain; int8 unless given) or
-`eagle3-tree:DIR[:...]` (chain plus the head's second choices as token-tree alternates), `medusa:DIR` or
-`medusa-tree:DIR` (Medusa-1 heads, `verispec train medusa`; float32).
+`eagle3-tree:DIR[:...]` (chain plus the head's second choices as token-tree alternates), `mtp:DIR[:...]` or
+`mtp-tree:DIR[:...]` (an MTP module, `verispec train mtp`, likewise), `medusa:DIR` or `medusa-tree:DIR`
+(Medusa-1 heads, `verispec train medusa`; float32).
 
     python bench/race_drafters.py --target qwen2.5-coder-1.5b --numerics q8 --prompts humaneval --rows odd \\
         --method eagle3:HEAD --method model:qwen2.5-coder-0.5b --method suffix --peer llama.cpp \\
@@ -52,20 +53,21 @@ def methods_of(target, specs: list[str]) -> list[Method]:
             name, _, dtype = rest.partition(":")
             draft = verispec.load(name, weight_dtype=dtype or "int4")
             out.append(Method(f"model {Path(name).name} {dtype or 'int4'}", dict(draft=draft, drafter="model")))
-        elif kind in ("eagle3", "eagle3-tree"):
+        elif kind in ("eagle3", "eagle3-tree", "mtp", "mtp-tree"):
             directory, _, weights = rest.partition(":")
             head = verispec.load_head(directory, target)
             if weights:  # else the drafter's default (int8 on a CPU)
                 head = rounded_copy(head, weights)
+            drafter, _, tree = kind.partition("-")
             out.append(Method(f"{kind} {Path(directory).name} {weights or 'int8'}",
-                              dict(draft=head, drafter="eagle3", draft_len="tree" if kind == "eagle3-tree" else "auto")))
+                              dict(draft=head, drafter=drafter, draft_len="tree" if tree else "auto")))
         elif kind in ("medusa", "medusa-tree"):
             head = verispec.load_head(rest, target)
             out.append(Method(f"{kind} {Path(rest).name}",
                               dict(draft=head, drafter="medusa", draft_len="tree" if kind == "medusa-tree" else "auto")))
         else:
             raise SystemExit(f"unknown method {spec!r}: plain, suffix, ngram, self, model:DRAFT[:DTYPE], eagle3:DIR, "
-                             "eagle3-tree:DIR, medusa:DIR, medusa-tree:DIR")
+                             "eagle3-tree:DIR, mtp:DIR, mtp-tree:DIR, medusa:DIR, medusa-tree:DIR")
     return out
 
 
