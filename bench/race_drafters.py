@@ -60,22 +60,22 @@ def methods_of(target, specs: list[str]) -> list[Method]:
                 head = rounded_copy(head, weights)
             drafter, _, tree = kind.partition("-")
             out.append(Method(f"{kind} {Path(directory).name} {weights or 'int8'}",
-                              dict(draft=head, drafter=drafter, draft_len="tree" if tree else "auto")))
+                              dict(draft=head, drafter=drafter, **({"draft_len": "tree"} if tree else {}))))
         elif kind in ("medusa", "medusa-tree"):
             head = verispec.load_head(rest, target)
             out.append(Method(f"{kind} {Path(rest).name}",
-                              dict(draft=head, drafter="medusa", draft_len="tree" if kind == "medusa-tree" else "auto")))
+                              dict(draft=head, drafter="medusa", **({"draft_len": "tree"} if kind == "medusa-tree" else {}))))
         else:
             raise SystemExit(f"unknown method {spec!r}: plain, suffix, ngram, self, model:DRAFT[:DTYPE], eagle3:DIR, "
                              "eagle3-tree:DIR, mtp:DIR, mtp-tree:DIR, medusa:DIR, medusa-tree:DIR")
     return out
 
 
-def run_method(target, ids: list[int], method: Method, max_new_tokens: int):
+def run_method(target, ids: list[int], method: Method, max_new_tokens: int, draft_len="auto"):
     if method.options.get("drafter") == "suffix":
         verispec.api.suffix_index(target).clear()  # drafts from this call's text only, as in a first request
     started = time.perf_counter()
-    result = verispec.generate(target, ids, max_new_tokens=max_new_tokens, **{"draft_len": "auto", **method.options})
+    result = verispec.generate(target, ids, max_new_tokens=max_new_tokens, **{"draft_len": draft_len, **method.options})
     return result, time.perf_counter() - started
 
 
@@ -89,6 +89,7 @@ def main() -> None:
     parser.add_argument("--limit", type=int, default=8, help="prompts per category")
     parser.add_argument("--method", action="append", default=[], help="repeatable; see the module docstring")
     parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--draft-len", default="auto", help="draft length of the methods without a tree: 'auto' or an int")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--peer", choices=("llama.cpp",), default=None)
     parser.add_argument("--peer-bin", default=None)
@@ -98,6 +99,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()
+    draft_len = args.draft_len if args.draft_len == "auto" else int(args.draft_len)
 
     prompts = read_prompts(args.prompts, sys.maxsize)  # in file order
     if args.rows != "all":
@@ -127,7 +129,7 @@ def main() -> None:
         for r in range(args.rounds):
             order = methods[r % len(methods):] + methods[: r % len(methods)]
             for method in order:
-                result, seconds = run_method(target, ids, method, args.max_new_tokens)
+                result, seconds = run_method(target, ids, method, args.max_new_tokens, draft_len)
                 times[method.name].append(seconds)
                 results[method.name] = result
         plain = results["plain"].token_ids
@@ -186,13 +188,15 @@ def summarize(rows: list[dict], methods: list[Method], args, threads: int) -> di
                 entry[name]["target_ms_per_pass"] = 1e3 * statistics.median(m["target_seconds_per_pass"] for m in ms)
         table[category] = entry
     return {"target": args.target, "numerics": args.numerics, "prompts": args.prompts, "rows": args.rows,
-            "count": len(rows), "max_new_tokens": args.max_new_tokens, "rounds": args.rounds, "threads": threads,
+            "count": len(rows), "max_new_tokens": args.max_new_tokens, "draft_len": args.draft_len, "rounds": args.rounds,
+            "threads": threads,
             "cpu": _cpu_name(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "table": table}
 
 
 def markdown(report: dict) -> str:
     lines = [f"# Drafters on {report['target']} ({report['numerics']}), {report['prompts']} ({report['rows']} rows)", "",
-             f"{report['count']} prompts, greedy, {report['max_new_tokens']} new tokens, median of {report['rounds']} rounds "
+             f"{report['count']} prompts, greedy, {report['max_new_tokens']} new tokens, draft_len "
+             f"{report.get('draft_len', 'auto')} (trees: 'tree'), median of {report['rounds']} rounds "
              f"per method, {report['threads']} threads, {report['cpu']}, {report['date']}. Speedups are medians over "
              "prompts of per-prompt tokens/s ratios, end to end (prefill included).", ""]
     for category, entry in report["table"].items():

@@ -8,14 +8,14 @@ next token x_{t+1}, and one decoder block turns them into a state that predicts 
     h'' = block(h')   (pre-norm attention over the module's own key/value history, then a SiLU MLP)
     s   = shared_head.norm(h'');  logits = shared_head.head(s)             over the draft vocabulary
 
-The report writes the concatenation hidden state first; DeepSeek's released weights, and vLLM and SGLang
-that serve them, put the embedding first. The order means nothing to a module trained here; this one
+The report writes the concatenation hidden state first; DeepSeek's released weights, and vLLM that
+serves them, put the embedding first. The order means nothing to a module trained here; this one
 follows the released layout and its names (enorm, hnorm, eh_proj, the block's input_layernorm /
 self_attn / post_attention_layernorm / mlp, shared_head.norm and shared_head.head).
 
 Which h_t. The report calls h^0 "the representation given by the main model" without saying whether the
 main model's final RMSNorm has been applied (deepseek-ai/DeepSeek-V3 issue 839 asks; it went unanswered);
-vLLM's and SGLang's DeepSeek models hand their MTP layers the state after it. verispec uses that state
+vLLM, serving the released weights, hands its MTP layer the state after it. verispec uses that state
 too: tap index = the target's layer count, what its LM head reads, which every backend's prefill and
 verify passes already return (Medusa reads it) at no extra cost, where the state before the norm would
 need a tap of its own. `hnorm` renormalizes it anyway: the two differ by the final norm's per-channel
@@ -24,9 +24,10 @@ weight, which eh_proj can absorb.
 Chaining. Drafting further, the module feeds its own output state s (after `shared_head.norm`: the state
 its output layer reads, as h_t is the state the target's reads) with the token it chose, one position to
 the right: DeepSeek's sequential MTP with its one module used again at every depth, which is what vLLM
-does when it drafts more tokens than a model has MTP modules, and what EAGLE does. It is trained for that
-with training-time test (K unrolled steps, loss sum_i 0.8^i * soft CE against the target: `heads.train`),
-and drafted by the EAGLE-3 drafter's chain (`drafters.mtp`); both come from `eagle3.ChainedHead`.
+does when it drafts more tokens than a model has MTP modules (recycling the normed state too), and what
+EAGLE does. It is trained for that with training-time test (K unrolled steps, loss sum_i 0.8^i * soft CE
+against the target: `heads.train`), and drafted by the EAGLE-3 drafter's chain (`drafters.mtp`); both
+come from `eagle3.ChainedHead`.
 
 Shared embedding and output layer. Both are the target's, bound at load (`bind_to`), never trained and
 never saved: a file holds only the module's own weights. The output layer scores either the target's
