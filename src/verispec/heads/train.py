@@ -17,6 +17,9 @@ Checkpoints (`checkpoint.pt`: weights, optimizer, step, random state) are writte
 the output directory; a run started again with the same output directory resumes. Held-out shards
 (never trained on) give the top-1 agreement with the target's argmax per unrolled step: the chance that
 the k-th drafted token is accepted when the ones before were (greedy).
+
+The loop (`fit_chained_head`) and the loss (`ttt_loss`) read a head only through `eagle3.ChainedHead`'s
+steps, so `train_mtp` trains a DeepSeek-V3-style MTP module with them too.
 """
 
 from __future__ import annotations
