@@ -6,7 +6,8 @@ neighbour hits them alike), and its median time counts; the speedups are medians
 per-prompt tokens/s ratios. Greedy: every drafter's text must equal plain decoding (it is checked and
 reported). A method is `plain`, `suffix`, `ngram`, `self`, `model:DRAFT` (a draft model, int4 unless
 `model:DRAFT:fp32|bf16|int8`), `eagle3:DIR[:int8|int4|bfloat16]` (a trained head, chain; int8 unless given) or
-`eagle3-tree:DIR[:...]` (an EAGLE-2 dynamic tree grown around the head's chain, priced node by node), `medusa:DIR` or
+`eagle3-tree:DIR[:...]` (an EAGLE-2 dynamic tree grown around the head's chain, priced node by node), `mtp:DIR[:...]` or
+`mtp-tree:DIR[:...]` (an MTP module, `verispec train mtp`, likewise), `medusa:DIR` or
 `medusa-tree:DIR` (Medusa-1 heads, `verispec train medusa`; float32), `staged:DRAFT[:DTYPE]` (staged drafting: the draft
 model itself sped up by suffix proposals; `staged` alone: the target's int4 copy, float32 targets). For staged methods
 the report adds stage 2's figures: draft tokens per draft-model pass and proposals accepted per pass.
@@ -61,24 +62,25 @@ def methods_of(target, specs: list[str]) -> list[Method]:
             name, _, dtype = rest.partition(":")
             draft = verispec.load(name, weight_dtype=dtype or "int4")
             out.append(Method(f"model {Path(name).name} {dtype or 'int4'}", dict(draft=draft, drafter="model")))
-        elif kind in ("eagle3", "eagle3-tree"):
+        elif kind in ("eagle3", "eagle3-tree", "mtp", "mtp-tree"):
             directory, _, weights = rest.partition(":")
             head = verispec.load_head(directory, target)
             if weights:  # else the drafter's default (int8 on a CPU)
                 head = rounded_copy(head, weights)
+            drafter, _, tree = kind.partition("-")
             out.append(Method(f"{kind} {Path(directory).name} {weights or 'int8'}",
-                              dict(draft=head, drafter="eagle3", draft_len="tree" if kind == "eagle3-tree" else "auto")))
+                              dict(draft=head, drafter=drafter, **({"draft_len": "tree"} if tree else {}))))
         elif kind in ("medusa", "medusa-tree"):
             head = verispec.load_head(rest, target)
             out.append(Method(f"{kind} {Path(rest).name}",
-                              dict(draft=head, drafter="medusa", draft_len="tree" if kind == "medusa-tree" else "auto")))
+                              dict(draft=head, drafter="medusa", **({"draft_len": "tree"} if kind == "medusa-tree" else {}))))
         else:
             raise SystemExit(f"unknown method {spec!r}: plain, suffix, ngram, self, model:DRAFT[:DTYPE], eagle3:DIR, "
-                             "eagle3-tree:DIR, medusa:DIR, medusa-tree:DIR, staged, staged:DRAFT[:DTYPE]")
+                             "eagle3-tree:DIR, mtp:DIR, mtp-tree:DIR, medusa:DIR, medusa-tree:DIR, staged, staged:DRAFT[:DTYPE]")
     return out
 
 
-def run_method(target, ids: list[int], method: Method, max_new_tokens: int):
+def run_method(target, ids: list[int], method: Method, max_new_tokens: int, draft_len="auto"):
     """(result, seconds, stage 2's counters {passes, tokens, accepted} for a staged drafter, else None)."""
     drafter = method.options.get("drafter")
     if drafter in ("suffix", "staged"):
@@ -88,7 +90,7 @@ def run_method(target, ids: list[int], method: Method, max_new_tokens: int):
         verispec.api.DRAFTERS["staged"] = lambda *args: made.append(build(*args)) or made[-1]
     try:
         started = time.perf_counter()
-        result = verispec.generate(target, ids, max_new_tokens=max_new_tokens, **{"draft_len": "auto", **method.options})
+        result = verispec.generate(target, ids, max_new_tokens=max_new_tokens, **{"draft_len": draft_len, **method.options})
         seconds = time.perf_counter() - started
     finally:
         if drafter == "staged":
@@ -108,6 +110,7 @@ def main() -> None:
     parser.add_argument("--limit", type=int, default=8, help="prompts per category")
     parser.add_argument("--method", action="append", default=[], help="repeatable; see the module docstring")
     parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--draft-len", default="auto", help="draft length of the methods without a tree: 'auto' or an int")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--peer", choices=("llama.cpp",), default=None)
     parser.add_argument("--peer-bin", default=None)
@@ -117,6 +120,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()
+    draft_len = args.draft_len if args.draft_len == "auto" else int(args.draft_len)
 
     prompts = read_prompts(args.prompts, sys.maxsize)  # in file order
     if args.rows != "all":
@@ -146,7 +150,7 @@ def main() -> None:
         for r in range(args.rounds):
             order = methods[r % len(methods):] + methods[: r % len(methods)]
             for method in order:
-                result, seconds, stage2[method.name] = run_method(target, ids, method, args.max_new_tokens)
+                result, seconds, stage2[method.name] = run_method(target, ids, method, args.max_new_tokens, draft_len)
                 times[method.name].append(seconds)
                 results[method.name] = result
         plain = results["plain"].token_ids
@@ -222,13 +226,15 @@ def summarize(rows: list[dict], methods: list[Method], args, threads: int) -> di
                 entry[name]["stage2_tokens_per_draft_pass"] = statistics.median(m["stage2"]["tokens_per_draft_pass"] for m in ms)
         table[category] = entry
     return {"target": args.target, "numerics": args.numerics, "prompts": args.prompts, "rows": args.rows,
-            "count": len(rows), "max_new_tokens": args.max_new_tokens, "rounds": args.rounds, "threads": threads,
+            "count": len(rows), "max_new_tokens": args.max_new_tokens, "draft_len": args.draft_len, "rounds": args.rounds,
+            "threads": threads,
             "cpu": _cpu_name(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "table": table}
 
 
 def markdown(report: dict) -> str:
     lines = [f"# Drafters on {report['target']} ({report['numerics']}), {report['prompts']} ({report['rows']} rows)", "",
-             f"{report['count']} prompts, greedy, {report['max_new_tokens']} new tokens, median of {report['rounds']} rounds "
+             f"{report['count']} prompts, greedy, {report['max_new_tokens']} new tokens, draft_len "
+             f"{report.get('draft_len', 'auto')} (trees: 'tree'), median of {report['rounds']} rounds "
              f"per method, {report['threads']} threads, {report['cpu']}, {report['date']}. Speedups are medians over "
              "prompts of per-prompt tokens/s ratios, end to end (prefill included).", ""]
     for category, entry in report["table"].items():

@@ -13,14 +13,14 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 from transformers import PreTrainedModel
 
-from verispec.drafters import (CrossTokenizerDrafter, Eagle3Drafter, HybridDrafter, MedusaDrafter, ModelDrafter, NgramDrafter,
-                               NoDrafter, SharedCacheDrafter, StagedDrafter, SuffixDrafter)
+from verispec.drafters import (CrossTokenizerDrafter, Eagle3Drafter, HybridDrafter, MedusaDrafter, ModelDrafter, MTPDrafter,
+                               NgramDrafter, NoDrafter, SharedCacheDrafter, StagedDrafter, SuffixDrafter)
 from verispec.drafters.base import Drafter
 from verispec.engine import Request, SpeculativeEngine, TokenEvent
 from verispec import options
 from verispec.errors import VerispecError
 from verispec.grammar import response_format_grammar
-from verispec.heads import HEAD_TYPES, Eagle3Head, MedusaHead, OnlineMedusa, is_head_directory, load_head
+from verispec.heads import HEAD_TYPES, Eagle3Head, MedusaHead, MTPHead, OnlineMedusa, is_head_directory, load_head
 from verispec.models import stored
 from verispec.models.base import CausalLM
 from verispec.models.hf import HFCausalLM, pick_device
@@ -214,6 +214,7 @@ DRAFTERS: dict[str, Callable[[CausalLM, CausalLM | None, float], Drafter]] = {
         SuffixDrafter(suffix_index(target), target.vocab_size)),
     "eagle3": lambda target, draft, confidence: Eagle3Drafter(draft, target, min_confidence=confidence),
     "medusa": lambda target, draft, confidence: MedusaDrafter(draft, target, min_confidence=confidence),
+    "mtp": lambda target, draft, confidence: MTPDrafter(draft, target, min_confidence=confidence),
     "ngram": lambda target, draft, confidence: NgramDrafter(),
     "suffix": lambda target, draft, confidence: SuffixDrafter(suffix_index(target), target.vocab_size),
     "none": lambda target, draft, confidence: NoDrafter(),
@@ -221,7 +222,7 @@ DRAFTERS: dict[str, Callable[[CausalLM, CausalLM | None, float], Drafter]] = {
 
 
 # The drafter each kind of trained head drafts with (and the only one it drafts with).
-HEAD_DRAFTERS: dict[type, str] = {Eagle3Head: "eagle3", MedusaHead: "medusa", OnlineMedusa: "medusa"}
+HEAD_DRAFTERS: dict[type, str] = {Eagle3Head: "eagle3", MedusaHead: "medusa", OnlineMedusa: "medusa", MTPHead: "mtp"}
 
 
 def head_drafter(draft) -> str | None:
@@ -557,7 +558,8 @@ def generate(target, prompt, *, draft=None, drafter: str = "auto", draft_len: Dr
     it stops when the grammar is complete. A bad schema or pattern raises VerispecError.
     head: a trained draft head (its directory, or `verispec.load_head(DIR)`): an EAGLE-3 head (`verispec train
     eagle3` makes one) drafts with drafter="eagle3", Medusa heads (`verispec train medusa`, or the Medusa
-    repository's files) with drafter="medusa"; "auto" picks the head's own. draft=head works the same.
+    repository's files) with drafter="medusa", an MTP module (`verispec train mtp`) with drafter="mtp"; "auto"
+    picks the head's own. draft=head works the same.
     """
     session = Session(target, prompt, draft=draft, drafter=drafter, draft_len=draft_len, temperature=temperature,
                       top_k=top_k, top_p=top_p, seed=seed, coupled=coupled, blockwise=blockwise,

@@ -34,7 +34,7 @@ def unescape(text: str) -> str:
 def _add_generation_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default=zoo.DEFAULT_TARGET, help="zoo name, local directory, .gguf file or hub id (default: %(default)s)")
     p.add_argument("--draft", default=None, help="draft model (any tokenizer: with another vocabulary than the target's it drafts through text, drafter cross_tokenizer); omit to draft with the target's own int4 copy where it can have one (see --drafter), else n-gram")
-    p.add_argument("--drafter", default="auto", choices=DRAFTER_NAMES, help="auto (the draft model when one is given; else self for a native float32 target on verispec's CPU kernels and at least 32 new tokens or a copy made before; else ngram) | model | cross_tokenizer (a draft model with another tokenizer, through text; what auto and model pick for one) | self (the target's own int4 copy, drafting on its cache) | hybrid (prompt lookup, else the draft model) | staged (the draft model, or the int4 copy, itself sped up by suffix proposals) | ngram | suffix (suffix decoding: the prompt and earlier outputs of this process) | eagle3, medusa (a trained head given with --draft DIR; auto picks it) | none (plain decoding)")
+    p.add_argument("--drafter", default="auto", choices=DRAFTER_NAMES, help="auto (the draft model when one is given; else self for a native float32 target on verispec's CPU kernels and at least 32 new tokens or a copy made before; else ngram) | model | cross_tokenizer (a draft model with another tokenizer, through text; what auto and model pick for one) | self (the target's own int4 copy, drafting on its cache) | hybrid (prompt lookup, else the draft model) | staged (the draft model, or the int4 copy, itself sped up by suffix proposals) | ngram | suffix (suffix decoding: the prompt and earlier outputs of this process) | eagle3, medusa, mtp (a trained head given with --draft DIR; auto picks it) | none (plain decoding)")
     p.add_argument("--draft-len", type=flag(DraftLen.parse), default=DraftLen("auto"),
                    help="draft tokens per step, 'auto' (the default: adaptive), or 'tree' (auto plus token-tree alternates)")
     p.add_argument("--draft-dtype", default="fp32", choices=WEIGHT_DTYPES, help="the draft's matrices on the native backend (cheaper drafts; output unchanged)")
@@ -281,7 +281,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run_options(p)
     p.set_defaults(run=cmd_demo)
 
-    p = sub.add_parser("train", help="train a draft head for a target (verispec train eagle3 --help, verispec train medusa --help)")
+    p = sub.add_parser("train", help="train a draft head for a target (verispec train eagle3 --help, verispec train medusa --help, "
+                                     "verispec train mtp --help)")
     heads = p.add_subparsers(dest="head", required=True)
     p = heads.add_parser("eagle3", help="an EAGLE-3 head: reads three of the target's hidden states, drafts chains (and token-tree alternates)")
     from verispec.heads.train import add_train_arguments, run_train
@@ -295,6 +296,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_medusa_arguments(p)
     _add_run_options(p)
     p.set_defaults(run=run_train_medusa)
+    p = heads.add_parser("mtp", help="a DeepSeek-V3-style MTP module: reads the target's last hidden state and the next "
+                                     "token, one decoder block, drafts chains (and token-tree alternates)")
+    from verispec.heads.train_mtp import add_mtp_arguments, run_train_mtp
+
+    add_mtp_arguments(p)
+    _add_run_options(p)
+    p.set_defaults(run=run_train_mtp)
 
     p = sub.add_parser("export", help="write a trained head for vLLM (speculators) or SGLang (specforge)")
     from verispec.heads.formats import add_export_arguments, run_export

@@ -427,6 +427,9 @@ class CharTokenizer:
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return [ord(c) % self.vocab_size for c in text]
 
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return "".join(map(chr, ids))
+
 
 def test_resumed_extraction_reuses_self_distilled_answers(tiny_target, tmp_path, monkeypatch):
     """A resumed extraction takes the target's answers from answers.jsonl instead of decoding them again,

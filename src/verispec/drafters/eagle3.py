@@ -29,30 +29,32 @@ import torch
 from verispec.cache import SlotCache
 from verispec.drafters.base import BranchRule, Draft, Drafter, StopRule, Verdict, VocabDraft, empty_draft
 from verispec.drafters.dynamic_tree import DynamicTree
-from verispec.heads.eagle3 import Eagle3Head, target_embedding
+from verispec.heads.eagle3 import ChainedHead, Eagle3Head
 from verispec.models import kernels
 from verispec.prefill import left_pad
 from verispec.sampling import SamplingParams
 
 
 class Eagle3Drafter(Drafter):
-    """Drafts with a trained EAGLE-3 head; `target_taps` (set per head) makes the engine hand it the target's taps."""
+    """Drafts with a trained EAGLE-3 head; `target_taps` (set per head) makes the engine hand it the target's taps.
+    The chain reads the head only through `ChainedHead`'s steps: `MTPDrafter` is this drafter over an MTP module."""
 
     def __init__(self, head: Eagle3Head, target, min_confidence: float = 0.0, weights: str | None = "auto",
                  top_k: int = 4, beam: int = 4):
-        """top_k, beam: the dynamic tree's shape where the step asks for a tree: candidates per expanded node,
-        and nodes expanded per depth (its verified size is priced by the step's branch rule). weights: how the head's matrices are stored while drafting: "int8", "int4" or "bfloat16" (a copy
+        """weights: how the head's matrices are stored while drafting: "int8", "int4" or "bfloat16" (a copy
         of the head rounded for verispec's CPU kernels: a quarter of float32's bytes per draft token at
         int8), None (the head as given), or "auto" (int8 on a CPU with the kernels, else as given). A head
-        already rounded (`Eagle3Head.quantize`) drafts as it is."""
+        already rounded (`Eagle3Head.quantize`) drafts as it is. top_k, beam: the dynamic tree's shape where
+        the step asks for a tree: candidates per expanded node, and nodes expanded per depth (how many of
+        them are verified is priced by the step's branch rule)."""
         if head.config.vocab_size != target.vocab_size:
             raise ValueError(f"the head scores a {head.config.vocab_size}-token vocabulary, the target has {target.vocab_size}")
         if weights == "auto":
-            weights = "int8" if kernels.available() and head.lm_head.weight.device.type == "cpu" else None
+            weights = "int8" if kernels.available() and head.d2t.device.type == "cpu" else None
+        if not head.bound:
+            head.bind_to(target)
         if weights is not None and head.rounded is None:
             head = rounded_copy(head, weights)
-        if head.embed is None:
-            head.bind(target_embedding(target))
         self.head = head.eval()
         self.target_taps = tuple(head.config.taps)  # the engine's verify passes return these for `observe_taps`
         self.vocab_size = target.vocab_size
@@ -88,13 +90,13 @@ class Eagle3Drafter(Drafter):
         """One head pass over new positions: tokens [B, T], hidden [B, T, H], visible [B, T] -> outputs [B, T, H]."""
         start = self.slots.length
         _, positions = self.slots.extend(visible)
-        q, k, v = self.head.qkv(tokens, hidden, positions)
+        q, k, v, residual = self.head.qkv(tokens, hidden, positions)
         self._append(k, v)
         width = tokens.shape[1]
         slot = torch.arange(start + width)
         own = start + torch.arange(width)
         allowed = (self.slots.visible[:, None, :] & (slot <= own[:, None])) | (slot == own[:, None])
-        return self.head.finish(hidden, self.head.attend(q, self.keys, self.values, allowed))
+        return self.head.finish(residual, self.head.attend(q, self.keys, self.values, allowed))
 
     def _catch_up(self, sequences: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """Read every pending tap (beside the token that follows it). Returns (the head's output [B, H] at
@@ -182,12 +184,12 @@ class Eagle3Drafter(Drafter):
         positions [B]; keys, values: the tree's earlier depths (appended to here); paths [B, F, earlier + F]
         bool: which tree nodes each one sees. -> outputs [B, F, H]."""
         width = tokens.shape[1]
-        q, k, v = self.head.qkv(tokens, hidden, positions[:, None].expand(-1, width))
+        q, k, v, residual = self.head.qkv(tokens, hidden, positions[:, None].expand(-1, width))
         keys.append(k)
         values.append(v)
         allowed = torch.cat([self.slots.visible[:, None, :].expand(-1, width, -1), paths], 2)
         attended = self.head.attend(q, torch.cat([self.keys, *keys], 2), torch.cat([self.values, *values], 2), allowed)
-        return self.head.finish(hidden, attended)
+        return self.head.finish(residual, attended)
 
     def _truncate(self, length: int) -> None:
         self.slots.truncate(torch.full((self.slots.batch_size,), length, dtype=torch.long))
@@ -203,26 +205,26 @@ class Eagle3Drafter(Drafter):
         self.pending = [self.pending[b] for b in rows]
 
 
-def rounded_copy(head: Eagle3Head, weights: str) -> Eagle3Head:
-    """A copy of `head` with its matrices rounded to `weights` (Eagle3Head.quantize), sharing its bound
-    embedding; the caller's head is left as it was. Made once per head and format (a drafter is built
-    per generate call; rounding 50M weights each time would cost more than the call's drafting), and
-    made again if the head's weights changed since (e.g. trained further)."""
-    version = tuple(t._version for t in head.state_dict().values())
+def rounded_copy(head: ChainedHead, weights: str) -> ChainedHead:
+    """A copy of a chained head (EAGLE-3's, or an MTP module) with its matrices rounded to `weights`
+    (its `quantize`), bound to what `head` is bound to (an MTP module's shared output layer, bound before
+    rounding, is rounded too); the caller's head is left as it was. Made once per head and format (a
+    drafter is built per generate call; rounding 50M weights each time would cost more than the call's
+    drafting), and made again if the head's weights or bindings changed since (e.g. trained further)."""
+    version = (tuple(t._version for t in head.state_dict().values()), tuple(id(t) for t in head.bound))
     cached = _ROUNDED.get(head, {}).get(weights)
     if cached is not None and cached[0] == version:
-        copy = cached[1]
-    else:
-        copy = Eagle3Head(head.config)
-        copy.load_state_dict(head.state_dict())
-        copy.quantize(weights)
-        _ROUNDED.setdefault(head, {})[weights] = (version, copy)
-    if head.embed is not None and copy.embed is not head.embed:
-        copy.bind(head.embed)
+        return cached[1]
+    copy = type(head)(head.config)
+    copy.load_state_dict(head.state_dict())
+    if head.bound:
+        copy.bind(*head.bound)
+    copy.quantize(weights)
+    _ROUNDED.setdefault(head, {})[weights] = (version, copy)
     return copy
 
 
-_ROUNDED: "weakref.WeakKeyDictionary[Eagle3Head, dict]" = weakref.WeakKeyDictionary()
+_ROUNDED: "weakref.WeakKeyDictionary[ChainedHead, dict]" = weakref.WeakKeyDictionary()
 
 
 def _with_floor(stop: StopRule | None, floor: float) -> StopRule:

@@ -185,12 +185,13 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    """Grouped-query attention whose q/k/v read the 2H-wide [embedding, hidden] input."""
+    """Grouped-query attention whose q/k/v read `in_features` numbers per position (EAGLE-3's: the 2H-wide
+    [embedding, hidden] input; an MTP module's: its H-wide projection)."""
 
-    def __init__(self, config: Eagle3Config):
+    def __init__(self, config: Eagle3Config, in_features: int | None = None):
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
-        width = 2 * config.hidden_size
+        width = in_features or 2 * config.hidden_size
         self.q_proj = nn.Linear(width, self.heads * self.head_dim, bias=False)
         self.k_proj = nn.Linear(width, self.kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(width, self.kv_heads * self.head_dim, bias=False)
@@ -220,7 +221,98 @@ class MidLayer(nn.Module):
         self.mlp = MLP(config)
 
 
-class Eagle3Head(DraftVocab, nn.Module):
+class ChainedHead:
+    """What a one-layer head that drafts a chain has whatever its layer reads (EAGLE-3's and an MTP
+    module's, `heads.mtp`): the target's token embedding, rotary attention over its own key/value history,
+    and training-time test. Mixin for an nn.Module with `config` (num_attention_heads, num_key_value_heads,
+    head_dim), an `inv_freq` buffer, `embed` and these steps:
+
+        hidden = project(taps)                                  the target's taps -> the layer's hidden input
+        q, k, v, residual = qkv(tokens, hidden, positions)      the layer's attention inputs beside token x_{t+1}
+        hidden = finish(residual, attend(q, keys, values, allowed))   the state fed to the next draft step
+        logits(hidden)                                          over the draft vocabulary
+    """
+
+    def embed_rows(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The target's embedding of tokens [...] long -> [..., H] float32."""
+        if self.embed is None:
+            raise VerispecError(f"the head has no token embedding: bind it to its target first ({type(self).__name__}.bind)")
+        if isinstance(self.embed, torch.Tensor):
+            return F.embedding(tokens, self.embed).float()
+        return self.embed.rows(tokens.cpu()).to(tokens.device)
+
+    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x [B, heads, T, D] rotated by positions [B, T] (transformers' half-split layout)."""
+        angles = positions[:, None, :, None].float() * self.inv_freq
+        cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+        half = x.shape[-1] // 2
+        return x * cos + torch.cat([-x[..., half:], x[..., :half]], -1) * sin
+
+    def _attention_inputs(self, attn: "Attention", x: torch.Tensor, positions: torch.Tensor):
+        """q [B, heads, T, D] and k, v [B, kv_heads, T, D] of `attn` for its input x [B, T, width], rotated."""
+        batch, width, _ = x.shape
+        q = attn.q_proj(x).view(batch, width, attn.heads, attn.head_dim).transpose(1, 2)
+        k = attn.k_proj(x).view(batch, width, attn.kv_heads, attn.head_dim).transpose(1, 2)
+        v = attn.v_proj(x).view(batch, width, attn.kv_heads, attn.head_dim).transpose(1, 2)
+        return self._rope(q, positions), self._rope(k, positions), v
+
+    def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+        """Plain masked attention: q [B, heads, T, D] over keys/values [B, kv_heads, S, D], allowed [B, T, S] bool."""
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed[:, None], scale=scale,
+                                              enable_gqa=keys.shape[1] != q.shape[1])
+
+    def _round_matrices(self, parents: list[nn.Module], weights: str, kinds: tuple[type, ...] = (nn.Linear,)) -> None:
+        """`quantize`'s work: every child of `parents` of one of `kinds` replaced by a `KernelLinear`."""
+        from verispec.models import kernels
+
+        if not kernels.available():
+            raise VerispecError("quantized heads need verispec's C kernels (a C compiler and an AVX2 CPU); "
+                                "draft with float32 weights instead (weights=None)")
+        if self.rounded is not None:
+            raise VerispecError(f"this head's matrices are already rounded to {self.rounded}: quantize the float head")
+        for parent in parents:
+            for name, child in list(parent.named_children()):
+                if isinstance(child, kinds):
+                    setattr(parent, name, KernelLinear(child, weights))
+        self.rounded = weights
+
+    def unroll(self, taps: torch.Tensor, tokens: torch.Tensor, steps: int, visible: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """Training-time test (EAGLE-3 section 3.2): `steps` passes over a whole sequence, each feeding the
+        head its own previous output, as drafting will.
+
+        taps [B, T, in_features]: the target's, at positions 0..T-1; tokens [B, T + steps] long: the
+        sequence, so tokens[:, t + 1 + i] is the token beside position t at step i; visible [B, T] bool
+        (False = padding). Step i's query at position t sits at position t + i and attends to step 0's keys
+        at positions <= t and to its own keys of steps 1..i at t (the chain it would have drafted).
+        Returns per step the logits [B, T, V]; step i's logits at t predict tokens[:, t + 2 + i].
+        """
+        batch, width, _ = taps.shape
+        positions = torch.arange(width, device=taps.device)[None].expand(batch, width)
+        causal = torch.tril(torch.ones(width, width, dtype=torch.bool, device=taps.device))
+        allowed = causal[None] if visible is None else causal[None] & visible[:, None, :]
+        allowed = allowed | torch.eye(width, dtype=torch.bool, device=taps.device)[None]  # padding sees itself
+        hidden = self.project(taps)
+        keys, values, outputs = [], [], []
+        group = self.config.num_attention_heads // self.config.num_key_value_heads
+        scale = 1.0 / math.sqrt(self.config.head_dim)
+        for i in range(steps):
+            q, k, v, residual = self.qkv(tokens[:, 1 + i : 1 + i + width], hidden, positions + i)
+            keys.append(k.repeat_interleave(group, 1))
+            values.append(v.repeat_interleave(group, 1))
+            # scores against step 0 (causal) and, per later step, the key at the same index (the diagonal)
+            scores = [(q @ keys[0].transpose(-1, -2) * scale).masked_fill(~allowed[:, None], float("-inf"))]
+            scores += [((q * key).sum(-1) * scale)[..., None] for key in keys[1:]]
+            weights = torch.cat(scores, -1).softmax(-1)
+            attended = weights[..., :width] @ values[0]
+            for j, value in enumerate(values[1:]):
+                attended = attended + weights[..., width + j : width + j + 1] * value
+            hidden = self.finish(residual, attended)
+            outputs.append(self.logits(hidden))
+        return outputs
+
+
+class Eagle3Head(DraftVocab, ChainedHead, nn.Module):
     """fc, midlayer, norm, lm_head and the d2t/t2d maps; `embed` (the target's token embedding) is bound
     with `bind` and never saved or trained. Shapes: B batch, T positions, H hidden, V draft vocabulary."""
 
@@ -251,28 +343,20 @@ class Eagle3Head(DraftVocab, nn.Module):
         self.embed = embedding.detach() if isinstance(embedding, torch.Tensor) else embedding
         return self
 
-    def embed_rows(self, tokens: torch.Tensor) -> torch.Tensor:
-        """The target's embedding of tokens [...] long -> [..., H] float32."""
-        if isinstance(self.embed, torch.Tensor):
-            return F.embedding(tokens, self.embed).float()
-        return self.embed.rows(tokens.cpu()).to(tokens.device)
+    def bind_to(self, target) -> "Eagle3Head":
+        """Bind what the head shares with `target` (a verispec CausalLM): its token embedding. Returns self."""
+        return self.bind(target_embedding(target))
+
+    @property
+    def bound(self) -> tuple:
+        """What `bind` was given (to bind a copy of the head alike); empty while unbound."""
+        return () if self.embed is None else (self.embed,)
 
     def quantize(self, weights: str) -> "Eagle3Head":
         """Round every matrix to `weights` ("int8", "int4" or "bfloat16") for drafting on a CPU with
         verispec's kernels (`KernelLinear`): a draft token then reads a quarter (int8) of float32's bytes.
         For inference only; a saved head keeps its float32 weights. Returns self."""
-        from verispec.models import kernels
-
-        if not kernels.available():
-            raise VerispecError("quantized heads need verispec's C kernels (a C compiler and an AVX2 CPU); "
-                                "draft with float32 weights instead (weights=None)")
-        if self.rounded is not None:
-            raise VerispecError(f"this head's matrices are already rounded to {self.rounded}: quantize the float head")
-        for parent in [self, self.midlayer.self_attn, self.midlayer.mlp]:
-            for name, child in list(parent.named_children()):
-                if isinstance(child, nn.Linear):
-                    setattr(parent, name, KernelLinear(child, weights))
-        self.rounded = weights
+        self._round_matrices([self, self.midlayer.self_attn, self.midlayer.mlp], weights)
         return self.eval()
 
     @property
@@ -286,79 +370,25 @@ class Eagle3Head(DraftVocab, nn.Module):
         """The target's taps [.., len(taps) * H] -> the head's hidden input [.., H]."""
         return self.fc(taps.float())
 
-    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x [B, heads, T, D] rotated by positions [B, T] (transformers' half-split layout)."""
-        angles = positions[:, None, :, None].float() * self.inv_freq
-        cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
-        half = x.shape[-1] // 2
-        return x * cos + torch.cat([-x[..., half:], x[..., :half]], -1) * sin
-
     def qkv(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor):
         """tokens [B, T] long, hidden [B, T, H], positions [B, T] -> q [B, heads, T, D] and k, v [B, kv_heads, T, D],
-        rotated."""
-        if self.embed is None:
-            raise VerispecError("the head has no token embedding: bind it to its target first (Eagle3Head.bind)")
+        rotated, and the layer's residual [B, T, H] (EAGLE-3's: the hidden input itself)."""
         layer = self.midlayer
         embeds = self.embed_rows(tokens).to(hidden.dtype)
         x = torch.cat([layer.input_layernorm(embeds), layer.hidden_norm(hidden)], -1)
-        attn = layer.self_attn
-        batch, width, _ = x.shape
-        q = attn.q_proj(x).view(batch, width, attn.heads, attn.head_dim).transpose(1, 2)
-        k = attn.k_proj(x).view(batch, width, attn.kv_heads, attn.head_dim).transpose(1, 2)
-        v = attn.v_proj(x).view(batch, width, attn.kv_heads, attn.head_dim).transpose(1, 2)
-        return self._rope(q, positions), self._rope(k, positions), v
+        return (*self._attention_inputs(layer.self_attn, x, positions), hidden)
 
-    def finish(self, hidden: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+    def finish(self, residual: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
         """The layer's output [B, T, H] (pre-norm: the hidden state fed to the next draft step), given its
-        hidden input [B, T, H] (the residual) and the attention output [B, heads, T, D]."""
+        residual [B, T, H] (`qkv`'s) and the attention output [B, heads, T, D]."""
         layer = self.midlayer
         batch, _, width, _ = attended.shape
-        h = hidden + layer.self_attn.o_proj(attended.transpose(1, 2).reshape(batch, width, -1))
+        h = residual + layer.self_attn.o_proj(attended.transpose(1, 2).reshape(batch, width, -1))
         return h + layer.mlp(layer.post_attention_layernorm(h))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The layer's output [.., H] -> logits over the draft vocabulary [.., V] float32."""
         return self.lm_head(self.norm(hidden)).float()
-
-    def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
-        """Plain masked attention: q [B, heads, T, D] over keys/values [B, kv_heads, S, D], allowed [B, T, S] bool."""
-        scale = 1.0 / math.sqrt(q.shape[-1])
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed[:, None], scale=scale,
-                                              enable_gqa=keys.shape[1] != q.shape[1])
-
-    def unroll(self, taps: torch.Tensor, tokens: torch.Tensor, steps: int, visible: torch.Tensor | None = None) -> list[torch.Tensor]:
-        """Training-time test (EAGLE-3 section 3.2): `steps` passes over a whole sequence, each feeding the
-        head its own previous output, as drafting will.
-
-        taps [B, T, len(taps) * H]: the target's, at positions 0..T-1; tokens [B, T + steps] long: the
-        sequence, so tokens[:, t + 1 + i] is the token beside position t at step i; visible [B, T] bool
-        (False = padding). Step i's query at position t sits at position t + i and attends to step 0's keys
-        at positions <= t and to its own keys of steps 1..i at t (the chain it would have drafted).
-        Returns per step the logits [B, T, V]; step i's logits at t predict tokens[:, t + 2 + i].
-        """
-        batch, width, _ = taps.shape
-        positions = torch.arange(width, device=taps.device)[None].expand(batch, width)
-        causal = torch.tril(torch.ones(width, width, dtype=torch.bool, device=taps.device))
-        allowed = causal[None] if visible is None else causal[None] & visible[:, None, :]
-        allowed = allowed | torch.eye(width, dtype=torch.bool, device=taps.device)[None]  # padding sees itself
-        hidden = self.project(taps)
-        keys, values, outputs = [], [], []
-        group = self.config.num_attention_heads // self.config.num_key_value_heads
-        scale = 1.0 / math.sqrt(self.config.head_dim)
-        for i in range(steps):
-            q, k, v = self.qkv(tokens[:, 1 + i : 1 + i + width], hidden, positions + i)
-            keys.append(k.repeat_interleave(group, 1))
-            values.append(v.repeat_interleave(group, 1))
-            # scores against step 0 (causal) and, per later step, the key at the same index (the diagonal)
-            scores = [(q @ keys[0].transpose(-1, -2) * scale).masked_fill(~allowed[:, None], float("-inf"))]
-            scores += [((q * key).sum(-1) * scale)[..., None] for key in keys[1:]]
-            weights = torch.cat(scores, -1).softmax(-1)
-            attended = weights[..., :width] @ values[0]
-            for j, value in enumerate(values[1:]):
-                attended = attended + weights[..., width + j : width + j + 1] * value
-            hidden = self.finish(hidden, attended)
-            outputs.append(self.logits(hidden))
-        return outputs
 
 
 # --- files ------------------------------------------------------------------------------------------
@@ -417,3 +447,20 @@ def target_embedding(target):
     if model is not None and hasattr(model, "get_input_embeddings"):
         return model.get_input_embeddings().weight
     raise VerispecError(f"cannot find the token embedding of {getattr(target, 'name', target)!r}")
+
+
+def target_output_rows(target, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows `ids` of the target's LM head [len(ids), H], its final norm weight [H]), float32: what a head
+    starts its own output layer from. Native targets (float, or a GGUF file's blocks) and transformers models."""
+    from verispec.models.kernels import GGUFMatrix
+
+    lm_head, norm = getattr(target, "lm_head", None), getattr(target, "final_norm", None)
+    if isinstance(lm_head, GGUFMatrix) and norm is not None:
+        return lm_head.rows(ids), norm.float()
+    if isinstance(lm_head, torch.Tensor) and norm is not None:
+        return lm_head[ids].float(), norm.float()
+    model = getattr(target, "hf_model", None)
+    model = model if model is not None else getattr(target, "model", None)
+    if model is None or not hasattr(model, "get_output_embeddings"):
+        raise VerispecError(f"cannot read the output layer of {getattr(target, 'name', target)!r}")
+    return model.get_output_embeddings().weight.detach()[ids].float(), model.model.norm.weight.detach().float()

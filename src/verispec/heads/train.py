@@ -17,6 +17,9 @@ Checkpoints (`checkpoint.pt`: weights, optimizer, step, random state) are writte
 the output directory; a run started again with the same output directory resumes. Held-out shards
 (never trained on) give the top-1 agreement with the target's argmax per unrolled step: the chance that
 the k-th drafted token is accepted when the ones before were (greedy).
+
+The loop (`fit_chained_head`) and the loss (`ttt_loss`) read a head only through `eagle3.ChainedHead`'s
+steps, so `train_mtp` trains a DeepSeek-V3-style MTP module with them too.
 """
 
 from __future__ import annotations
@@ -34,7 +37,8 @@ from tqdm import tqdm
 
 from verispec.errors import VerispecError
 from verispec.heads.data import FeatureSpec, extract, load_shard
-from verispec.heads.eagle3 import Eagle3Config, Eagle3Head, default_taps, save_head, target_embedding
+from verispec.heads.eagle3 import (Eagle3Config, Eagle3Head, default_taps, save_head, target_embedding,
+                                   target_output_rows)
 from verispec.heads.vocab import soft_targets
 
 CHECKPOINT = "checkpoint.pt"
@@ -69,23 +73,6 @@ class TrainConfig:
         if wanted not in ("bfloat16", "float32"):
             raise VerispecError(f"precision must be auto, bfloat16 or float32, got {self.precision!r}")
         return torch.autocast(device.type, dtype=torch.bfloat16, enabled=wanted == "bfloat16")
-
-
-def target_output_rows(target, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rows `ids` of the target's LM head [len(ids), H], its final norm weight [H]), float32: what a head
-    starts its own output layer from. Native targets (float, or a GGUF file's blocks) and transformers models."""
-    from verispec.models.kernels import GGUFMatrix
-
-    lm_head, norm = getattr(target, "lm_head", None), getattr(target, "final_norm", None)
-    if isinstance(lm_head, GGUFMatrix) and norm is not None:
-        return lm_head.rows(ids), norm.float()
-    if isinstance(lm_head, torch.Tensor) and norm is not None:
-        return lm_head[ids].float(), norm.float()
-    model = getattr(target, "hf_model", None)
-    model = model if model is not None else getattr(target, "model", None)
-    if model is None or not hasattr(model, "get_output_embeddings"):
-        raise VerispecError(f"cannot read the output layer of {getattr(target, 'name', target)!r}")
-    return model.get_output_embeddings().weight.detach()[ids].float(), model.model.norm.weight.detach().float()
 
 
 def choose_draft_vocab(shards: list[Path], vocab_size: int, size: int, always: tuple[int, ...] = ()) -> torch.Tensor:
@@ -172,7 +159,7 @@ def evaluate(head: Eagle3Head, shards: list[Path], config: TrainConfig) -> dict:
     config.eval_sequences sequences)."""
     head.eval()
     sums, losses, seen = [0.0] * config.ttt_steps, [0.0] * config.ttt_steps, 0
-    with torch.no_grad(), config.autocast(head.fc.weight.device):
+    with torch.no_grad(), config.autocast(head.d2t.device):
         for path in shards:
             shard = load_shard(path)
             for row in range(shard["tokens"].shape[0]):
@@ -212,12 +199,21 @@ def train_eagle3(target, out: str | Path, *, data: tuple[str, ...] = ("site-pack
 
     torch.manual_seed(config.seed)
     head = new_head(target, training, draft_vocab, taps, intermediate_size)
+    return fit_chained_head(head, out, spec, training, held_out, config, save_head, "eagle3", progress)
+
+
+def fit_chained_head(head, out: Path, spec: FeatureSpec, training: list[Path], held_out: list[Path], config: TrainConfig,
+                     save, name: str, progress: bool):
+    """The training loop of a head that drafts a chain (`eagle3.ChainedHead`: EAGLE-3's, an MTP module):
+    training-time test over the training shards, checkpoints (`save` writes the head itself) and the
+    held-out curve in out/train.jsonl, the held-out agreement per draft position in the head's config.
+    Resumes from out/checkpoint.pt when present. Returns the head, in eval mode."""
     optimizer = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=config.lr,
                                   weight_decay=config.weight_decay)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: _lr_factor(step, config))
     start, rng = _resume(out, head, optimizer, schedule, config)
     log = (out / LOG).open("a")
-    bar = tqdm(total=config.steps, initial=start, desc="train eagle3", unit="step", disable=not progress)
+    bar = tqdm(total=config.steps, initial=start, desc=f"train {name}", unit="step", disable=not progress)
     head.train()
     started = time.perf_counter()
     tokens_per_step = config.batch_sequences * (spec.seq_len - config.ttt_steps)  # positions trained per step
@@ -229,7 +225,7 @@ def train_eagle3(target, out: str | Path, *, data: tuple[str, ...] = ("site-pack
             shard_cache[path] = load_shard(path)
         shard = shard_cache[path]
         rows = rng.sample(range(shard["tokens"].shape[0]), min(config.batch_sequences, shard["tokens"].shape[0]))
-        with config.autocast(head.fc.weight.device):
+        with config.autocast(head.d2t.device):
             loss, accuracy, losses = ttt_loss(head, shard, rows, config.ttt_steps, config.decay)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -243,7 +239,7 @@ def train_eagle3(target, out: str | Path, *, data: tuple[str, ...] = ("site-pack
         bar.set_postfix(loss=f"{float(loss.detach()):.3f}", acc0=f"{accuracy[0]:.2f}")
         bar.update(1)
         if (step + 1) % config.checkpoint_every == 0 or step + 1 == config.steps:
-            _checkpoint(out, head, optimizer, schedule, step + 1, rng, config, spec)
+            _checkpoint(out, head, optimizer, schedule, step + 1, rng, config, spec, save=save)
             if held_out and step + 1 < config.steps:  # the curve of acceptance against tokens trained on
                 report = evaluate(head, held_out, config)
                 log.write(json.dumps({"step": step + 1, "tokens": (step + 1) * tokens_per_step, "held_out": report}) + "\n")
@@ -253,7 +249,7 @@ def train_eagle3(target, out: str | Path, *, data: tuple[str, ...] = ("site-pack
     if report is not None:
         head.config.extra["held_out"] = report
         log.write(json.dumps({"step": config.steps, "tokens": config.steps * tokens_per_step, "held_out": report}) + "\n")
-        save_head(head, out)
+        save(head, out)
         if progress:
             print(f"verispec: held-out top-1 agreement with the target by draft position: {report['accuracy']} "
                   f"(a greedy chain of {len(report['accuracy'])}: {expected_tokens_per_pass(report['accuracy']):.2f} "
