@@ -248,7 +248,11 @@ class DecodeBatch:
         generators = [row.generator for row in self.rows]
         verifier = verifier_for(sampling)
         t0 = time.perf_counter()
-        # 0. The drafter proposes up to k tokens per row (perhaps with alternates beside them).
+        # 0. The drafter proposes up to k tokens per row (perhaps a token tree), having first read what it
+        # skipped while earlier steps did not draft.
+        if k and self.drafter.catches_up:
+            self.drafter.catch_up([row.sequence for row in self.rows])
+        caught_up = time.perf_counter()
         draft = self._propose(k, sampling, generators, verifier)
         t1 = time.perf_counter()
         # 1. One target pass scores the last token and every drafted one (a token tree with alternates).
@@ -277,7 +281,8 @@ class DecodeBatch:
         trees = draft.has_alternates
         self._observe(StepRecord(
             len(self.rows), k, 1 + draft.draft_len, draft.num_drafted, verdict.num_accepted,
-            draft_seconds=t1 - t0, target_seconds=t3 - t1, verify_seconds=t3 - t2, confidence=draft.confidence,
+            draft_seconds=t1 - t0, target_seconds=t3 - t1, verify_seconds=t3 - t2, catch_up_seconds=caught_up - t0,
+            confidence=draft.confidence,
             extra_rows=draft.tree.extra.shape[1] if trees else 0,
             alternates=AlternateOutcome.of(draft, verdict) if trees else None,
             emitted=torch.tensor([len(event.tokens) for event in events]), lossy=torch.tensor([s.lossy for s in sampling])))

@@ -366,7 +366,11 @@ class AdaptiveDraftLen:
 
     def observe(self, step: StepRecord) -> None:
         batch_size, draft_len, width = step.batch_size, step.draft_len, step.width
-        num_drafted, num_accepted, draft_seconds, target_seconds = step.num_drafted, step.num_accepted, step.draft_seconds, step.target_seconds
+        num_drafted, num_accepted, target_seconds = step.num_drafted, step.num_accepted, step.target_seconds
+        # What drafting these tokens cost. A head's catch-up over the tokens decoded while it was off is left out:
+        # counted here it would make every probe after a plain stretch look as dear as the stretch was long,
+        # and a drafter switched off would stay off (it is ~1% of a plain step per token skipped, on a CPU).
+        draft_seconds = step.draft_seconds - step.catch_up_seconds
         self.target_cost.observe(batch_size * (width + step.extra_rows), target_seconds)
         gained = num_accepted + 1
         if step.alternates is not None:  # how often an alternate of each draft probability is taken where reached

@@ -73,12 +73,15 @@ class StepRecord:
     width: int  # 1 + the chain's positions in the target pass (1: nothing was drafted)
     num_drafted: torch.Tensor  # [batch] long: chain tokens each row proposed
     num_accepted: torch.Tensor  # [batch] long: ... and had accepted
-    draft_seconds: float
+    draft_seconds: float  # the drafter's part of the step, catch_up_seconds included
     target_seconds: float  # the target's pass plus verification and rollback: what a wider pass adds to
     confidence: torch.Tensor | None = None  # [batch, width - 1] float32: the draft's probability of its tokens, if it reports them
     extra_rows: int = 0  # alternate columns after the chain in the target pass
     alternates: AlternateOutcome | None = None  # when the pass carried alternates
     verify_seconds: float = 0.0  # the part of target_seconds spent verifying and rolling back
+    # the part of draft_seconds spent reading what the drafter skipped while the steps before did not draft
+    # (`Drafter.catch_up`): a cost of those steps, not of this step's draft tokens
+    catch_up_seconds: float = 0.0
     emitted: torch.Tensor | None = None  # [batch] long: tokens handed out (after max_new_tokens, EOS and stop cuts)
     lossy: torch.Tensor | None = None  # [batch] bool: the row was judged by a lossy rule it asked for
 

@@ -163,20 +163,25 @@ def test_calibration_learns_acceptance_by_confidence():
 
 
 def confident_steps(policy, draft: float, target, steps: int = 3000, seed: int = 0, chosen: Counter | None = None,
-                    history: list | None = None) -> float:
+                    history: list | None = None, catch_up: float = 0.0) -> float:
     """Tokens per second over a simulated run where each drafted token carries the draft's confidence
     and is accepted with exactly that probability. Text alternates between easy stretches (confidence
     0.9-1.0) and hard ones (0.05-0.5), switching after a token with probability 0.2, as code alternates
-    between boilerplate and new names. The policy sees each confidence before keeping the token."""
+    between boilerplate and new names. The policy sees each confidence before keeping the token.
+    catch_up: seconds a step that drafts pays per token decoded since the last one that did (a head
+    reading the target's states it skipped: `Drafter.catch_up`)."""
     rng = random.Random(seed)
     tokens = seconds = 0.0
     easy = True
+    skipped = 0
     for _ in range(steps):
         k = policy.choose(1)
         if chosen is not None:
             chosen[k] += 1
         if history is not None:
             history.append(k)
+        caught_up = catch_up * skipped if k else 0.0
+        skipped = 0 if k else skipped + 1
         stop = policy.stop_rule(1) if k else None
         confidence = []
         for _ in range(k):
@@ -191,9 +196,10 @@ def confident_steps(policy, draft: float, target, steps: int = 3000, seed: int =
         while accepted < drafted and rng.random() < confidence[accepted]:
             accepted += 1
         forwards = drafted if drafted == k else drafted + 1  # a stop still paid for the token it judged
-        draft_seconds, target_seconds = forwards * draft, target(drafted + 1)
+        draft_seconds, target_seconds = forwards * draft + caught_up, target(drafted + 1)
         policy.observe(StepRecord(1, k, drafted + 1, torch.tensor([drafted]), torch.tensor([accepted]), draft_seconds,
-                                  target_seconds, torch.tensor([confidence[:drafted]]) if drafted else None))
+                                  target_seconds, torch.tensor([confidence[:drafted]]) if drafted else None,
+                                  catch_up_seconds=caught_up))
         tokens += accepted + 1
         seconds += draft_seconds + target_seconds
     return tokens / seconds
@@ -227,6 +233,17 @@ def test_confident_drafts_come_back_soon_after_a_slow_stretch():
     confident_steps(policy, 0.03, cpu_like, steps=200, seed=1, history=history)
     first_on = next(i for i, k in enumerate(history) if k > 0)
     assert first_on <= policy.probe_every
+    assert sum(k > 0 for k in history[60:]) / len(history[60:]) > 0.9
+
+
+def test_a_heads_catch_up_does_not_keep_it_off_after_a_slow_stretch():
+    """A head reads the target's states of every token decoded while it was off when it drafts again (here 2%
+    of a step per token skipped). Priced as the probe's own drafting, it would make each probe look as slow as
+    the plain stretch before it was long, and drafting would stay off; timed apart, the probes bring it back."""
+    policy = AdaptiveDraftLen()
+    confident_steps(policy, 0.3, cpu_like, steps=300, catch_up=0.006)
+    history = []
+    confident_steps(policy, 0.03, cpu_like, steps=200, seed=1, history=history, catch_up=0.006)
     assert sum(k > 0 for k in history[60:]) / len(history[60:]) > 0.9
 
 

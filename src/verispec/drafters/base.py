@@ -263,6 +263,11 @@ class Drafter(Protocol):
     # target's cache keeps (`observe_taps`), with no extra target pass. None: it reads none.
     target_taps: "tuple[int, ...] | None" = None
 
+    # Reads, when drafting resumes, what it skipped while steps did not draft (a trained head: the target's
+    # hidden states of the tokens decoded meanwhile): the engine calls `catch_up` before `propose` in steps that
+    # draft, and times it apart, as a cost of the steps that did not draft rather than of this draft's tokens.
+    catches_up: bool = False
+
     # Masks its draft by the rows' grammars (structured output): the engine passes `propose` each row's
     # `grammar.Constraint` (None for a row without one) as `constraints`. Acceptance only: any draft is exact.
     reads_grammars: bool = False
@@ -279,6 +284,10 @@ class Drafter(Protocol):
         """Per row, the target's tapped hidden states [n, len(target_taps) * hidden] of the n tokens its cache
         just kept, in order (None: none). Called only when `target_taps` is set."""
         raise NotImplementedError(f"{type(self).__name__} reads no hidden states of the target")
+
+    def catch_up(self, sequences: list[list[int]]) -> None:
+        """Read what was skipped, for the `propose` that follows in this step (called only when `catches_up`)."""
+        raise NotImplementedError(f"{type(self).__name__} has nothing to catch up on")
 
     def add(self, prompts: list[list[int]]) -> None:
         """New sequences join the batch, after the current rows."""

@@ -7,7 +7,8 @@ the token after them is known, which it is by the next `propose`. A round that d
 1. catches up: one head pass over the new positions (target taps beside the next tokens), appended to
    the head's own key/value cache; its output at the last position predicts the first draft token.
    Rounds that draft nothing (the policy found drafting does not pay) leave the taps waiting, so a head
-   that does not pay costs nothing per step, and a later catch-up reads them in one wider pass;
+   that does not pay costs nothing per step, and a later catch-up reads them in one wider pass (timed
+   apart by the engine, `Drafter.catches_up`: it pays for the rounds that skipped, not for this draft);
 2. drafts: each further token feeds the head its own output hidden state beside the token it chose,
    one position to the right (as training-time test trained it). Where the step asks for a token tree,
    it grows an EAGLE-2 dynamic tree around that chain instead (`drafters.dynamic_tree`): each depth is
@@ -65,6 +66,7 @@ class Eagle3Drafter(Drafter):
         self.keys = torch.zeros(0, config.num_key_value_heads, 0, config.head_dim)
         self.values = torch.zeros_like(self.keys)
         self.pending: list[list[torch.Tensor]] = []  # per row: target taps [n, len(taps) * H] not yet read
+        self._caught: tuple[torch.Tensor, torch.Tensor] | None = None  # `catch_up`'s result, for this step's `propose`
 
     def add(self, prompts: list[list[int]]) -> None:
         """New rows: an empty head cache each; their prompt taps arrive through `observe_taps`."""
@@ -124,13 +126,20 @@ class Eagle3Drafter(Drafter):
         out = self._layer(tokens, self.head.project(taps), visible)
         return out[:, -1], known
 
+    catches_up = True
+
+    @torch.inference_mode()
+    def catch_up(self, sequences: list[list[int]]) -> None:
+        self._caught = self._catch_up(sequences)
+
     @torch.inference_mode()
     def propose(self, sequences: list[list[int]], draft_len: int, sampling: list[SamplingParams], generators: list[torch.Generator],
                 stop: StopRule | None = None, branch: BranchRule | None = None) -> Draft:
         batch = len(sequences)
         if draft_len == 0:  # the taps wait: read in one wider pass when drafting resumes, or never if it does not
             return empty_draft(batch)
-        hidden, known = self._catch_up(sequences)
+        caught, self._caught = self._caught, None
+        hidden, known = caught if caught is not None else self._catch_up(sequences)
         if not bool(known.any()):
             return empty_draft(batch)
         if branch is not None:
