@@ -65,7 +65,7 @@ def main() -> None:
     parser.add_argument("--target", default="qwen2.5-coder-1.5b")
     parser.add_argument("--numerics", default="q8", choices=("float32", "q8"))
     parser.add_argument("--draft", default="qwen2.5-coder-0.5b")
-    parser.add_argument("--draft-dtype", default="int4", help="the draft model's matrices (as race_drafters' model:DRAFT)")
+    parser.add_argument("--draft-dtype", default="int4", help="the draft model's matrices (as verispec bench --method model:DRAFT)")
     parser.add_argument("--draft-len", type=int, default=4)
     parser.add_argument("--problems", default="/work/shared/data/humaneval_dev.jsonl")
     parser.add_argument("--tests", required=True, help="HumanEval.jsonl.gz (or .jsonl) of the OpenAI release: the tests")

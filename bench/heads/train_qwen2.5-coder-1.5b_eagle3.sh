@@ -6,7 +6,7 @@
 # Data (no internet here, so what ships with the machine):
 # - the even rows of ../shared/data's HumanEval and Spec-Bench dev halves (Spec-Bench's first turns, through
 #   the chat template), each followed by the target's own greedy answer (self-distillation, <= 160 tokens);
-#   the odd rows stay unseen, for the benchmark (bench/race_drafters.py --rows odd);
+#   the odd rows stay unseen, for the benchmark (verispec bench --method ... --rows odd);
 # - Python source of the installed site-packages, teacher-forced.
 # 131k tokens of features (the target's taps at layers 2, 14, 25 and its top-32 log-probabilities) come from
 # the q8 target's own prefill. The head: draft vocabulary 8192, MLP 4096 wide (a narrower layer than the

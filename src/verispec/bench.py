@@ -74,6 +74,12 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sweep-prompts", type=int, default=3, help="prompts used for the draft-length sweep")
     p.add_argument("--widths", default="1,2,3,4,5,6,8,9,12,16", help="target forward widths for the verify cost curve")
     p.add_argument("--quick", action="store_true", help="1 prompt per category, 32 new tokens: a few minutes")
+    p.add_argument("--method", action="append", default=[], metavar="M",
+                   help="race drafters side by side instead, in one run (repeatable): plain decoding and each method, e.g. "
+                        "suffix, ngram, self, model:DRAFT[:DTYPE], staged:DRAFT, eagle3:DIR[:int4], eagle3-tree:DIR, mtp:DIR, "
+                        "medusa:DIR (see verispec.race); with --peer llama.cpp too")
+    p.add_argument("--rows", default="all", choices=("all", "odd", "even"),
+                   help="with --method: every other prompt of the file (odd / even), e.g. the half a head was not trained on")
     p.add_argument("--out", default="bench/reports", help="directory for JSON, Markdown and PNG reports")
     p.add_argument("--name", default=None, help="report file stem (default: derived from the prompt file)")
 

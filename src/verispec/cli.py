@@ -211,8 +211,12 @@ def cmd_chat(args) -> int:
 
 def cmd_bench(args) -> int:
     from verispec.bench import run_bench
+    from verispec.race import run_race
 
-    run_bench(args)
+    if args.method:  # drafters side by side
+        run_race(args)
+    else:
+        run_bench(args)
     return 0
 
 

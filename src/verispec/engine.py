@@ -468,3 +468,4 @@ class SpeculativeEngine:
                 yield from batch.step()
         finally:
             batch.stats.total_seconds += time.perf_counter() - started
+            batch.stats.drafter_figures = batch.drafter.figures()

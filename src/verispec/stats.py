@@ -115,6 +115,7 @@ class SpecStats:
     alternates_drafted: int = 0  # token-tree candidates beside the chain (second guesses, a dynamic tree's nodes)
     alternates_accepted: int = 0  # ... taken after the chain's accepted prefix (tokens gained from them)
     drafter: str = ""  # which drafter the call ran (a draft model whose start did not pay gives way to prompt lookup)
+    drafter_figures: dict = field(default_factory=dict)  # what that drafter reports of its own work (`Drafter.figures`)
     lossy: bool = False  # some row was verified by a lossy rule it asked for (typical acceptance, a cascade): not the target's output
 
     def observe(self, step: StepRecord) -> None:

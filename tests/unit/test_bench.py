@@ -95,6 +95,26 @@ def test_bench_labels_a_lossy_run(tmp_path):
     assert "LOSSY typical acceptance, eps 0.05" in (tmp_path / "lossy.md").read_text()
 
 
+@pytest.mark.slow
+def test_bench_races_drafters_side_by_side(tmp_path, capsys):
+    """`verispec bench --method ...`: plain decoding and each drafter in one run, every text checked against
+    plain decoding's, a report per method and category."""
+    from verispec.cli import main
+
+    assert main(["bench", "humaneval", "--target", "smollm2-135m", "--method", "suffix", "--method", "ngram",
+                 "--per-category", "2", "--rows", "odd", "--max-new-tokens", "12", "--rounds", "2",
+                 "--out", str(tmp_path), "--name", "race"]) == 0
+    data = json.loads((tmp_path / "race.json").read_text())
+    assert [r["id"] for r in data["rows"]] == ["HumanEval/2", "HumanEval/6"]  # the odd rows of the bundled set
+    table = data["summary"]["table"]["all"]
+    assert set(table) == {"plain", "suffix", "ngram"}
+    assert table["suffix"]["identical"] == "2/2" and table["ngram"]["identical"] == "2/2"
+    assert table["plain"]["vs_plain"] == 1.0 and table["suffix"]["tokens_per_pass"] >= 1.0
+    assert "| suffix |" in (tmp_path / "race.md").read_text()
+    assert main(["bench", "humaneval", "--target", "smollm2-135m", "--method", "nonsense", "--out", str(tmp_path)]) == 2
+    assert "unknown --method 'nonsense'" in capsys.readouterr().err
+
+
 def test_paired_runs_alternate_the_order_and_take_medians():
     """Rounds run plain first, then speculative first, and so on; each side's time is its median."""
     import time

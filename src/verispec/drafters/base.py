@@ -285,6 +285,10 @@ class Drafter(Protocol):
         just kept, in order (None: none). Called only when `target_taps` is set."""
         raise NotImplementedError(f"{type(self).__name__} reads no hidden states of the target")
 
+    def figures(self) -> dict:
+        """What it did, in its own terms, for reports (`SpecStats.drafter_figures`); {} for most drafters."""
+        return {}
+
     def catch_up(self, sequences: list[list[int]]) -> None:
         """Read what was skipped, for the `propose` that follows in this step (called only when `catches_up`)."""
         raise NotImplementedError(f"{type(self).__name__} has nothing to catch up on")

@@ -59,6 +59,10 @@ class Lookahead(Protocol):
     def lookahead(self, contexts: list[list[int]], draft_len: int, sampling: list[SamplingParams],
                   stop: StopRule | None = None) -> Draft: ...
 
+    def figures(self) -> dict:
+        """Stage 2's work: draft-model passes, the draft tokens they gave, and the proposals they accepted."""
+        return {"draft_passes": self.passes, "draft_tokens": self.tokens_drafted, "proposals_accepted": self.proposals_accepted}
+
     def commit(self, verdict: Verdict) -> None: ...
 
     def select(self, rows: list[int]) -> None: ...

@@ -1,28 +1,24 @@
-"""Drafters side by side on one target, in one run: plain decoding, each drafter given, and llama.cpp's
-plain decoding of the same GGUF file, prompt by prompt.
+"""`verispec bench --method M [--method M ...]`: drafters side by side on one target, in one run: plain
+decoding, each drafter given, and llama.cpp's plain decoding of the same GGUF file (`--peer llama.cpp`),
+prompt by prompt.
 
 Per prompt every method runs `--rounds` times, the methods' order rotating each round (so a noisy
 neighbour hits them alike), and its median time counts; the speedups are medians over prompts of
 per-prompt tokens/s ratios. Greedy: every drafter's text must equal plain decoding (it is checked and
 reported). A method is `plain`, `suffix`, `ngram`, `self`, `model:DRAFT` (a draft model, int4 unless
 `model:DRAFT:fp32|bf16|int8`), `eagle3:DIR[:int8|int4|bfloat16]` (a trained head, chain; int8 unless given) or
-`eagle3-tree:DIR[:...]` (an EAGLE-2 dynamic tree grown around the head's chain, priced node by node), `mtp:DIR[:...]` or
-`mtp-tree:DIR[:...]` (an MTP module, `verispec train mtp`, likewise), `medusa:DIR` or
-`medusa-tree:DIR` (Medusa-1 heads, `verispec train medusa`; float32), `staged:DRAFT[:DTYPE]` (staged drafting: the draft
-model itself sped up by suffix proposals; `staged` alone: the target's int4 copy, float32 targets). For staged methods
-the report adds stage 2's figures: draft tokens per draft-model pass and proposals accepted per pass.
+`eagle3-tree:DIR[:...]` (an EAGLE-2 dynamic tree grown around the head's chain, priced node by node), `mtp:DIR[:...]`
+or `mtp-tree:DIR[:...]` (an MTP module, `verispec train mtp`, likewise), `medusa:DIR` or `medusa-tree:DIR`
+(Medusa-1 heads, `verispec train medusa`; float32), `staged:DRAFT[:DTYPE]` (staged drafting: the draft model
+itself sped up by suffix proposals; `staged` alone: the target's int4 copy, float32 targets). For staged
+methods the report adds stage 2's figures: draft tokens per draft-model pass.
 
-    python bench/race_drafters.py --target qwen2.5-coder-1.5b --numerics q8 --prompts spec_bench_dev.jsonl --rows all \\
-        --method model:qwen2.5-coder-0.5b --method staged:qwen2.5-coder-0.5b --method suffix --out bench/reports/staged
-
-    python bench/race_drafters.py --target qwen2.5-coder-1.5b --numerics q8 --prompts humaneval --rows odd \\
-        --method eagle3:HEAD --method model:qwen2.5-coder-0.5b --method suffix --peer llama.cpp \\
-        --out bench/reports/race_heads_humaneval
+    verispec bench humaneval --target qwen2.5-coder-1.5b --numerics q8 --rows odd --method eagle3:HEAD \
+        --method eagle3-tree:HEAD --method model:qwen2.5-coder-0.5b --method suffix --peer llama.cpp --name race_heads
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -35,6 +31,8 @@ import torch
 import verispec
 from verispec import zoo
 from verispec.bench import _cpu_name, read_prompts
+from verispec.errors import VerispecError
+from verispec.options import DraftLen
 from verispec.drafters.eagle3 import rounded_copy
 from verispec.text import encode_prompt
 
@@ -75,60 +73,31 @@ def methods_of(target, specs: list[str]) -> list[Method]:
             out.append(Method(f"{kind} {Path(rest).name}",
                               dict(draft=head, drafter="medusa", **({"draft_len": "tree"} if kind == "medusa-tree" else {}))))
         else:
-            raise SystemExit(f"unknown method {spec!r}: plain, suffix, ngram, self, model:DRAFT[:DTYPE], eagle3:DIR, "
+            raise VerispecError(f"unknown --method {spec!r}: plain, suffix, ngram, self, model:DRAFT[:DTYPE], eagle3:DIR, "
                              "eagle3-tree:DIR, mtp:DIR, mtp-tree:DIR, medusa:DIR, medusa-tree:DIR, staged, staged:DRAFT[:DTYPE]")
     return out
 
 
 def run_method(target, ids: list[int], method: Method, max_new_tokens: int, draft_len="auto"):
-    """(result, seconds, stage 2's counters {passes, tokens, accepted} for a staged drafter, else None)."""
-    drafter = method.options.get("drafter")
-    if drafter in ("suffix", "staged"):
+    """(the generate() result, its seconds)."""
+    if method.options.get("drafter") in ("suffix", "staged"):
         verispec.api.suffix_index(target).clear()  # drafts from this call's text only, as in a first request
-    made, build = [], verispec.api.DRAFTERS.get(drafter)
-    if drafter == "staged":  # keep the call's drafter, to read what its stage 2 did
-        verispec.api.DRAFTERS["staged"] = lambda *args: made.append(build(*args)) or made[-1]
-    try:
-        started = time.perf_counter()
-        result = verispec.generate(target, ids, max_new_tokens=max_new_tokens, **{"draft_len": draft_len, **method.options})
-        seconds = time.perf_counter() - started
-    finally:
-        if drafter == "staged":
-            verispec.api.DRAFTERS["staged"] = build
-    stage2 = {"passes": sum(d.passes for d in made), "tokens": sum(d.tokens_drafted for d in made),
-              "accepted": sum(d.proposals_accepted for d in made)} if made else None
-    return result, seconds, stage2
+    started = time.perf_counter()
+    result = verispec.generate(target, ids, max_new_tokens=max_new_tokens, **{"draft_len": draft_len, **method.options})
+    return result, time.perf_counter() - started
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--target", default="qwen2.5-coder-1.5b")
-    parser.add_argument("--numerics", default="q8", choices=("float32", "q8"))
-    parser.add_argument("--prompts", default="humaneval", help="a bundled set or a JSONL file (as verispec bench)")
-    parser.add_argument("--rows", default="all", choices=("all", "odd", "even"),
-                        help="odd / even: every other prompt of the file (e.g. the half a head was not trained on)")
-    parser.add_argument("--limit", type=int, default=8, help="prompts per category")
-    parser.add_argument("--method", action="append", default=[], help="repeatable; see the module docstring")
-    parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--draft-len", default="auto", help="draft length of the methods without a tree: 'auto' or an int")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--peer", choices=("llama.cpp",), default=None)
-    parser.add_argument("--peer-bin", default=None)
-    parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--out", required=True, help="report path without extension (.json, .md and .png are written)")
-    args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+def run_race(args) -> dict:
+    """The race `verispec bench` runs when given --method (its arguments: `bench.add_bench_arguments`)."""
     threads = torch.get_num_threads()
-    draft_len = args.draft_len if args.draft_len == "auto" else int(args.draft_len)
-
+    draft_len = args.draft_len
     prompts = read_prompts(args.prompts, sys.maxsize)  # in file order
     if args.rows != "all":
         prompts = prompts[1::2] if args.rows == "odd" else prompts[0::2]
     by_category: dict[str, list] = {}
     for p in prompts:
         by_category.setdefault(p.category, []).append(p)
-    prompts = [p for group in by_category.values() for p in group[: args.limit]]
+    prompts = [p for group in by_category.values() for p in group[: args.per_category]]
     target = verispec.load(args.target, numerics=args.numerics)
     methods = methods_of(target, args.method)
     peer = gguf = None
@@ -146,11 +115,11 @@ def main() -> None:
     for n, p in enumerate(prompts):
         ids = encode_prompt(target.tokenizer, p.text, chat=p.chat)
         times: dict[str, list[float]] = {m.name: [] for m in methods}
-        results, stage2 = {}, {}
+        results = {}
         for r in range(args.rounds):
             order = methods[r % len(methods):] + methods[: r % len(methods)]
             for method in order:
-                result, seconds, stage2[method.name] = run_method(target, ids, method, args.max_new_tokens, draft_len)
+                result, seconds = run_method(target, ids, method, args.max_new_tokens, draft_len)
                 times[method.name].append(seconds)
                 results[method.name] = result
         plain = results["plain"].token_ids
@@ -164,10 +133,11 @@ def main() -> None:
                 "target_seconds_per_pass": result.stats.target_seconds / max(1, result.stats.target_passes),
                 "draft_seconds_per_pass": result.stats.draft_seconds / max(1, result.stats.target_passes),
                 "prefill_seconds": result.stats.prefill_seconds}  # the target's, and a draft model's own, prompt prefill
-            if stage2[method.name] is not None:  # the last round's: draft tokens and accepted proposals per draft pass
-                passes = max(1, stage2[method.name]["passes"])
-                row["methods"][method.name]["stage2"] = {**stage2[method.name], "tokens_per_draft_pass": stage2[method.name]["tokens"] / passes,
-                                                         "accepted_per_draft_pass": stage2[method.name]["accepted"] / passes}
+            stage2 = result.stats.drafter_figures
+            if "draft_passes" in stage2:  # a staged drafter's: draft tokens and accepted proposals per draft-model pass
+                passes = max(1, stage2["draft_passes"])
+                row["methods"][method.name]["stage2"] = {**stage2, "tokens_per_draft_pass": stage2["draft_tokens"] / passes,
+                                                         "accepted_per_draft_pass": stage2["proposals_accepted"] / passes}
         if peer is not None:
             text = target.tokenizer.decode(ids, skip_special_tokens=False)
             runs = sorted((peer.complete(gguf, text, args.max_new_tokens, threads) for _ in range(args.rounds)),
@@ -182,12 +152,14 @@ def main() -> None:
         print(f"[race] {n + 1}/{len(prompts)} {p.category}/{p.id}: {line}", file=sys.stderr, flush=True)
 
     report = summarize(rows, methods, args, threads)
-    out = Path(args.out)
+    out = Path(args.out) / (args.name or f"race_{Path(args.prompts).stem}")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps({"summary": report, "rows": rows}, indent=1) + "\n")
     out.with_suffix(".md").write_text(markdown(report))
     plot(report, out.with_suffix(".png"))
     print(markdown(report))
+    print(f"[race] reports: {out}.json, .md, .png", file=sys.stderr)
+    return report
 
 
 def _rate(m: dict) -> float:
@@ -226,7 +198,7 @@ def summarize(rows: list[dict], methods: list[Method], args, threads: int) -> di
                 entry[name]["stage2_tokens_per_draft_pass"] = statistics.median(m["stage2"]["tokens_per_draft_pass"] for m in ms)
         table[category] = entry
     return {"target": args.target, "numerics": args.numerics, "prompts": args.prompts, "rows": args.rows,
-            "count": len(rows), "max_new_tokens": args.max_new_tokens, "draft_len": args.draft_len, "rounds": args.rounds,
+            "count": len(rows), "max_new_tokens": args.max_new_tokens, "draft_len": str(DraftLen.parse(args.draft_len).setting), "rounds": args.rounds,
             "threads": threads,
             "cpu": _cpu_name(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "table": table}
 
@@ -275,7 +247,3 @@ def plot(report: dict, path: Path) -> None:
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-
-
-if __name__ == "__main__":
-    main()
