@@ -134,6 +134,9 @@ class DecodeBatch:
         self.fallback = fallback
         self.policy = policy  # how many tokens to draft each step (`policy.make_policy`)
         self.last_step: StepRecord | None = None  # what the latest step did
+        # The drafter has state to read that did not come from drafting (new rows' prompts, the tokens of steps
+        # that did not draft): its next drafting step catches up first, timed apart (`Drafter.catches_up`).
+        self._behind = True
         self.stats = stats if stats is not None else SpecStats()
         self.rows: list[_Row] = []
         self._new_cache()
@@ -153,6 +156,7 @@ class DecodeBatch:
 
     @torch.inference_mode()
     def add(self, requests: list[Request], readers: list[PromptReader] | None = None) -> None:
+        self._behind = True
         """Admit requests: prefill their prompts (all but the last token) and join the batch.
 
         readers: the requests' prompts already read (`prefill.PromptReader`, done), e.g. a few chunks at a
@@ -250,8 +254,9 @@ class DecodeBatch:
         t0 = time.perf_counter()
         # 0. The drafter proposes up to k tokens per row (perhaps a token tree), having first read what it
         # skipped while earlier steps did not draft.
-        if k and self.drafter.catches_up:
+        if k and self.drafter.catches_up and self._behind:
             self.drafter.catch_up([row.sequence for row in self.rows])
+        self._behind = k == 0
         caught_up = time.perf_counter()
         draft = self._propose(k, sampling, generators, verifier)
         t1 = time.perf_counter()

@@ -264,8 +264,10 @@ class Drafter(Protocol):
     target_taps: "tuple[int, ...] | None" = None
 
     # Reads, when drafting resumes, what it skipped while steps did not draft (a trained head: the target's
-    # hidden states of the tokens decoded meanwhile): the engine calls `catch_up` before `propose` in steps that
-    # draft, and times it apart, as a cost of the steps that did not draft rather than of this draft's tokens.
+    # hidden states of the tokens decoded meanwhile, or of new rows' prompts): in the first drafting step after
+    # those the engine calls `catch_up` before `propose`, and times it apart, as a cost of the steps that did not
+    # draft (or of the prompt) rather than of this draft's tokens. A step after a drafting step reads only what
+    # that step kept, inside `propose`: a cost of drafting, priced as one.
     catches_up: bool = False
 
     # Masks its draft by the rows' grammars (structured output): the engine passes `propose` each row's

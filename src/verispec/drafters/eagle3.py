@@ -8,7 +8,8 @@ the token after them is known, which it is by the next `propose`. A round that d
    the head's own key/value cache; its output at the last position predicts the first draft token.
    Rounds that draft nothing (the policy found drafting does not pay) leave the taps waiting, so a head
    that does not pay costs nothing per step, and a later catch-up reads them in one wider pass (timed
-   apart by the engine, `Drafter.catches_up`: it pays for the rounds that skipped, not for this draft);
+   apart by the engine, `Drafter.catches_up`: it pays for the rounds that skipped, not for this draft;
+   after a drafting round, reading that round's kept tokens is part of drafting, and priced so);
 2. drafts: each further token feeds the head its own output hidden state beside the token it chose,
    one position to the right (as training-time test trained it). Where the step asks for a token tree,
    it grows an EAGLE-2 dynamic tree around that chain instead (`drafters.dynamic_tree`): each depth is
