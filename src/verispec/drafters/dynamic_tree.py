@@ -101,13 +101,13 @@ class DynamicTree:
             nodes.append(_Node(chain_tokens[b], self.frontier[b][0], depth, float(confidence[b]),
                                parent_worth[0] * chance_chain[b], True))
             chain_node = len(nodes) - 1
+            offered = [(slot, candidate) for slot in range(len(self.frontier[b]))  # slot 0: not the chain's own token
+                       for candidate in self._candidates(b, logits[b, slot], chain_tokens[b] if slot == 0 else None)]
+            chances = self.branch.chance(torch.tensor([c[1] for _, c in offered]), False).tolist() if offered else []
             candidates = []
-            for slot, parent in enumerate(self.frontier[b]):
-                taken = chain_tokens[b] if slot == 0 else None  # the chain's own token at its node
-                for token, prob, drawn_from in self._candidates(b, logits[b, slot], taken):
-                    worth = parent_worth[slot] * float(self.branch.chance(torch.tensor([prob]), False)[0])
-                    nodes.append(_Node(token, parent, depth, prob, worth, False, drawn_from))
-                    candidates.append((len(nodes) - 1, slot))
+            for (slot, (token, prob, drawn_from)), chance in zip(offered, chances):
+                nodes.append(_Node(token, self.frontier[b][slot], depth, prob, parent_worth[slot] * chance, False, drawn_from))
+                candidates.append((len(nodes) - 1, slot))
             best = sorted(candidates, key=lambda c: -nodes[c[0]].worth)[: self.beam - 1]
             self.frontier[b] = [chain_node] + [n for n, _ in best]
             expand_tokens.append([nodes[n].token for n in self.frontier[b]])

@@ -347,11 +347,16 @@ def add_common_arguments(parser) -> None:
                         help="answer length per prompt when self-distilling (default: %(default)s)")
 
 
-def run_train(args) -> int:
-    """`verispec train eagle3` (the CLI sets the threads and log level, `--threads` / `--quiet`, before this)."""
-    for name in ("max_tokens", "steps", "ttt_steps", "batch", "draft_vocab", "seq_len", "checkpoint_every"):
+def check_positive(args, *names: str) -> None:
+    """Each named CLI argument is at least 1, or a VerispecError names the flag (the `verispec train` commands)."""
+    for name in names:
         if getattr(args, name) < 1:
             raise VerispecError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+
+
+def run_train(args) -> int:
+    """`verispec train eagle3` (the CLI sets the threads and log level, `--threads` / `--quiet`, before this)."""
+    check_positive(args, "max_tokens", "steps", "ttt_steps", "batch", "draft_vocab", "seq_len", "checkpoint_every")
     if args.seq_len <= args.ttt_steps:
         raise VerispecError(f"--seq-len ({args.seq_len}) must exceed --ttt-steps ({args.ttt_steps})")
     taps = tuple(int(t) for t in args.taps.split(",")) if args.taps else None

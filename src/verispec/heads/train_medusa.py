@@ -27,8 +27,8 @@ from tqdm import tqdm
 from verispec.errors import VerispecError
 from verispec.heads.data import load_shard
 from verispec.heads.medusa import MedusaConfig, MedusaHead, medusa_loss, save_head
-from verispec.heads.train import (LOG, TrainConfig, _checkpoint, _lr_factor, _resume, add_common_arguments, choose_draft_vocab,
-                                  target_output_rows, training_features)
+from verispec.heads.train import (LOG, TrainConfig, _checkpoint, _lr_factor, _resume, add_common_arguments, check_positive,
+                                  choose_draft_vocab, target_output_rows, training_features)
 
 
 def final_tap(target) -> int:
@@ -157,9 +157,7 @@ def add_medusa_arguments(parser) -> None:
 
 def run_train_medusa(args) -> int:
     """`verispec train medusa` (the CLI sets the threads and log level before this)."""
-    for name in ("max_tokens", "steps", "heads", "batch", "draft_vocab", "seq_len", "checkpoint_every"):
-        if getattr(args, name) < 1:
-            raise VerispecError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    check_positive(args, "max_tokens", "steps", "heads", "batch", "draft_vocab", "seq_len", "checkpoint_every")
     if args.head_layers < 0:
         raise VerispecError(f"--head-layers must be at least 0, got {args.head_layers}")
     if args.seq_len <= args.heads:

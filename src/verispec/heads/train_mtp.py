@@ -25,7 +25,8 @@ import torch
 from verispec.errors import VerispecError
 from verispec.heads.eagle3 import target_output_rows
 from verispec.heads.mtp import MTPConfig, MTPHead, save_head
-from verispec.heads.train import TrainConfig, add_common_arguments, choose_draft_vocab, fit_chained_head, training_features
+from verispec.heads.train import (TrainConfig, add_common_arguments, check_positive, choose_draft_vocab, fit_chained_head,
+                                  training_features)
 from verispec.heads.train_medusa import final_tap
 
 
@@ -82,9 +83,7 @@ def add_mtp_arguments(parser) -> None:
 
 def run_train_mtp(args) -> int:
     """`verispec train mtp` (the CLI sets the threads and log level before this)."""
-    for name in ("max_tokens", "steps", "ttt_steps", "batch", "draft_vocab", "seq_len", "checkpoint_every"):
-        if getattr(args, name) < 1:
-            raise VerispecError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    check_positive(args, "max_tokens", "steps", "ttt_steps", "batch", "draft_vocab", "seq_len", "checkpoint_every")
     if args.seq_len <= args.ttt_steps:
         raise VerispecError(f"--seq-len ({args.seq_len}) must exceed --ttt-steps ({args.ttt_steps})")
     if not 0.0 < args.decay <= 1.0:
