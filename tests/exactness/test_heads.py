@@ -317,6 +317,38 @@ class TapRecorder(Drafter):
         self.observed.append([None if h is None else h.clone() for h in hidden])
 
 
+@pytest.mark.parametrize("window", [3, 8, None])
+def test_a_heads_window_keeps_greedy_output_exact(tiny_target, trained_head, window):
+    """A catch-up reads at most `window` positions (a long prompt, or a long stretch without drafting), from a
+    fresh start of the row; output stays the target's, and the head still gets tokens accepted."""
+    from test_trees import _Always, _decode
+
+    plain = [verispec.generate(tiny_target, p, drafter="none", max_new_tokens=40).token_ids for p in PROMPTS]
+    got, stats = _decode(tiny_target, Eagle3Drafter(trained_head, tiny_target, window=window), PROMPTS, _Always(3), 40)
+    assert got == plain
+    assert stats.accepted_tokens > 40  # a window of 3 sees little, but the taps carry the context
+
+
+def test_a_heads_window_restarts_only_the_rows_past_it(tiny_target, trained_head):
+    drafter = Eagle3Drafter(trained_head, tiny_target, window=4)
+    rows = [[1] + list(range(5, 15)), [1, 20, 21]]  # 10 and 2 positions to read
+    drafter.add(rows)
+    _, hidden = tiny_target.forward(torch.tensor([rows[0][:-1]]), tiny_target.new_cache(1), taps=TAPS)
+    _, short = tiny_target.forward(torch.tensor([rows[1][:-1]]), tiny_target.new_cache(1), taps=TAPS)
+    drafter.observe_taps([hidden[0], short[0]])
+    drafter.catch_up(rows)
+    assert drafter.slots.num_tokens().tolist() == [4, 2] and drafter.skipped == [6, 0]
+    # what the windowed row holds is what a head given only those 4 positions computes
+    alone = Eagle3Drafter(trained_head, tiny_target, window=None)
+    alone.add([rows[0][6:]])
+    alone.observe_taps([hidden[0, 6:]])
+    alone.catch_up([rows[0][6:]])
+    torch.testing.assert_close(drafter._caught[0][0], alone._caught[0][0], rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match="skipped"):  # the bookkeeping still checks the target's count
+        drafter.observe_taps([hidden[0, :1], None])
+        drafter.catch_up(rows)
+
+
 def test_engine_hands_over_the_taps_of_every_kept_token(tiny_hf, tiny_target):
     """Prefill, chain and tree passes alike: the drafter receives, in order, the taps of exactly the tokens
     the target's cache keeps, i.e. of the final sequence but its last token (and of any tokens the last

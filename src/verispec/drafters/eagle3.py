@@ -37,18 +37,28 @@ from verispec.prefill import left_pad
 from verispec.sampling import SamplingParams
 
 
+# The most positions one catch-up reads (a prompt, or the tokens decoded while the head was off). The head's
+# own attention helps it most over the last few dozen positions; the target's taps carry the rest of the
+# context. Reading a 1000-token prompt in full cost the 1.5B's head ~0.6 s on this CPU, more than a short
+# answer's whole gain.
+CONTEXT_WINDOW = 64
+
+
 class Eagle3Drafter(Drafter):
     """Drafts with a trained EAGLE-3 head; `target_taps` (set per head) makes the engine hand it the target's taps.
     The chain reads the head only through `ChainedHead`'s steps: `MTPDrafter` is this drafter over an MTP module."""
 
     def __init__(self, head: Eagle3Head, target, min_confidence: float = 0.0, weights: str | None = "auto",
-                 top_k: int = 4, beam: int = 4):
+                 top_k: int = 4, beam: int = 4, window: int | None = CONTEXT_WINDOW):
         """weights: how the head's matrices are stored while drafting: "int8", "int4" or "bfloat16" (a copy
         of the head rounded for verispec's CPU kernels: a quarter of float32's bytes per draft token at
         int8), None (the head as given), or "auto" (int8 on a CPU with the kernels, else as given). A head
         already rounded (`Eagle3Head.quantize`) drafts as it is. top_k, beam: the dynamic tree's shape where
         the step asks for a tree: candidates per expanded node, and nodes expanded per depth (how many of
-        them are verified is priced by the step's branch rule)."""
+        them are verified is priced by the step's branch rule). window: the most positions a catch-up reads
+        (`CONTEXT_WINDOW`); None reads every one."""
+        if window is not None and window < 1:
+            raise ValueError(f"window must be at least 1 position (or None), got {window}")
         if head.config.vocab_size != target.vocab_size:
             raise ValueError(f"the head scores a {head.config.vocab_size}-token vocabulary, the target has {target.vocab_size}")
         if weights == "auto":
@@ -62,11 +72,13 @@ class Eagle3Drafter(Drafter):
         self.vocab_size = target.vocab_size
         self.min_confidence = min_confidence
         self.top_k, self.beam = top_k, beam
+        self.window = window
         config = head.config
         self.slots = SlotCache(0)
         self.keys = torch.zeros(0, config.num_key_value_heads, 0, config.head_dim)
         self.values = torch.zeros_like(self.keys)
         self.pending: list[list[torch.Tensor]] = []  # per row: target taps [n, len(taps) * H] not yet read
+        self.skipped: list[int] = []  # per row: the target's positions the head never read (`window`)
         self._caught: tuple[torch.Tensor, torch.Tensor] | None = None  # `catch_up`'s result, for this step's `propose`
 
     def add(self, prompts: list[list[int]]) -> None:
@@ -77,6 +89,7 @@ class Eagle3Drafter(Drafter):
         empty = torch.zeros(len(prompts), config.num_key_value_heads, self.keys.shape[2], config.head_dim)
         self.keys, self.values = torch.cat([self.keys, empty]), torch.cat([self.values, empty.clone()])
         self.pending.extend([] for _ in prompts)
+        self.skipped.extend(0 for _ in prompts)
 
     def observe_taps(self, hidden: list[torch.Tensor | None]) -> None:
         """Per row of the batch, the target's taps [n, len(taps) * H] of the n tokens its cache just kept
@@ -102,19 +115,33 @@ class Eagle3Drafter(Drafter):
         return self.head.finish(residual, self.head.attend(q, self.keys, self.values, allowed))
 
     def _catch_up(self, sequences: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Read every pending tap (beside the token that follows it). Returns (the head's output [B, H] at
+        """Read every pending tap (beside the token that follows it), or where more than `window` are pending,
+        only the last `window` of them, in a cache the row starts afresh. Returns (the head's output [B, H] at
         each row's last position, [B] bool: rows that have any position at all)."""
         batch = len(sequences)
         seen = self.slots.num_tokens().tolist()
-        rows_tokens, rows_taps = [], []
+        rows_tokens, rows_taps, restart = [], [], []
         for b in range(batch):
             taps = torch.cat(self.pending[b]) if self.pending[b] else torch.zeros(0, self.head.in_features)
-            if seen[b] + len(taps) != len(sequences[b]) - 1:
-                raise RuntimeError(f"row {b}: the head holds {seen[b]} positions and {len(taps)} new taps, but the "
-                                   f"target's cache holds {len(sequences[b]) - 1}")
+            start = self.skipped[b] + seen[b]  # the target position of the row's first pending tap
+            if start + len(taps) != len(sequences[b]) - 1:
+                raise RuntimeError(f"row {b}: the head holds {seen[b]} positions, skipped {self.skipped[b]} and has "
+                                   f"{len(taps)} new taps, but the target's cache holds {len(sequences[b]) - 1}")
+            if self.window is not None and len(taps) > self.window:
+                # a long prompt, or a long stretch without drafting: the positions that decide the next tokens are
+                # the recent ones (the target's taps already carry the whole context), so read those alone, from
+                # a fresh start so the row's positions stay contiguous (RoPE sees true distances)
+                skip = len(taps) - self.window
+                restart.append(b)
+                self.skipped[b], start, taps = start + skip, start + skip, taps[skip:]
             rows_taps.append(taps)
-            rows_tokens.append(sequences[b][seen[b] + 1 : seen[b] + 1 + len(taps)])
+            rows_tokens.append(sequences[b][start + 1 : start + 1 + len(taps)])
             self.pending[b] = []
+        if restart:
+            ends = torch.full((batch,), self.slots.length, dtype=torch.long)
+            ends[restart] = 0
+            self.slots.truncate(ends)
+            self.keys, self.values = self.keys[:, :, : self.slots.length], self.values[:, :, : self.slots.length]
         tokens, visible = left_pad(rows_tokens)
         width = tokens.shape[1]
         taps = torch.zeros(batch, width, self.head.in_features)
@@ -213,6 +240,7 @@ class Eagle3Drafter(Drafter):
         self.slots.select(index)
         self.keys, self.values = self.keys[index], self.values[index]
         self.pending = [self.pending[b] for b in rows]
+        self.skipped = [self.skipped[b] for b in rows]
 
 
 def rounded_copy(head: ChainedHead, weights: str) -> ChainedHead:
