@@ -16,6 +16,7 @@ from transformers import PreTrainedModel
 from verispec.drafters import (CrossTokenizerDrafter, Eagle3Drafter, HybridDrafter, MedusaDrafter, ModelDrafter, MTPDrafter,
                                NgramDrafter, NoDrafter, SharedCacheDrafter, StagedDrafter, SuffixDrafter)
 from verispec.drafters.base import Drafter
+from verispec.drafters.lookup_first import LookupFirstDrafter
 from verispec.engine import Request, SpeculativeEngine, TokenEvent
 from verispec import options
 from verispec.errors import VerispecError
@@ -215,6 +216,8 @@ DRAFTERS: dict[str, Callable[[CausalLM, CausalLM | None, float], Drafter]] = {
     "eagle3": lambda target, draft, confidence: Eagle3Drafter(draft, target, min_confidence=confidence),
     "medusa": lambda target, draft, confidence: MedusaDrafter(draft, target, min_confidence=confidence),
     "mtp": lambda target, draft, confidence: MTPDrafter(draft, target, min_confidence=confidence),
+    "head+suffix": lambda target, draft, confidence: LookupFirstDrafter(
+        DRAFTERS[head_drafter(draft)](target, draft, confidence), SuffixDrafter(suffix_index(target), target.vocab_size)),
     "ngram": lambda target, draft, confidence: NgramDrafter(),
     "suffix": lambda target, draft, confidence: SuffixDrafter(suffix_index(target), target.vocab_size),
     "none": lambda target, draft, confidence: NoDrafter(),
@@ -368,6 +371,9 @@ def make_drafter(target: CausalLM, draft: CausalLM | None, drafter: str, draft_c
             raise VerispecError(f"a trained head drafts with drafter={head_drafter(draft)!r} (or 'auto'), not {drafter!r}")
         raise VerispecError(f"drafter={drafter!r} drafts with a trained head: pass draft=verispec.load_head(DIR) (or the "
                             f"head's directory); train one with `verispec train {drafter}`")
+    if drafter == "head+suffix" and head_drafter(draft) is None:
+        raise VerispecError("drafter='head+suffix' drafts with a trained head where suffix lookup has nothing better: pass "
+                            "draft=verispec.load_head(DIR) (or the head's directory)")
     if head_drafter(draft) is not None and drafter in ("model", "cross_tokenizer", "hybrid", "self", "staged"):
         raise VerispecError(f"a trained head drafts with drafter={head_drafter(draft)!r} (or 'auto'), not {drafter!r}")
     if head_drafter(draft) is not None and draft.config.vocab_size != target.vocab_size:

@@ -76,7 +76,7 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="1 prompt per category, 32 new tokens: a few minutes")
     p.add_argument("--method", action="append", default=[], metavar="M",
                    help="race drafters side by side instead, in one run (repeatable): plain decoding and each method, e.g. "
-                        "suffix, ngram, self, model:DRAFT[:DTYPE], staged:DRAFT, eagle3:DIR[:int4], eagle3-tree:DIR, mtp:DIR, "
+                        "suffix, ngram, self, model:DRAFT[:DTYPE], staged:DRAFT, eagle3:DIR[:int4], eagle3-tree:DIR, head+suffix:DIR[:int4], mtp:DIR, "
                         "medusa:DIR (see verispec.race); with --peer llama.cpp too")
     p.add_argument("--rows", default="all", choices=("all", "odd", "even"),
                    help="with --method: every other prompt of the file (odd / even), e.g. the half a head was not trained on")

@@ -68,19 +68,25 @@ def methods_of(target, specs: list[str]) -> list[Method]:
             drafter, _, tree = kind.partition("-")
             out.append(Method(f"{kind} {Path(directory).name} {weights or 'int8'}",
                               dict(draft=head, drafter=drafter, **({"draft_len": "tree"} if tree else {}))))
+        elif kind == "head+suffix":
+            directory, _, weights = rest.partition(":")
+            head = verispec.load_head(directory, target)
+            if weights:
+                head = rounded_copy(head, weights)
+            out.append(Method(f"head+suffix {Path(directory).name} {weights or 'int8'}", dict(draft=head, drafter="head+suffix")))
         elif kind in ("medusa", "medusa-tree"):
             head = verispec.load_head(rest, target)
             out.append(Method(f"{kind} {Path(rest).name}",
                               dict(draft=head, drafter="medusa", **({"draft_len": "tree"} if kind == "medusa-tree" else {}))))
         else:
             raise VerispecError(f"unknown --method {spec!r}: plain, suffix, ngram, self, model:DRAFT[:DTYPE], eagle3:DIR, "
-                             "eagle3-tree:DIR, mtp:DIR, mtp-tree:DIR, medusa:DIR, medusa-tree:DIR, staged, staged:DRAFT[:DTYPE]")
+                             "eagle3-tree:DIR, mtp:DIR, mtp-tree:DIR, head+suffix:DIR[:WEIGHTS], medusa:DIR, medusa-tree:DIR, staged, staged:DRAFT[:DTYPE]")
     return out
 
 
 def run_method(target, ids: list[int], method: Method, max_new_tokens: int, draft_len="auto"):
     """(the generate() result, its seconds)."""
-    if method.options.get("drafter") in ("suffix", "staged"):
+    if method.options.get("drafter") in ("suffix", "staged", "head+suffix"):
         verispec.api.suffix_index(target).clear()  # drafts from this call's text only, as in a first request
     started = time.perf_counter()
     result = verispec.generate(target, ids, max_new_tokens=max_new_tokens, **{"draft_len": draft_len, **method.options})

@@ -305,6 +305,49 @@ def test_sampled_eagle3_follows_the_target(tiny_hf, tiny_target, trained_head, p
     assert first > P_THRESHOLD and joint > P_THRESHOLD
 
 
+@pytest.mark.parametrize("draft_len", [3, "auto"])
+def test_greedy_head_with_suffix_lookup_equals_plain(tiny_target, trained_head, draft_len):
+    """drafter="head+suffix": suffix lookup where its draft is expected to do as well as the head, else the head.
+    With the trained head, and with a random one (whose drafts soon look worse than lookup's), both kinds of
+    step occur over these prompts (some repeat themselves), and the output is plain decoding's."""
+    verispec.api.suffix_index(tiny_target).clear()
+    plain = [verispec.generate(tiny_target, p, drafter="none", max_new_tokens=40).token_ids for p in PROMPTS]
+    figures = {"lookup_steps": 0, "model_steps": 0}
+    for prompt, expected, head in zip(PROMPTS * 2, plain * 2, [trained_head] * 4 + [random_head(tiny_target)] * 4):
+        got = verispec.generate(tiny_target, prompt, draft=head, drafter="head+suffix", draft_len=draft_len,
+                                max_new_tokens=40)
+        assert got.token_ids == expected, f"prompt {prompt}"
+        for name in figures:
+            figures[name] += got.stats.drafter_figures[name]
+    batch = verispec.generate(tiny_target, PROMPTS, draft=trained_head, drafter="head+suffix", draft_len=draft_len,
+                              max_new_tokens=40)
+    assert [r.token_ids for r in batch] == plain
+    assert figures["lookup_steps"] > 0 and figures["model_steps"] > 0, figures
+
+
+def test_sampled_head_with_suffix_lookup_follows_the_target(tiny_hf, tiny_target):
+    """Steps of both kinds (a deterministic lookup draft, the head's q) in one batch's run: still the target's
+    joint distribution of the first two tokens (chi-square over 2000 seeded rows)."""
+    from test_sampling_exactness import P_THRESHOLD, first_two_tokens_pvalues, repeating_prompt
+    from verispec.sampling import SamplingParams
+
+    params = dict(temperature=0.8, seed=3)
+    once = repeating_prompt(tiny_target)  # opening, continuation, opening
+    prompt = once[:-3] * 3 + once[-3:]  # lookup is sure of the first tokens; rows that then differ leave it to the head
+    verispec.api.suffix_index(tiny_target).clear()
+    results = verispec.generate(tiny_target, [prompt] * 2000, draft=random_head(tiny_target), drafter="head+suffix",
+                                draft_len=3, max_new_tokens=4, **params)
+    figures = results[0].stats.drafter_figures
+    assert figures["lookup_steps"] > 0 and figures["model_steps"] > 0, figures
+    first, joint = first_two_tokens_pvalues(tiny_hf, prompt, SamplingParams(**params), [r.token_ids for r in results])
+    assert first > P_THRESHOLD and joint > P_THRESHOLD
+
+
+def test_head_with_suffix_lookup_needs_a_head(tiny_target):
+    with pytest.raises(VerispecError, match="trained head"):
+        verispec.generate(tiny_target, [1, 2, 3], drafter="head+suffix", max_new_tokens=2)
+
+
 class TapRecorder(Drafter):
     """A model drafter that also asks for the target's taps and keeps what the engine hands it."""
 

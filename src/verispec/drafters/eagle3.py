@@ -164,9 +164,9 @@ class Eagle3Drafter(Drafter):
     def propose(self, sequences: list[list[int]], draft_len: int, sampling: list[SamplingParams], generators: list[torch.Generator],
                 stop: StopRule | None = None, branch: BranchRule | None = None) -> Draft:
         batch = len(sequences)
+        caught, self._caught = self._caught, None  # read this step's or never: what follows a skipped step is newer
         if draft_len == 0:  # the taps wait: read in one wider pass when drafting resumes, or never if it does not
             return empty_draft(batch)
-        caught, self._caught = self._caught, None
         hidden, known = caught if caught is not None else self._catch_up(sequences)
         if not bool(known.any()):
             return empty_draft(batch)
