@@ -111,6 +111,9 @@ class CausalLM(Protocol):
     # gets the same numbers at any pass width and split (row-exact passes), so prompts may be read and
     # reused at any token.
     prefill_chunk: int | None = 512
+    # With `prefill_chunk`, a chunk also ends right after these tokens (its chat template's turn start;
+    # `prefill.Chunking`), so a conversation's next turn finds every chunk up to the last turn start.
+    turn_start_ids: frozenset[int] = frozenset()
     # The cache's store can copy a row's keys and values out and write them back (`KVStore.gather` / `put`):
     # what a prefix cache needs.
     shares_prefixes: bool = False

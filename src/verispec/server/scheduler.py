@@ -280,7 +280,8 @@ class Scheduler:
                 self._finish(job, JobFailed(400, str(exc)))
                 continue
             try:
-                reader = PromptReader(self.target, job.request.prompt[:-1], self.prefix_cache, self._taps(job.draft))
+                reader = PromptReader(self.target, job.request.prompt[:-1], self.prefix_cache, self._taps(job.draft),
+                                      salt=job.request.cache_salt)
             except Exception:
                 log.exception("looking up a prompt in the prefix cache failed")
                 self.step_failures += 1
