@@ -103,8 +103,10 @@ def test_turn_two_reuses_turn_ones_chunks_and_answers_as_without_the_cache(serve
     # turn 2 found every chunk of turn 1's prompt up to its last <|im_start|> (only "assistant", the answer and
     # the new question are read again)
     last_turn_start = len(prompts[0]) - prompts[0][::-1].index(IM_START)
-    assert hits == Chunking.of(verispec.load(MODEL)).ends(prompts[0][:-1])[-1] == last_turn_start
-    assert m["verispec_prefix_cache_bytes"] == hits * 30 * 3 * 64 * 4 * 2  # one chain: turn 1's chunks
+    chunking = Chunking.of(verispec.load(MODEL))
+    assert hits == chunking.ends(prompts[0][:-1])[-1] == last_turn_start
+    # one chain: turn 2's chunks, turn 1's among them, up to turn 2's last <|im_start|>
+    assert m["verispec_prefix_cache_bytes"] == chunking.ends(prompts[1][:-1])[-1] * 30 * 3 * 64 * 4 * 2
     assert not any(name.startswith("verispec:prefix_cache") for name in metrics(processes["off"]))
     # the same conversation again: now turn 1 is a hit too, and nothing changes
     assert conversation(client_of(on), MODEL) == plain

@@ -38,6 +38,7 @@ from verispec.engine import Request as EngineRequest
 from verispec.errors import VerispecError
 from verispec.grammar import ll_tokenizer
 from verispec.heads import MedusaHead, OnlineConfig, OnlineMedusa
+from verispec.prefill import Chunking
 from verispec.prefix_cache import PrefixCache
 from verispec.options import DRAFTER_NAMES, WEIGHT_DTYPES, DraftLen, flag, positive_int
 from verispec.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, Metrics
@@ -393,6 +394,9 @@ def build_app(target, draft=None, drafter: str = "auto", draft_len: DraftLen | i
         draft_model, drafter = online_heads(target_model, draft_model, online), "medusa"
     if target_model.tokenizer is None:
         raise VerispecError(f"{target_model.name} has no tokenizer: the server needs one to read and write text")
+    # prompt chunks end after the chat template's turn start, which a model derives from its tokenizer once: now,
+    # before a self copy shares it and the event loop's threads use the tokenizer beside the worker
+    log.info("prompt chunks: %s", Chunking.of(target_model))
     drafter = resolve_drafter(target_model, draft_model, drafter)  # a server makes many calls: "auto" may make a self copy
     make_drafter(target_model, draft_model, drafter)  # fails now on a bad choice (unknown name, vocabularies differ)
     log.info("drafter: %s", drafter)
