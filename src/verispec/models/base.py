@@ -104,7 +104,7 @@ class CausalLM(Protocol):
     # `lower_precision_copy(weight_dtype)` makes a cheaper copy with this model's layer shapes, which can
     # draft on this model's own cache (drafter="self").
     makes_lower_precision_copies: bool = False
-    # Prompt prefill proceeds in chunks at fixed absolute positions [0, C), [C, 2C), ... (`prefill.PromptReader`),
+    # Prompt prefill proceeds in chunks of at most C tokens whose ends the prompt's tokens fix (`prefill.Chunking`),
     # with or without a prefix cache: a chunk is then computed by the same pass whether the chunks before it
     # were computed now or taken from a cache, so its keys and values are bitwise the same either way (a
     # backend whose big passes round differently at different widths needs this). None: every token row
