@@ -35,8 +35,8 @@ def left_pad(rows: list[list[int]], pad_id: int = 0) -> tuple[torch.Tensor, torc
 # cap always cuts): a prompt of many tiny turns is still read in passes of MIN_TURN_CHUNK + 1 tokens per two
 # passes at worst, while the short last question of a conversation, after a long chunk, still ends a chunk.
 # 32 is the widest pass of the exact small-pass kernels (`kernels.MAX_ROWS`). That worst case, 1024 tokens each
-# a turn start (62 passes), took SmolLM2 6.3 s against 4.5 s for 1024 random tokens (4 passes), one loaded
-# Zen 4 thread, 2026-11-26.
+# a turn start (62 passes), took SmolLM2 6.3 s against 4.5 s for 1024 random tokens (4 passes), one thread of
+# a loaded AMD EPYC, 2026-11-26 (bench/reports/prefix_cache.md).
 MIN_TURN_CHUNK = 32
 
 

@@ -258,6 +258,7 @@ def chat_model(model, monkeypatch):
     """The tiny model with 64-token chunks that also end after TURN (no two shorter than 8 in a row)."""
     monkeypatch.setattr(native, "PREFILL_CHUNK", 64)
     monkeypatch.setattr(prefill_module, "MIN_TURN_CHUNK", 8)
+    assert model.turn_start_ids == frozenset()  # no tokenizer, no chat template: no turn starts of its own
     model.turn_start_ids = {TURN}
     assert Chunking.of(model) == Chunking(64, frozenset({TURN}), 8)  # a 2-token chunk may follow an 8-token one
     return model
