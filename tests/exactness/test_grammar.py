@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import EOS, perturbed_copy, tiny_llama, tiny_qwen2, toy_grammar, toy_ids
+from conftest import EOS, VOCAB, perturbed_copy, tiny_llama, tiny_qwen2, toy_grammar, toy_ids
 from test_sampling_exactness import P_THRESHOLD, chi2_pvalue
 from verispec.drafters import ModelDrafter, NgramDrafter, NoDrafter, SharedCacheDrafter, SuffixDrafter, SuffixIndex
 from verispec.drafters.hybrid import HybridDrafter
@@ -366,3 +366,28 @@ def test_valid_prefix_only_looks(grammar):
     assert constraint.valid_prefix(toy_ids('2[')) == 1 and constraint.valid_prefix(toy_ids('q')) == 0
     assert constraint.valid_prefix(toy_ids('}') + [EOS, EOS]) == 2  # the grammar may end there; nothing after
     assert torch.equal(constraint.allowed([[]])[0], before)
+
+
+def test_a_suffix_drafts_alternates_are_dropped_where_the_grammar_forbids_them(grammar):
+    """With token trees (a branch rule that wants every second choice), each alternate the suffix draft keeps is
+    one its grammar allows after the chain before it; without the grammar some are forbidden ('[' beside '1')."""
+    prompt = toy_ids('{"ab": 12, "ab": 13, "ab": [3], "ab": 14}')
+    context = prompt + toy_ids(', "ab": ')  # drafts "14}" with the second choices "[" and "3"
+    everywhere = lambda confidence, num_drafted: torch.ones_like(confidence, dtype=torch.bool)  # noqa: E731
+
+    def forbidden_alternates(with_grammar: bool) -> tuple[int, int]:
+        drafter = SuffixDrafter(SuffixIndex(), VOCAB)
+        drafter.add([prompt])
+        constraint = grammar.constraint()
+        constraint.advance(toy_ids('{"ab": 1, "ab": '))  # the row's grammar where the draft starts
+        draft = drafter.propose([context], 6, [SamplingParams()], [torch.Generator()], branch=everywhere,
+                                **({"constraints": [constraint]} if with_grammar else {}))
+        chain = draft.tokens[0, : int(draft.num_drafted[0])].tolist()
+        alternates = [int(a) for a in draft.alternates[0, : len(chain)]] if draft.alternates is not None else []
+        masks = constraint.allowed([chain[:j] for j in range(len(alternates))])
+        kept = [(mask, a) for mask, a in zip(masks, alternates) if a >= 0]
+        return len(kept), sum(mask is None or not bool(mask[a]) for mask, a in kept)
+
+    assert forbidden_alternates(with_grammar=False)[1] > 0
+    kept, forbidden = forbidden_alternates(with_grammar=True)
+    assert kept > 0 and forbidden == 0
