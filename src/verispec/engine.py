@@ -58,6 +58,9 @@ class Request:
     # Whose request this is (a server keys it by API key and `user`): drafters that keep earlier outputs
     # (`Drafter.reads_tenants`) draft a row from its own tenant's only.
     tenant: Hashable = None
+    # Keys the prefix cache apart (vLLM's `cache_salt`): a request reuses cached prompt keys and values only
+    # from requests of the same salt, so another tenant cannot time whether this prompt was seen.
+    cache_salt: str = ""
 
 
 @dataclass
@@ -303,7 +306,8 @@ class DecodeBatch:
         granular prefix cache. Its visible slots hold its tokens in order (holes are other passes' columns)."""
         slots = self.cache.slots.visible[b].nonzero().squeeze(1)
         held = min(len(slots), len(self.rows[b].sequence))  # a cut at a stop may leave more slots than tokens
-        self.prefix_cache.insert(self.rows[b].sequence[:held], self.cache, row=b, slots=slots[:held])
+        self.prefix_cache.insert(self.rows[b].sequence[:held], self.cache, row=b, slots=slots[:held],
+                                 salt=self.rows[b].request.cache_salt)
 
     def _propose(self, k: int, sampling: list[SamplingParams], generators: list[torch.Generator],
                  verifier: Verifier) -> Draft:

@@ -10,7 +10,8 @@ cannot be reached and are left unmasked (never all -inf, which would give NaNs).
 
 `Grammar` is a compiled grammar for one model's tokenizer, checked when it is made (a bad schema or
 regex is a `VerispecError` before any decoding); each row gets its own `Constraint` from it.
-`response_format` reads OpenAI's shapes. Knows nothing about models beyond their tokenizer and vocabulary.
+A drafter without a model cuts its lookup draft at the first token the grammar forbids
+(`Constraint.valid_prefix`), which only looks. `response_format` reads OpenAI's shapes. Knows nothing about models beyond their tokenizer and vocabulary.
 """
 
 from __future__ import annotations
@@ -127,6 +128,15 @@ class Constraint:
             if consumed:
                 self.matcher.rollback(len(consumed))
         return masks
+
+    def valid_prefix(self, tokens: Sequence[int]) -> int:
+        """How many leading tokens of `tokens` (a draft after the row's accepted tokens) the grammar allows, an
+        EOS counted where the grammar may end there. Only looks (llguidance's `validate_tokens`): the matcher
+        is left as it was. A lookup drafter cuts its draft here, so no verify row scores a token the target's
+        mask would reject anyway."""
+        if not len(tokens) or self.finished:
+            return 0
+        return int(self.matcher.validate_tokens([int(t) for t in tokens]))
 
     def _mask(self) -> torch.Tensor:
         # numpy, not torch: these run once per verify position, and on a busy CPU torch's threaded reductions

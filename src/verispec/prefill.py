@@ -1,7 +1,10 @@
-"""Prompt prefill: each prompt read into its own one-row cache in the model's aligned chunks.
+"""Prompt prefill: each prompt read into its own one-row cache in chunks whose ends depend on its own tokens only.
 
-A prompt is read in passes over fixed positions [0, C), [C, 2C), ... (`CausalLM.prefill_chunk`), alone,
-so the numbers of its keys and values depend on its own tokens only: not on batch mates, not on how
+A float32 pass may round a row differently at another pass width, so a prompt is read in passes over
+chunks fixed by the tokens alone (`Chunking`): a chunk ends after at most `CausalLM.prefill_chunk` tokens
+and also right after a chat-turn start token (`CausalLM.turn_start_ids`). Whether a chunk ends at position p
+depends on the tokens before p only, so two prompts that share a prefix are cut alike within it, and the
+numbers of a chunk's keys and values depend on the prompt's tokens only: not on batch mates, not on how
 many chunks were read at once, not on whether a prefix came from a `PrefixCache`. The target and a draft
 model prefill the same way. `left_pad` lays out rows of different lengths for a shared pass.
 """
@@ -9,6 +12,7 @@ model prefill the same way. `left_pad` lays out rows of different lengths for a 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -27,21 +31,70 @@ def left_pad(rows: list[list[int]], pad_id: int = 0) -> tuple[torch.Tensor, torc
     return tokens, visible
 
 
+# A chunk a turn start ends is "short" below this many tokens, and no two short chunks follow each other (the
+# cap always cuts): a prompt of many tiny turns is still read in passes of MIN_TURN_CHUNK + 1 tokens per two
+# passes at worst, while the short last question of a conversation, after a long chunk, still ends a chunk.
+# 32 is the widest pass of the exact small-pass kernels (`kernels.MAX_ROWS`). That worst case, 1024 tokens each
+# a turn start (62 passes), took SmolLM2 6.3 s against 4.5 s for 1024 random tokens (4 passes), one thread of
+# a loaded AMD EPYC, 2026-11-26 (bench/reports/prefix_cache.md).
+MIN_TURN_CHUNK = 32
+
+
+@dataclass(frozen=True)
+class Chunking:
+    """Where a prompt's prefill passes end, a pure function of its tokens: a chunk ends after `cap` tokens, or
+    right after a token of `cut_after`, unless both it and the chunk before it would be shorter than
+    `min_len`. The decision to end a chunk at position p reads tokens[:p] only, so every prefix of a
+    prompt is cut as the prompt is: a conversation's next turn is cut like the previous turn up to that
+    turn's last cut, and finds those chunks in a `PrefixCache` as the very passes a fresh read would run."""
+
+    cap: int  # most tokens per chunk (`CausalLM.prefill_chunk`)
+    cut_after: frozenset[int] = frozenset()  # token ids a chunk also ends right after (turn starts)
+    min_len: int = MIN_TURN_CHUNK  # a chunk shorter than this may not follow another one
+
+    @classmethod
+    def of(cls, model: CausalLM) -> "Chunking | None":
+        """The model's chunking, or None where any split gives the same numbers (`prefill_chunk` None)."""
+        if not model.prefill_chunk:
+            return None
+        cap = model.prefill_chunk
+        return cls(cap, frozenset(model.turn_start_ids), min(MIN_TURN_CHUNK, cap))
+
+    def ends(self, tokens: list[int]) -> list[int]:
+        """Ascending chunk ends in (0, len(tokens)] fixed by the tokens; the prompt's own end is not among
+        them unless a rule puts one there (a tail chunk ends where the prompt does)."""
+        ends, last, after_long = [], 0, False  # the prompt's start counts as after a short chunk
+        cuts = [p + 1 for p, token in enumerate(tokens) if token in self.cut_after] if self.cut_after else []
+        for end in cuts + [len(tokens) + self.cap + 1]:  # a sentinel past the end flushes the capped chunks
+            while end - last > self.cap:
+                last += self.cap
+                ends.append(last)
+                after_long = True
+            long = end - last >= self.min_len
+            if end <= len(tokens) and (long or after_long):
+                ends.append(end)
+                last, after_long = end, long
+        return [end for end in ends if end <= len(tokens)]
+
+
 class PromptReader:
-    """One prompt read into a fresh one-row cache, in the model's aligned chunks (`CausalLM.prefill_chunk`):
-    passes over positions [0, C), [C, 2C), ... and a partial tail, each chunk a pass of its own, whatever
-    else is being read or decoded. So a chunk's keys and values are the same bits with or without a
-    prefix cache hit before it, and with or without pauses between chunks (the server reads a long prompt a
-    few chunks at a time between decoding steps). A model with `prefill_chunk` None reads any number of
-    tokens per pass.
+    """One prompt read into a fresh one-row cache, in the model's chunks (`Chunking.of(model)`), each chunk
+    a pass of its own, whatever else is being read or decoded. So a chunk's keys and values are the same
+    bits with or without a prefix cache hit before it, and with or without pauses between chunks (the
+    server reads a long prompt a few chunks at a time between decoding steps). A model with
+    `prefill_chunk` None reads any number of tokens per pass.
 
     prefix_cache: look the prompt up at the first `advance` (the hit is written into the cache, not computed),
-    and store the whole chunks computed here. taps (see `CausalLM.forward`): collect the tapped hidden states of every
-    token read ([tokens, n * hidden] in `hidden`); no prefix cache then, since it keeps no hidden states."""
+    and store the chunks computed here that end where `Chunking.ends` puts an end, under `salt` (see
+    `PrefixCache.lookup`). taps (see `CausalLM.forward`): collect the tapped hidden states of every token
+    read ([tokens, n * hidden] in `hidden`); no prefix cache then, since it keeps no hidden states."""
 
-    def __init__(self, model: CausalLM, tokens: list[int], prefix_cache=None, taps: tuple[int, ...] | None = None):
-        self.model, self.tokens, self.taps = model, list(tokens), taps
+    def __init__(self, model: CausalLM, tokens: list[int], prefix_cache=None, taps: tuple[int, ...] | None = None,
+                 salt: str = ""):
+        self.model, self.tokens, self.taps, self.salt = model, list(tokens), taps, salt
         self.prefix_cache = prefix_cache if taps is None else None
+        chunking = Chunking.of(model)
+        self._ends = chunking.ends(self.tokens) if chunking else None  # the chunk ends a cache may store
         self.cache = model.new_cache(1)
         self.hidden: list[torch.Tensor] = []
         self.seconds = 0.0  # time spent in the model's passes
@@ -67,25 +120,28 @@ class PromptReader:
             # at the first read, not before: a prompt queued behind the same prompt (n choices, a retry) finds
             # the chunks the first one stored meanwhile
             self._looked_up = True
-            self.reused = self.read = self.prefix_cache.load(self.tokens, self.cache)
+            self.reused = self.read = self.prefix_cache.load(self.tokens, self.cache, self.salt)
         begin = self.read
-        chunk = self.model.prefill_chunk
         while not self.done:
-            if chunk:
-                end = min(len(self.tokens), (self.read // chunk + 1) * chunk)
+            if self._ends is not None:
+                end = next((e for e in self._ends if e > self.read), len(self.tokens))
             else:
                 end = self.read + int(min(max(budget - (self.read - begin), 1), self.remaining))
             if end - begin > budget and (self.read > begin or not at_least_one):
                 break
             self._pass(self.read, end)
-            if not chunk:
+            if self._ends is None:
                 break
         if self.prefix_cache is not None:
-            # whole chunks only: a partial tail is a pass of another width (a granular cache keeps it too)
-            block = self.prefix_cache.block_tokens
-            stored = len(self.tokens) if self.prefix_cache.granular and self.done else self.read - self.read % block
+            # chunks the rule ends only: a tail cut by the prompt's end is a pass of another width (a granular
+            # cache, any split exact, keeps it too)
+            if self._ends is None:
+                block = self.prefix_cache.block_tokens
+                stored = self.read if self.done else self.read - self.read % block
+            else:
+                stored = max((e for e in self._ends if e <= self.read), default=0)
             if stored > self.reused:
-                self.prefix_cache.insert(self.tokens[:stored], self.cache)
+                self.prefix_cache.insert(self.tokens[:stored], self.cache, salt=self.salt)
         self.seconds += time.perf_counter() - started
         return self.read - begin
 

@@ -1,19 +1,23 @@
 """An exact prefix cache: keys and values of prompt prefixes already read, kept by token prefix and reused.
 
 The next turn of a conversation, or a second request with the same system prompt, starts with tokens an
-earlier request has read. Their keys and values are kept here in *blocks* of token positions [0, B),
-[B, 2B), ..., each keyed by a hash chain over the token ids of every block up to it (vLLM's automatic
-prefix caching), so a block is found only under the very prefix it was computed after.
+earlier request has read. Their keys and values are kept here in *blocks* of consecutive token positions,
+each keyed by a hash chain over the token ids of every block up to it (vLLM's automatic prefix caching),
+so a block is found only under the very prefix it was computed after.
 
 A hit must give the keys and values a fresh read would compute, bit for bit, or a request would answer
 differently with and without it. That holds by construction: a model whose passes round a row
-differently at different pass widths reads every prompt in chunks at fixed positions
-(`CausalLM.prefill_chunk` = C, `prefill.PromptReader`), and the blocks here are those whole chunks (B = C),
-so a cached chunk is the output of the very pass a fresh read would run. Keys and values written by decode
-steps, or by a partial tail chunk (another pass width), are never stored for such a model. A model whose
-passes give every row the same numbers at any width and split (`prefill_chunk` None: numerics="q8")
-may reuse a prefix at any token: blocks are `GRANULAR_BLOCK` tokens, a prompt's partial tail block is
-stored too, and a lookup ends inside a stored block where the tokens part.
+differently at different pass widths reads every prompt in chunks fixed by its tokens alone
+(`prefill.Chunking`: at most `CausalLM.prefill_chunk` tokens, and ending after each chat-turn start), and
+the blocks here are those chunks, so a cached chunk is the output of the very pass a fresh read would
+run. Keys and values written by decode steps, or by a tail chunk the prompt's end cut (another pass
+width), are never stored for such a model. A model whose passes give every row the same numbers at any
+width and split (`prefill_chunk` None: numerics="q8") may reuse a prefix at any token: blocks are
+`GRANULAR_BLOCK` tokens, a prompt's partial tail block is stored too, and a lookup ends inside a stored
+block where the tokens part.
+
+A `salt` roots a request's hash chain apart (vLLM's `cache_salt`): requests of different salts share no
+block, so one tenant cannot learn by timing whether another sent a prompt.
 
 The store is bounded in bytes (the tensors' own sizes) and evicts the least recently used blocks first,
 a block's descendants before it. It knows nothing about requests or scheduling; the tensors are read
@@ -30,6 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from verispec.models.base import CausalLM, ModelCache
+from verispec.prefill import Chunking
 
 GRANULAR_BLOCK = 16  # tokens per block where any split is exact (`CausalLM.prefill_chunk` None)
 
@@ -37,7 +42,7 @@ GRANULAR_BLOCK = 16  # tokens per block where any split is exact (`CausalLM.pref
 @dataclass
 class _Block:
     parent: bytes  # the key of the block before it (the root key for the first)
-    tokens: tuple[int, ...]  # its token ids (B of them; fewer for a granular partial tail)
+    tokens: tuple[int, ...]  # its token ids (a chunk's; GRANULAR_BLOCK of them or fewer in a granular cache)
     keys: torch.Tensor  # [layers, kv_heads, len(tokens), head_dim]
     values: torch.Tensor  # the same shape
 
@@ -49,17 +54,20 @@ class _Block:
 class PrefixCache:
     """Blocks of keys/values by token prefix, at most `capacity_bytes` of tensors, least recently used out first.
 
-    One cache serves one model's numbers: `namespace` (its name and numerics) roots every hash chain.
+    Blocks are the chunks of `chunking` (`prefill.Chunking`), or with chunking None (granular) runs of
+    `GRANULAR_BLOCK` tokens, where a lookup may end inside a block and a partial tail is stored too. One
+    cache serves one model's numbers: `namespace` (its name and numerics) roots every hash chain.
     Counters for /metrics: `queries` (prompt tokens looked up), `hits` (of them, tokens found), `evicted`
     (blocks dropped for room). Used from one thread (the server's worker)."""
 
-    def __init__(self, capacity_bytes: int, block_tokens: int, granular: bool = False, namespace: str = ""):
-        if capacity_bytes <= 0 or block_tokens <= 0:
+    def __init__(self, capacity_bytes: int, chunking: Chunking | None, namespace: str = ""):
+        if capacity_bytes <= 0 or (chunking is not None and chunking.cap <= 0):
             raise ValueError("a prefix cache needs a positive capacity and block size")
         self.capacity_bytes = int(capacity_bytes)
-        self.block_tokens = int(block_tokens)
-        self.granular = granular  # a lookup may end inside a block, and partial tail blocks are stored
-        self.root = hashlib.blake2b(namespace.encode(), digest_size=16).digest()
+        self.chunking = chunking
+        self.granular = chunking is None  # a lookup may end inside a block, and partial tail blocks are stored
+        self.block_tokens = GRANULAR_BLOCK if chunking is None else chunking.cap  # the most tokens in a block
+        self.namespace = namespace
         self._blocks: OrderedDict[bytes, _Block] = OrderedDict()  # least recently used first
         self._children: dict[bytes, set[bytes]] = {}
         self.bytes = 0
@@ -67,49 +75,55 @@ class PrefixCache:
 
     @classmethod
     def for_model(cls, model: CausalLM, capacity_bytes: int) -> "PrefixCache | None":
-        """A cache shaped for `model`'s prefill (`CausalLM.prefill_chunk`), or None if capacity_bytes is 0
+        """A cache shaped for `model`'s prefill (`prefill.Chunking.of`), or None if capacity_bytes is 0
         or the model's cache cannot hand out its keys and values (`CausalLM.shares_prefixes`)."""
         if capacity_bytes <= 0 or not model.shares_prefixes:
             return None
-        chunk = model.prefill_chunk
-        namespace = f"{model.name}/{getattr(model, 'numerics', '')}"
-        return cls(capacity_bytes, chunk or GRANULAR_BLOCK, granular=chunk is None, namespace=namespace)
+        return cls(capacity_bytes, Chunking.of(model), namespace=f"{model.name}/{getattr(model, 'numerics', '')}")
 
     def __len__(self) -> int:
         return len(self._blocks)
 
+    def _root(self, salt: str) -> bytes:
+        """The hash chain's start: the model's namespace, and the request's salt (none: the shared chain)."""
+        return hashlib.blake2b(f"{self.namespace}\0{salt}".encode("utf-8", "surrogatepass"), digest_size=16).digest()
+
     def _key(self, parent: bytes, tokens: tuple[int, ...]) -> bytes:
         return hashlib.blake2b(parent + array("q", tokens).tobytes(), digest_size=16).digest()
 
-    def _chain(self, tokens: list[int]) -> list[tuple[bytes, tuple[int, ...]]]:
-        """(key, tokens) of each whole block of `tokens`, and the partial tail's in a granular cache."""
-        step = self.block_tokens
-        ends = list(range(step, len(tokens) + 1, step))
-        if self.granular and len(tokens) % step:
-            ends.append(len(tokens))
-        chain, parent = [], self.root
+    def _chain(self, tokens: list[int], salt: str) -> list[tuple[bytes, tuple[int, ...]]]:
+        """(key, tokens) of each block of `tokens`: the chunks `Chunking.ends` fixes, or in a granular cache
+        the whole `GRANULAR_BLOCK` runs and the partial tail."""
+        if self.granular:
+            ends = list(range(GRANULAR_BLOCK, len(tokens) + 1, GRANULAR_BLOCK))
+            if len(tokens) % GRANULAR_BLOCK:
+                ends.append(len(tokens))
+        else:
+            ends = self.chunking.ends(tokens)
+        chain, parent, begin = [], self._root(salt), 0
         for end in ends:
-            block = tuple(tokens[(end - 1) // step * step : end])
+            block = tuple(tokens[begin:end])
             parent = self._key(parent, block)
             chain.append((parent, block))
+            begin = end
         return chain
 
-    def lookup(self, tokens: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """The stored keys and values of the longest stored prefix of `tokens`: a list of (keys, values)
-        pieces [layers, kv_heads, n, head_dim] in position order (empty on a miss). Counts the query."""
+    def lookup(self, tokens: list[int], salt: str = "") -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The stored keys and values of the longest stored prefix of `tokens` under `salt`: a list of (keys,
+        values) pieces [layers, kv_heads, n, head_dim] in position order (empty on a miss). Counts the query."""
         self.queries += len(tokens)
-        pieces, used, parent = [], [], self.root
-        for key, block in self._chain(tokens):
+        pieces, used, parent, found = [], [], self._root(salt), 0
+        for key, block in self._chain(tokens, salt):
             stored = self._blocks.get(key)
-            if stored is None or stored.tokens != block or len(block) < self.block_tokens:
+            if stored is None or stored.tokens != block or (self.granular and len(block) < GRANULAR_BLOCK):
                 break
             pieces.append((stored.keys, stored.values))
             used.append(key)
             parent = key
-        found = len(pieces) * self.block_tokens
+            found += len(block)
         if self.granular and found < len(tokens):
             # where the chain of whole blocks ends, a stored block (whole or a tail) that starts like the rest
-            rest = tokens[found : found + self.block_tokens]
+            rest = tokens[found : found + GRANULAR_BLOCK]
             best, best_key = 0, None
             for key in self._children.get(parent, ()):
                 stored = self._blocks[key]
@@ -126,29 +140,30 @@ class PrefixCache:
         self.hits += found
         return pieces
 
-    def load(self, tokens: list[int], cache: ModelCache) -> int:
-        """Look `tokens` up and write the prefix found into `cache`, an empty one-row cache. Returns how many
-        tokens it holds now."""
+    def load(self, tokens: list[int], cache: ModelCache, salt: str = "") -> int:
+        """Look `tokens` up under `salt` and write the prefix found into `cache`, an empty one-row cache.
+        Returns how many tokens it holds now."""
         start = 0
-        for keys, values in self.lookup(tokens):
+        for keys, values in self.lookup(tokens, salt):
             cache.store.put(start, keys, values)
             start += keys.shape[2]
         if start:
             cache.slots.extend(torch.ones(1, start, dtype=torch.bool, device=cache.slots.device))
         return start
 
-    def insert(self, tokens: list[int], cache: ModelCache, row: int = 0, slots: torch.Tensor | None = None) -> None:
-        """Store the blocks of `tokens` not stored yet, reading their keys and values from `cache`'s row `row`,
-        where token i sits at slot slots[i] (default: slot i). Whole blocks only, and in a granular cache
-        the partial tail too: the caller hands only tokens whose keys and values are what a fresh read of
-        that prefix computes (for a chunked model, whole prefill chunks)."""
-        parent, used = self.root, []
-        for index, (key, block) in enumerate(self._chain(tokens)):
+    def insert(self, tokens: list[int], cache: ModelCache, row: int = 0, slots: torch.Tensor | None = None,
+               salt: str = "") -> None:
+        """Store under `salt` the blocks of `tokens` not stored yet, reading their keys and values from
+        `cache`'s row `row`, where token i sits at slot slots[i] (default: slot i). The chunks
+        `Chunking.ends` fixes only (a tail past the last end is left out), and in a granular cache the
+        partial tail too: the caller hands only tokens whose keys and values are what a fresh read of that
+        prefix computes."""
+        parent, used, begin = self._root(salt), [], 0
+        for key, block in self._chain(tokens, salt):
             used.append(key)
             if key in self._blocks:
-                parent = key
+                parent, begin = key, begin + len(block)
                 continue
-            begin = index * self.block_tokens
             where = torch.arange(begin, begin + len(block)) if slots is None else slots[begin : begin + len(block)]
             keys, values = cache.store.gather(row, where)
             stored = _Block(parent, block, keys, values)
@@ -158,7 +173,7 @@ class PrefixCache:
             self._blocks[key] = stored
             self._children.setdefault(parent, set()).add(key)
             self.bytes += stored.nbytes
-            parent = key
+            parent, begin = key, begin + len(block)
         for key in reversed(used):  # as in lookup: a chain's deepest block is the least recent
             self._blocks.move_to_end(key)
         self._evict()

@@ -33,6 +33,29 @@ def encode_chat(tokenizer, messages: list[dict], tools: list[dict] | None = None
     return [int(i) for i in ids]
 
 
+def turn_start_ids(tokenizer) -> frozenset[int]:
+    """The token that opens every turn of the tokenizer's chat template (ChatML's `<|im_start|>`, Llama 3's
+    `<|start_header_id|>`, Gemma's `<start_of_turn>`), as a one-id set: the first token an assistant turn
+    adds to a rendered one-message conversation, when that is one of the tokenizer's added (control)
+    tokens. Empty without a template, or where the template renders a conversation other than turn by turn.
+    Prefill chunks end after it (`prefill.Chunking`), so a conversation's next turn finds its history."""
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        return frozenset()
+    turns = [{"role": "user", "content": "A"}, {"role": "assistant", "content": "B"}]
+    try:
+        one, two = ([int(i) for i in _ids(tokenizer.apply_chat_template(turns[:n], tokenize=True))] for n in (1, 2))
+    except Exception:  # a template that wants other messages (tools, a system turn): no turn starts then
+        return frozenset()
+    if len(two) <= len(one) or two[: len(one)] != one:
+        return frozenset()
+    first = two[len(one)]
+    return frozenset({first}) if first in set(tokenizer.get_added_vocab().values()) else frozenset()
+
+
+def _ids(encoded):
+    return encoded["input_ids"] if isinstance(encoded, dict) or hasattr(encoded, "keys") else encoded
+
+
 def normalize_stop(stop: str | Sequence[str] | None) -> list[str]:
     if stop is None:
         return []

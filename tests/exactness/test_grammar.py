@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import EOS, perturbed_copy, tiny_llama, tiny_qwen2, toy_grammar
+from conftest import EOS, VOCAB, perturbed_copy, tiny_llama, tiny_qwen2, toy_grammar, toy_ids
 from test_sampling_exactness import P_THRESHOLD, chi2_pvalue
 from verispec.drafters import ModelDrafter, NgramDrafter, NoDrafter, SharedCacheDrafter, SuffixDrafter, SuffixIndex
+from verispec.drafters.hybrid import HybridDrafter
 from verispec.engine import DecodeBatch, Request
 from verispec.grammar import Constraint
 from verispec.models.native import NativeCausalLM
@@ -87,6 +88,7 @@ DRAFTERS = {
     "model": lambda target, draft: ModelDrafter(draft, target.vocab_size),
     "ngram": lambda target, draft: NgramDrafter(),
     "suffix": lambda target, draft: SuffixDrafter(SuffixIndex(), target.vocab_size),
+    "hybrid": lambda target, draft: HybridDrafter(ModelDrafter(draft, target.vocab_size)),
 }
 
 
@@ -310,3 +312,82 @@ def test_sampling_follows_plain_constrained_decodings_distribution(monkeypatch, 
     vocab = len(p1)
     impossible = sum(joint[o[0] * vocab + (o[1] if len(o) > 1 else EOS)] == 0 for o in wrong)
     assert impossible > 100  # pairs plain constrained decoding never produces
+
+
+# Prompts full of JSON-like text the grammar forbids ('[', "q", 4-digit numbers, letters outside [abcxyz]): a lookup
+# drafter copying what followed a matching n-gram in them would propose forbidden tokens.
+LOOKUP_PROMPTS = [toy_ids('{"ab": [1, 2], "q": 1234, "ab": 12}{"ab": 7}'), toy_ids('{"x": "y", "x": 99999, "x": 1}'),
+                  toy_ids('{"abc": 1, "abc": 2, "d": 3, "abc": 4}')]
+
+
+def lookup_drafts(target, grammar, drafter, reads_grammars: bool):
+    """Greedy decode of LOOKUP_PROMPTS with `drafter` (given the rows' grammars or not); returns (output, the number
+    of drafted tokens, how many of them their row's grammar forbade), each draft checked by a fresh matcher."""
+    drafts = []
+    propose = drafter.propose
+
+    def recording(sequences, draft_len, sampling, generators, stop=None, branch=None, **grammars):
+        draft = propose(sequences, draft_len, sampling, generators, stop, branch, **grammars)
+        drafts.extend((list(s), draft.tokens[b, : int(draft.num_drafted[b])].tolist()) for b, s in enumerate(sequences))
+        return draft
+
+    drafter.propose = recording
+    drafter.reads_grammars = reads_grammars
+    out, _ = decode(target, drafter, requests(grammar, prompts=LOOKUP_PROMPTS), 6)
+    drafted = forbidden = 0
+    for sequence, chain in drafts:
+        prompt = next(p for p in LOOKUP_PROMPTS if sequence[: len(p)] == p)
+        constraint = grammar.constraint()
+        constraint.matcher.consume_tokens(sequence[len(prompt):])
+        masks = constraint.allowed([chain[:j] for j in range(len(chain))])
+        drafted += len(chain)
+        forbidden += sum(mask is None or not bool(mask[token]) for mask, token in zip(masks, chain))
+    return out, drafted, forbidden
+
+
+@pytest.mark.parametrize("name", ["ngram", "suffix"])
+def test_a_lookup_draft_stops_before_the_first_token_the_grammar_forbids(pair, grammar, name):
+    """The n-gram and suffix drafts end where the row's grammar forbids a token (`Constraint.valid_prefix`, which
+    leaves the matcher as it was): no verify row scores a token the mask would reject, and the output is plain
+    constrained decoding's. Given no grammars (the negative control), the same drafters propose forbidden tokens."""
+    target, draft = pair
+    plain, _ = decode(target, NoDrafter(), requests(grammar, prompts=LOOKUP_PROMPTS), 0)
+    out, drafted, forbidden = lookup_drafts(target, grammar, DRAFTERS[name](target, draft), reads_grammars=True)
+    assert out == plain and drafted > 0 and forbidden == 0
+    blind, _, forbidden_blind = lookup_drafts(target, grammar, DRAFTERS[name](target, draft), reads_grammars=False)
+    assert blind == plain and forbidden_blind > 0
+
+
+def test_valid_prefix_only_looks(grammar):
+    constraint = grammar.constraint()
+    constraint.advance(toy_ids('{"ab": 1'))
+    before = constraint.allowed([[]])[0]
+    assert constraint.valid_prefix(toy_ids('2, "x": 3}')) == 10
+    assert constraint.valid_prefix(toy_ids('2[')) == 1 and constraint.valid_prefix(toy_ids('q')) == 0
+    assert constraint.valid_prefix(toy_ids('}') + [EOS, EOS]) == 2  # the grammar may end there; nothing after
+    assert torch.equal(constraint.allowed([[]])[0], before)
+
+
+def test_a_suffix_drafts_alternates_are_dropped_where_the_grammar_forbids_them(grammar):
+    """With token trees (a branch rule that wants every second choice), each alternate the suffix draft keeps is
+    one its grammar allows after the chain before it; without the grammar some are forbidden ('[' beside '1')."""
+    prompt = toy_ids('{"ab": 12, "ab": 13, "ab": [3], "ab": 14}')
+    context = prompt + toy_ids(', "ab": ')  # drafts "14}" with the second choices "[" and "3"
+    everywhere = lambda confidence, num_drafted: torch.ones_like(confidence, dtype=torch.bool)  # noqa: E731
+
+    def forbidden_alternates(with_grammar: bool) -> tuple[int, int]:
+        drafter = SuffixDrafter(SuffixIndex(), VOCAB)
+        drafter.add([prompt])
+        constraint = grammar.constraint()
+        constraint.advance(toy_ids('{"ab": 1, "ab": '))  # the row's grammar where the draft starts
+        draft = drafter.propose([context], 6, [SamplingParams()], [torch.Generator()], branch=everywhere,
+                                **({"constraints": [constraint]} if with_grammar else {}))
+        chain = draft.tokens[0, : int(draft.num_drafted[0])].tolist()
+        alternates = [int(a) for a in draft.alternates[0, : len(chain)]] if draft.alternates is not None else []
+        masks = constraint.allowed([chain[:j] for j in range(len(alternates))])
+        kept = [(mask, a) for mask, a in zip(masks, alternates) if a >= 0]
+        return len(kept), sum(mask is None or not bool(mask[a]) for mask, a in kept)
+
+    assert forbidden_alternates(with_grammar=False)[1] > 0
+    kept, forbidden = forbidden_alternates(with_grammar=True)
+    assert kept > 0 and forbidden == 0

@@ -17,7 +17,8 @@ import verispec.models.native as native
 from conftest import job, tiny_llama, tiny_qwen2
 from verispec.api import make_drafter
 from verispec.models.native import NativeCausalLM
-from verispec.prefill import PromptReader, prefill
+import verispec.prefill as prefill_module
+from verispec.prefill import Chunking, PromptReader, prefill
 from verispec.prefix_cache import PrefixCache
 from verispec.server.scheduler import Scheduler
 
@@ -51,8 +52,8 @@ def next_logits(model, reader: PromptReader, token: int = 7) -> torch.Tensor:
     return logits
 
 
-def read(model, prompt, cache=None, budget=float("inf")) -> PromptReader:
-    reader = PromptReader(model, prompt, cache)
+def read(model, prompt, cache=None, budget=float("inf"), salt: str = "") -> PromptReader:
+    reader = PromptReader(model, prompt, cache, salt=salt)
     while not reader.done:
         reader.advance(budget)
     return reader
@@ -243,3 +244,74 @@ def test_equal_prompts_are_read_once_and_their_rows_copied(model):
         slots = torch.arange(length)
         for mine, theirs in zip(shared.store.gather(row, slots), alone.store.gather(row, slots)):
             assert torch.equal(mine, theirs)
+
+
+TURN = 3  # the tiny models' "turn start" token (never among `tokens`, which draws from 4..95)
+
+
+def turn(text: list[int]) -> list[int]:
+    return [TURN] + text
+
+
+@pytest.fixture
+def chat_model(model, monkeypatch):
+    """The tiny model with 64-token chunks that also end after TURN (no two shorter than 8 in a row)."""
+    monkeypatch.setattr(native, "PREFILL_CHUNK", 64)
+    monkeypatch.setattr(prefill_module, "MIN_TURN_CHUNK", 8)
+    assert model.turn_start_ids == frozenset()  # no tokenizer, no chat template: no turn starts of its own
+    model.turn_start_ids = {TURN}
+    assert Chunking.of(model) == Chunking(64, frozenset({TURN}), 8)  # a 2-token chunk may follow an 8-token one
+    return model
+
+
+def test_chunk_ends_depend_on_the_tokens_before_them_only():
+    """Every prefix of a prompt is cut as the prompt is, so a conversation's next turn, read fresh, runs the
+    passes its previous turn ran; the cap counts from the last end, and no two chunks shorter than min_len
+    follow each other."""
+    chunking = Chunking(cap=10, cut_after=frozenset({0}), min_len=3)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        prompt = torch.randint(0, 4, (int(torch.randint(0, 60, (1,), generator=g)),), generator=g).tolist()
+        ends = chunking.ends(prompt)
+        for n in range(len(prompt) + 1):
+            assert chunking.ends(prompt[:n]) == [e for e in ends if e <= n]
+        lengths = [end - begin for begin, end in zip([0] + ends, ends)]
+        for end, length, before in zip(ends, lengths, [0] + lengths):
+            assert length == 10 or (prompt[end - 1] == 0 and length < 10 and (length >= 3 or before >= 3))
+    assert Chunking(4).ends(list(range(9))) == [4, 8]
+    # many tiny turns: a chunk of min_len, then one of a single token, and again
+    assert Chunking(64, frozenset({0}), 8).ends([0] * 20) == [8, 9, 17, 18]
+
+
+def test_turn_two_finds_turn_one_up_to_its_last_turn_start_bitwise(chat_model):
+    """Turn 1's prompt ends with a turn start and two tokens (as "<|im_start|>assistant" does): turn 2 finds
+    every chunk up to that turn start, far past turn 1's last whole 64-token chunk, and its keys, values
+    and logits are bitwise a fresh read's."""
+    model = chat_model
+    first = turn(tokens(90, seed=20)) + turn(tokens(30, seed=21)) + turn([40, 41])  # 125 tokens
+    second = first + tokens(12, seed=22) + turn(tokens(20, seed=23)) + turn([40, 41])
+    assert Chunking.of(model).ends(first) == [64, 92, 123]  # the cap, then two turn starts
+    cache = PrefixCache.for_model(model, 1 << 30)
+    read(model, first, cache)
+    assert len(cache) == 3
+    fresh = read(model, second)
+    hit = read(model, second, cache)
+    assert hit.reused == 123 > len(first) // 64 * 64  # all but "assistant" ([40, 41]); fixed chunks gave 64
+    for mine, theirs in zip(kv(hit), kv(fresh)):
+        assert torch.equal(mine, theirs)
+    assert torch.equal(next_logits(model, hit), next_logits(model, fresh))
+    # read in several sittings between decode steps, the same chunks and the same bits
+    piecewise = read(model, second, budget=1)
+    assert torch.equal(next_logits(model, piecewise), next_logits(model, fresh))
+
+
+def test_a_salt_keeps_requests_apart(chat_model):
+    """Blocks stored under one salt are found under that salt only (a tenant's cache_salt)."""
+    model = chat_model
+    prompt = turn(tokens(70, seed=24)) + turn([40, 41])
+    cache = PrefixCache.for_model(model, 1 << 30)
+    read(model, prompt, cache, salt="tenant-a")
+    assert read(model, prompt, cache, salt="tenant-b").reused == 0
+    assert read(model, prompt, cache).reused == 0
+    again = read(model, prompt, cache, salt="tenant-a")
+    assert again.reused == 72 and torch.equal(next_logits(model, again), next_logits(model, read(model, prompt)))

@@ -18,7 +18,8 @@ import torch
 
 import verispec
 from verispec import zoo
-from verispec.prefill import PromptReader
+from verispec.prefill import Chunking, PromptReader
+from verispec.prefix_cache import PrefixCache
 from verispec.server import ServerProcess
 from verispec.text import encode_chat
 
@@ -29,6 +30,7 @@ SYSTEM = "You answer from these notes only.\n" + "\n".join(
     enumerate(["lamp", "chair", "clock", "vase", "crate", "drum", "kettle", "mirror"] * 8))
 TURNS = ["Which note mentions the kettle in room 6?", "And how much does the mirror in room 7 weigh?"]
 MAX_TOKENS = 24
+IM_START = 1  # SmolLM2's <|im_start|>, the turn start its chat template opens every message with
 
 
 def conversation(client: openai.OpenAI, model: str, turns=TURNS, system=SYSTEM, max_tokens=MAX_TOKENS) -> list[str]:
@@ -98,9 +100,13 @@ def test_turn_two_reuses_turn_ones_chunks_and_answers_as_without_the_cache(serve
     m = metrics(on)
     hits, queries = m[f'verispec:prefix_cache_hits_total{{model_name="{MODEL}"}}'], m[f'verispec:prefix_cache_queries_total{{model_name="{MODEL}"}}']
     assert queries == len(prompts[0]) - 1 + len(prompts[1]) - 1
-    # turn 2 found every whole chunk of turn 1's prompt (the tail chunk and the answer are read again)
-    assert hits == (len(prompts[0]) - 1) // CHUNK * CHUNK > 0
-    assert m["verispec_prefix_cache_bytes"] == m["verispec_prefix_cache_blocks"] * CHUNK * 30 * 3 * 64 * 4 * 2
+    # turn 2 found every chunk of turn 1's prompt up to its last <|im_start|> (only "assistant", the answer and
+    # the new question are read again)
+    last_turn_start = len(prompts[0]) - prompts[0][::-1].index(IM_START)
+    chunking = Chunking.of(verispec.load(MODEL))
+    assert hits == chunking.ends(prompts[0][:-1])[-1] == last_turn_start
+    # one chain: turn 2's chunks, turn 1's among them, up to turn 2's last <|im_start|>
+    assert m["verispec_prefix_cache_bytes"] == chunking.ends(prompts[1][:-1])[-1] * 30 * 3 * 64 * 4 * 2
     assert not any(name.startswith("verispec:prefix_cache") for name in metrics(processes["off"]))
     # the same conversation again: now turn 1 is a hit too, and nothing changes
     assert conversation(client_of(on), MODEL) == plain
@@ -183,6 +189,28 @@ def test_negative_controls_what_the_float32_cache_must_not_reuse():
     again.advance(chunk)
     assert again.read == chunk
     assert all(torch.equal(a, b) for a, b in zip(kv(again.cache, 0, chunk), kv(chunked.cache, 0, chunk)))
+
+
+@torch.inference_mode()
+def test_turn_two_reads_from_turn_ones_last_turn_start_with_bitwise_a_fresh_reads_numbers():
+    """The chat template's turn start (<|im_start|>) ends a chunk, so turn 2 finds turn 1's prompt up to its last
+    <|im_start|>, and every key, value and the next logits are bitwise those of turn 2's prompt read fresh."""
+    torch.set_num_threads(1)
+    target = verispec.load(MODEL)
+    assert target.turn_start_ids == {IM_START}
+    _, (first, second) = plain_conversation(target, max_tokens=8)
+    first, second = first[:-1], second[:-1]  # what the server reads: the last token opens the first step
+    cache = PrefixCache.for_model(target, 1 << 30)
+    PromptReader(target, first, cache).advance()
+    fresh, hit = PromptReader(target, second), PromptReader(target, second, cache)
+    fresh.advance()
+    hit.advance()
+    assert hit.reused == len(first) - first[::-1].index(IM_START) > (len(first) // CHUNK) * CHUNK
+    assert len(second) - hit.reused < 60  # "assistant\n", 8 answer tokens, the question
+    n = len(second)
+    assert all(torch.equal(a, b) for a, b in zip(kv(hit.cache, 0, n), kv(fresh.cache, 0, n)))
+    step = torch.tensor([[second[-1]]])
+    assert torch.equal(target.forward(step, hit.cache), target.forward(step, fresh.cache))
 
 
 Q8_MODEL = "qwen2.5-coder-1.5b"  # the 0.5B's file has a Q8_0 head, which numerics="q8" does not take

@@ -21,6 +21,8 @@ from verispec.sampling import SamplingParams
 
 
 class HybridDrafter(Drafter):
+    reads_grammars = True  # both its lookup and its model draft within the rows' grammars
+
     def __init__(self, model: ModelDrafter, lookup: NgramDrafter | None = None, max_lag: int = 16):
         self.model = model
         # Matches of two or more tokens only: a single repeated token says little about what follows.
@@ -43,15 +45,15 @@ class HybridDrafter(Drafter):
 
     def propose(self, sequences: list[list[int]], draft_len: int, sampling: list[SamplingParams],
                 generators: list[torch.Generator], stop: StopRule | None = None,
-                branch: BranchRule | None = None) -> Draft:
+                branch: BranchRule | None = None, constraints=None) -> Draft:
         if draft_len > 0 and self._lag(sequences) + draft_len + 1 <= self.max_lag:
-            found = self.lookup.propose(sequences, draft_len, sampling, generators)
+            found = self.lookup.propose(sequences, draft_len, sampling, generators, constraints=constraints)
             if bool((found.num_drafted == draft_len).all()):
                 self.model.propose(sequences, 0, sampling, generators)  # the model skips this step
                 self.lookup_steps += 1
                 return found
         self.model_steps += draft_len > 0
-        return self.model.propose(sequences, draft_len, sampling, generators, stop, branch)
+        return self.model.propose(sequences, draft_len, sampling, generators, stop, branch, constraints)
 
     def commit(self, verdict: Verdict) -> None:
         self.model.commit(verdict)  # nothing to undo after a step it skipped

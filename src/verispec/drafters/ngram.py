@@ -2,16 +2,22 @@
 
 If the last n tokens occurred before (in the prompt or the output), propose what followed them
 there, trying the longest n first and the most recent occurrence (Saxena 2023, "prompt lookup
-decoding"; Yang et al. 2023, LLMA). The draft is deterministic, so it carries no probabilities.
+decoding"; Yang et al. 2023, LLMA). The draft is deterministic, so it carries no probabilities. Under a
+grammar (structured output) a row's draft ends before the first token its grammar forbids.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 
 from verispec.drafters.base import BranchRule, Draft, Drafter, StopRule, Verdict
 from verispec.errors import VerispecError
 from verispec.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from verispec.grammar import Constraint
 
 
 class _RowIndex:
@@ -41,6 +47,8 @@ class _RowIndex:
 
 
 class NgramDrafter(Drafter):
+    reads_grammars = True  # a draft is cut at the first token its row's grammar forbids
+
     def __init__(self, min_ngram: int = 1, max_ngram: int = 4):
         if not 1 <= min_ngram <= max_ngram:
             raise VerispecError(f"n-gram sizes need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
@@ -51,19 +59,25 @@ class NgramDrafter(Drafter):
         self.rows += [_RowIndex(self.ngram_sizes) for _ in prompts]
 
     def propose(self, sequences: list[list[int]], draft_len: int, sampling: list[SamplingParams], generators: list[torch.Generator],
-                stop: StopRule | None = None, branch: BranchRule | None = None) -> Draft:
+                stop: StopRule | None = None, branch: BranchRule | None = None,
+                constraints: "list[Constraint | None] | None" = None) -> Draft:
         for index, sequence in zip(self.rows, sequences):
             index.update(sequence)
-        return self.lookahead(sequences, draft_len, sampling)
+        return self.lookahead(sequences, draft_len, sampling, constraints=constraints)
 
     def lookahead(self, contexts: list[list[int]], draft_len: int, sampling: list[SamplingParams],
-                  stop: StopRule | None = None, branch: BranchRule | None = None) -> Draft:
+                  stop: StopRule | None = None, branch: BranchRule | None = None,
+                  constraints: "list[Constraint | None] | None" = None) -> Draft:
         """The draft that would follow each row's context, which may end in speculative tokens (another
-        drafter's, `StagedDrafter`), without indexing it: the index holds accepted text only."""
+        drafter's, `StagedDrafter`), without indexing it: the index holds accepted text only. constraints:
+        per row, its grammar at the end of its context (None: no grammar), whose first forbidden token
+        ends the row's draft."""
         tokens = torch.zeros(len(contexts), draft_len, dtype=torch.long)
         num_drafted = torch.zeros(len(contexts), dtype=torch.long)
         for row, (index, sequence) in enumerate(zip(self.rows, contexts)):
             continuation = index.lookup(sequence, draft_len)
+            if constraints and constraints[row] is not None:
+                continuation = continuation[: constraints[row].valid_prefix(continuation)]
             tokens[row, : len(continuation)] = torch.tensor(continuation, dtype=torch.long)
             num_drafted[row] = len(continuation)
         return Draft(tokens=tokens, num_drafted=num_drafted, probs=None)

@@ -34,13 +34,16 @@ import bisect
 import math
 import threading
 from collections import Counter, deque
-from typing import Hashable
+from typing import TYPE_CHECKING, Hashable
 
 import torch
 
 from verispec.drafters.base import BranchRule, Draft, Drafter, StopRule, Verdict
 from verispec.errors import VerispecError
 from verispec.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from verispec.grammar import Constraint
 
 NGRAM_SIZES = (1, 2, 3, 4, 6, 8)  # n-grams indexed per token: a lookup tries the largest first
 _STRIDE = 1 << 32  # a posting is sequence_id * _STRIDE + the index just past the n-gram
@@ -204,8 +207,19 @@ class SuffixIndex:
         return sum(len(p) for c in self.corpora.values() for p in c.postings.values())
 
 
+def _within(constraint: "Constraint", chain: list[int], probs: list[float], alternates: list[int],
+            alternate_probs: list[float]) -> tuple[list[int], list[float], list[int], list[float]]:
+    """A row's walk cut to its grammar: the chain up to its first forbidden token, and an alternate at
+    position i kept only where the grammar allows it after chain[:i]."""
+    keep = constraint.valid_prefix(chain)
+    alternates = [a if a < 0 or constraint.valid_prefix(chain[:i] + [a]) == i + 1 else -1
+                  for i, a in enumerate(alternates[:keep])]
+    return chain[:keep], probs[:keep], alternates, [p if a >= 0 else 0.0 for p, a in zip(alternate_probs[:keep], alternates)]
+
+
 class SuffixDrafter(Drafter):
     reads_tenants = True
+    reads_grammars = True  # a row's chain ends, and its alternates go, where its grammar forbids the token
     """Drafts the most frequent continuation of the longest matching suffix (see the module docstring).
 
     index: earlier requests' outputs (None: this drafter's own, not shared). tenant: the partition of
@@ -242,17 +256,21 @@ class SuffixDrafter(Drafter):
             self.sequences.append(list(prompt))
 
     def propose(self, sequences: list[list[int]], draft_len: int, sampling: list[SamplingParams], generators: list[torch.Generator],
-                stop: StopRule | None = None, branch: BranchRule | None = None) -> Draft:
+                stop: StopRule | None = None, branch: BranchRule | None = None,
+                constraints: "list[Constraint | None] | None" = None) -> Draft:
         for row, (own, sequence) in enumerate(zip(self.rows, sequences)):
             self.sequences[row] = sequence  # a reference: the row's final text is read when it leaves
             own.extend(0, sequence[len(own.sequences.get(0, ())) :])
-        return self.lookahead(sequences, draft_len, sampling, stop, branch)
+        return self.lookahead(sequences, draft_len, sampling, stop, branch, constraints)
 
     def lookahead(self, contexts: list[list[int]], draft_len: int, sampling: list[SamplingParams],
-                  stop: StopRule | None = None, branch: BranchRule | None = None) -> Draft:
+                  stop: StopRule | None = None, branch: BranchRule | None = None,
+                  constraints: "list[Constraint | None] | None" = None) -> Draft:
         """The draft that would follow each row's context without learning from it: a context may end in
         speculative tokens (another drafter's, `StagedDrafter`), which must not enter the row's corpus, as
-        it holds accepted text only. `propose` is this after taking in the rows' sequences."""
+        it holds accepted text only. `propose` is this after taking in the rows' sequences. constraints: per
+        row, its grammar at the end of its context (None: none): the chain ends before the first token it
+        forbids, and an alternate it forbids is dropped."""
         batch = len(contexts)
         tokens = torch.zeros(batch, draft_len, dtype=torch.long)
         confidence = torch.zeros(batch, draft_len)
@@ -263,6 +281,9 @@ class SuffixDrafter(Drafter):
             if draft_len == 0:
                 continue
             chain, probs, alternates, alternate_probs = self._walk(own, sequence, draft_len, self.tenants[row])
+            constraint = constraints[row] if constraints else None
+            if constraint is not None:
+                chain, probs, alternates, alternate_probs = _within(constraint, chain, probs, alternates, alternate_probs)
             limits[row] = len(chain)
             tokens[row, : len(chain)] = torch.tensor(chain, dtype=torch.long)
             confidence[row, : len(chain)] = torch.tensor(probs)

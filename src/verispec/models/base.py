@@ -104,13 +104,16 @@ class CausalLM(Protocol):
     # `lower_precision_copy(weight_dtype)` makes a cheaper copy with this model's layer shapes, which can
     # draft on this model's own cache (drafter="self").
     makes_lower_precision_copies: bool = False
-    # Prompt prefill proceeds in chunks at fixed absolute positions [0, C), [C, 2C), ... (`prefill.PromptReader`),
+    # Prompt prefill proceeds in chunks of at most C tokens whose ends the prompt's tokens fix (`prefill.Chunking`),
     # with or without a prefix cache: a chunk is then computed by the same pass whether the chunks before it
     # were computed now or taken from a cache, so its keys and values are bitwise the same either way (a
     # backend whose big passes round differently at different widths needs this). None: every token row
     # gets the same numbers at any pass width and split (row-exact passes), so prompts may be read and
     # reused at any token.
     prefill_chunk: int | None = 512
+    # With `prefill_chunk`, a chunk also ends right after these tokens (its chat template's turn start;
+    # `prefill.Chunking`), so a conversation's next turn finds every chunk up to the last turn start.
+    turn_start_ids: frozenset[int] = frozenset()
     # The cache's store can copy a row's keys and values out and write them back (`KVStore.gather` / `put`):
     # what a prefix cache needs.
     shares_prefixes: bool = False

@@ -46,6 +46,7 @@ from verispec.models import kernels
 from verispec.models.base import CausalLM, ModelCache
 from verispec.models.kernels import config as kernel_config
 from verispec.models.hf import _eos_ids
+from verispec.text import turn_start_ids
 
 log = logging.getLogger(__name__)
 
@@ -57,11 +58,11 @@ STATIC_ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn"})
 # blocked GEMM (see NativeCausalLM._prefills_in_chunks).
 CHUNKED_PREFILL_ROWS = 256
 
-# Prompt tokens per prefill chunk of the float32 model (`CausalLM.prefill_chunk`). Its big passes run on
+# Most prompt tokens per prefill chunk of the float32 model (`CausalLM.prefill_chunk`). Its big passes run on
 # PyTorch's GEMM or the blocked one, whose rounding of a row may change with the pass width, so a prompt is
-# always read in chunks at positions [0, C), [C, 2C), ... and a prefix cache reuses whole chunks only.
-# The finer the chunks, the more of a conversation's history a cache hit covers (it re-reads up to C - 1
-# tokens of the previous prompt's tail), but the slower every prefill: on 2 threads of a quiet Zen 5, the
+# always read in chunks its tokens fix (`prefill.Chunking`: C tokens from the last end, or up to a chat-turn
+# start) and a prefix cache reuses whole chunks only. Turn starts let a conversation's next turn find its
+# history up to the last one; C bounds the passes, the finer the slower: on 2 threads of a quiet Zen 5, the
 # 1.5B target read 1024 tokens in 18.5 s in 256-token chunks, 16.9 s in 512s and 16.9 s at once (768 tokens:
 # 16.4 s in 128s, 13.3 s in 256s, 11.8 s at once), SmolLM2 1024 tokens in 2.17 / 1.88 / 1.85 s for 128 / 256 /
 # at once. 256 keeps the prefill within ~10% of one pass (bench/reports/prefix_cache.md).
@@ -277,6 +278,23 @@ class NativeCausalLM(CausalLM):
         """Aligned prefill chunks for the float32 numbers (`PREFILL_CHUNK`); none under numerics="q8",
         whose kernels give every token row the same numbers at any pass width."""
         return None if self.numerics == "q8" else PREFILL_CHUNK
+
+    _declared_turn_starts: frozenset[int] | None = None  # set through the `turn_start_ids` setter
+
+    @property
+    def turn_start_ids(self) -> frozenset[int]:
+        """The token ids prefill chunks also end after (`prefill.Chunking`): as declared through the setter,
+        else its tokenizer's chat-template turn start (`text.turn_start_ids`), derived once per tokenizer."""
+        if self._declared_turn_starts is not None:
+            return self._declared_turn_starts
+        derived = self.__dict__.get("_derived_turn_starts")
+        if derived is None or derived[0] is not self.tokenizer:
+            derived = self._derived_turn_starts = (self.tokenizer, turn_start_ids(self.tokenizer))
+        return derived[1]
+
+    @turn_start_ids.setter
+    def turn_start_ids(self, ids) -> None:
+        self._declared_turn_starts = frozenset(int(i) for i in ids)
 
     def __init__(self, hf_model, tokenizer=None, name: str | None = None, weight_dtype: torch.dtype | None = None,
                  panels: bool | None = None):

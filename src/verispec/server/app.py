@@ -38,6 +38,7 @@ from verispec.engine import Request as EngineRequest
 from verispec.errors import VerispecError
 from verispec.grammar import ll_tokenizer
 from verispec.heads import MedusaHead, OnlineConfig, OnlineMedusa
+from verispec.prefill import Chunking
 from verispec.prefix_cache import PrefixCache
 from verispec.options import DRAFTER_NAMES, WEIGHT_DTYPES, DraftLen, flag, positive_int
 from verispec.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, Metrics
@@ -112,9 +113,10 @@ class Generation:
     """The choices of one HTTP request; events reach it through an asyncio queue fed by the worker."""
 
     def __init__(self, spec: Spec, tokenizer: LockedTokenizer, loop: asyncio.AbstractEventLoop,
-                 on_gap: Callable[[float], None] | None = None, tenant=None):
+                 on_gap: Callable[[float], None] | None = None, tenant=None, cache_salt: str = ""):
         """on_gap: called with the seconds between two deliveries of tokens (inter-token latency). tenant: whose
-        request this is (`tenant_of`): drafters that keep earlier outputs draft it from that tenant's only."""
+        request this is (`tenant_of`): drafters that keep earlier outputs draft it from that tenant's only.
+        cache_salt: the prefix cache's salt for its prompts (`cache_salt_of`)."""
         self.spec = spec
         self.on_gap = on_gap
         self.last_tokens_at = 0.0
@@ -132,7 +134,8 @@ class Generation:
                 stats = SpecStats()
                 request = EngineRequest(prompt=ids, sampling=sampling, max_new_tokens=spec.max_tokens[p],
                                         stop_checker=checker, id=next(_job_ids), stats=stats, logprobs=spec.logprobs,
-                                        processed_logprobs=spec.processed_logprobs, grammar=spec.grammar, tenant=tenant)
+                                        processed_logprobs=spec.processed_logprobs, grammar=spec.grammar, tenant=tenant,
+                                        cache_salt=cache_salt)
                 deliver = (lambda item, index=index: _post(loop, self.events, (index, item)))
                 job = Job(request, spec.draft, deliver)
                 calls = CallStream(spec.tools.parallel, spec.tools.names) if spec.tools is not None else None
@@ -318,6 +321,14 @@ def tenant_of(key_tenant: str | None, user: str | None) -> tuple[str | None, str
     return (key_tenant, user)
 
 
+def cache_salt_of(key_tenant: str | None, cache_salt: str | None) -> str:
+    """The prefix cache salt of a request (`engine.Request.cache_salt`): its API key's tenant and its own
+    `cache_salt`, so tenants of different keys never share a cached prompt (a hit's shorter time to first
+    token would tell one whether another sent it) and a client may split its own requests further. Without
+    keys, only `cache_salt` parts requests; `user` does not, so a shared system prompt stays shared."""
+    return "\0".join(part for part in (key_tenant, cache_salt) if part is not None)
+
+
 def read_api_keys(keys: "str | list[str] | tuple[str, ...] | None") -> list[str]:
     """The keys a server accepts (one, several, or none), checked: each a non-empty string without spaces."""
     keys = [keys] if isinstance(keys, str) else list(keys or ())
@@ -383,6 +394,9 @@ def build_app(target, draft=None, drafter: str = "auto", draft_len: DraftLen | i
         draft_model, drafter = online_heads(target_model, draft_model, online), "medusa"
     if target_model.tokenizer is None:
         raise VerispecError(f"{target_model.name} has no tokenizer: the server needs one to read and write text")
+    # prompt chunks end after the chat template's turn start, which a model derives from its tokenizer once: now,
+    # before a self copy shares it and the event loop's threads use the tokenizer beside the worker
+    log.info("prompt chunks: %s", Chunking.of(target_model))
     drafter = resolve_drafter(target_model, draft_model, drafter)  # a server makes many calls: "auto" may make a self copy
     make_drafter(target_model, draft_model, drafter)  # fails now on a bad choice (unknown name, vocabularies differ)
     log.info("drafter: %s", drafter)
@@ -585,7 +599,7 @@ def build_app(target, draft=None, drafter: str = "auto", draft_len: DraftLen | i
                 log.warning("%s: ignored fields this server does not know: %s", endpoint.path, ", ".join(spec.ignored[:10]))
             headers = {"X-Verispec-Ignored-Fields": ",".join(spec.ignored[:10])[:200]} if spec.ignored else None
             generation = Generation(spec, tokenizer, asyncio.get_running_loop(), metrics.observe_delivery_gap,
-                                    tenant=tenant_of(key, spec.user))
+                                    tenant=tenant_of(key, spec.user), cache_salt=cache_salt_of(key, spec.cache_salt))
             jobs = [c.job for c in generation.choices]
             capacity = scheduler.max_batch + scheduler.max_queue
             if len(jobs) > capacity:  # would get a 503 for ever: retrying cannot help

@@ -107,10 +107,11 @@ class Fields:
         raise ApiError(400, f"{name}={show(value)} {why}", param=name, code="unsupported_parameter")
 
 
+MAX_CACHE_SALT = 1024  # characters of a cache_salt (vLLM suggests 43: 256 random bits in base64)
 COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "n", "stream", "stream_options", "stop", "seed",
                  "user", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens", "logit_bias",
                  "logprobs", "draft_len", "speculate", "coupled", "blockwise", "typical_acceptance", "cascade", "logprobs_mode",
-                 "response_format"}
+                 "response_format", "cache_salt"}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "suffix", "best_of"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "functions",
                                "function_call", "response_format", "parallel_tool_calls"}
@@ -136,6 +137,8 @@ class Spec:
     tools: ToolSetup | None = None  # chat with tools: tool calls are parsed from the output (unless tool_choice is "none")
     # OpenAI's `user` (the end user): with the API key in use, the tenant whose earlier outputs may draft this request
     user: str | None = None
+    # vLLM's `cache_salt`: prompts share prefix-cache blocks only with requests of the same salt (and API key)
+    cache_salt: str | None = None
 
 
 @dataclass
@@ -239,8 +242,13 @@ def parse_common(fields: Fields, config: ServerConfig, prompts: list[list[int]],
     user = fields.body.get("user")
     if user is not None and not isinstance(user, str):
         raise ApiError(400, f"user must be a string, got {show(user)}", param="user", code="invalid_type")
+    salt = fields.body.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt or len(salt) > MAX_CACHE_SALT):
+        raise ApiError(400, f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT} characters, got {show(salt)}",
+                       param="cache_salt", code="invalid_value")
     return Spec(prompts, budgets, n, sampling, stop or [], parse_draft(fields, config), stream, include_usage, fields.ignored,
-                processed_logprobs=mode == "processed", grammar=response_format(fields, config, sampling), user=user or None)
+                processed_logprobs=mode == "processed", grammar=response_format(fields, config, sampling), user=user or None,
+                cache_salt=salt)
 
 
 def response_format(fields: Fields, config: ServerConfig, sampling: SamplingParams) -> Grammar | None:

@@ -4,7 +4,7 @@ Between steps the worker takes new jobs and cancellations from its inbox, gives 
 (at most `max_batch` reading or decoding), reads prompts, steps every lane once and hands each job its
 `TokenEvent`s through a callback. `submit` refuses jobs beyond `max_batch` running plus `max_queue`
 waiting (`QueueFull`), so a burst cannot pile up unbounded work. Reading prompts (prefill) makes the
-decoding rows wait, so a prompt is read in the model's aligned chunks (`prefill.PromptReader`), at most
+decoding rows wait, so a prompt is read in the model's chunks (`prefill.PromptReader`), at most
 `prefill_tokens` prompt tokens between two steps (always at least one chunk), scaled up by the ratio of
 reading jobs to decoding rows where they outnumber them: a 6000-token prompt delays the running streams
 by about one chunk's pass per step, not by its whole prefill, while a burst that outnumbers the running
@@ -280,7 +280,8 @@ class Scheduler:
                 self._finish(job, JobFailed(400, str(exc)))
                 continue
             try:
-                reader = PromptReader(self.target, job.request.prompt[:-1], self.prefix_cache, self._taps(job.draft))
+                reader = PromptReader(self.target, job.request.prompt[:-1], self.prefix_cache, self._taps(job.draft),
+                                      salt=job.request.cache_salt)
             except Exception:
                 log.exception("looking up a prompt in the prefix cache failed")
                 self.step_failures += 1
