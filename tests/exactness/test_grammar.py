@@ -16,7 +16,10 @@ import torch
 from conftest import EOS, VOCAB, perturbed_copy, tiny_llama, tiny_qwen2, toy_grammar, toy_ids
 from test_sampling_exactness import P_THRESHOLD, chi2_pvalue
 from verispec.drafters import ModelDrafter, NgramDrafter, NoDrafter, SharedCacheDrafter, SuffixDrafter, SuffixIndex
+from verispec.drafters.eagle3 import Eagle3Drafter
 from verispec.drafters.hybrid import HybridDrafter
+from verispec.drafters.lookup_first import LookupFirstDrafter
+from verispec.heads.eagle3 import Eagle3Config, Eagle3Head
 from verispec.engine import DecodeBatch, Request
 from verispec.grammar import Constraint
 from verispec.models.native import NativeCausalLM
@@ -89,7 +92,18 @@ DRAFTERS = {
     "ngram": lambda target, draft: NgramDrafter(),
     "suffix": lambda target, draft: SuffixDrafter(SuffixIndex(), target.vocab_size),
     "hybrid": lambda target, draft: HybridDrafter(ModelDrafter(draft, target.vocab_size)),
+    "head+suffix": lambda target, draft: LookupFirstDrafter(Eagle3Drafter(random_head(target), target),
+                                                            SuffixDrafter(SuffixIndex(), target.vocab_size)),
 }
+
+
+def random_head(target) -> Eagle3Head:
+    """An untrained EAGLE-3 head over the target's taps at layers 0, 1, 2: its drafts are noise, which the grammar
+    must still leave exact."""
+    torch.manual_seed(0)
+    head = Eagle3Head(Eagle3Config.for_target(target, target.vocab_size, (0, 1, 2)))
+    head.set_draft_vocab(torch.arange(target.vocab_size))
+    return head
 
 
 @pytest.mark.parametrize("name", sorted(DRAFTERS))

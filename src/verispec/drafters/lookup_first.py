@@ -73,6 +73,7 @@ class LookupFirstDrafter(Drafter):
     skipped when it next drafts (the heads' drafters do: `Drafter.catches_up`)."""
 
     reads_tenants = True
+    reads_grammars = True  # the lookup's drafts end before a token the row's grammar forbids (a head's are not cut)
 
     def __init__(self, model: Drafter, lookup: Drafter, decay: float = 0.95, prior_accepted: float = 0.8,
                  prior_weight: float = 2.0):
@@ -104,8 +105,9 @@ class LookupFirstDrafter(Drafter):
         self.model.catch_up(sequences)
 
     def propose(self, sequences: list[list[int]], draft_len: int, sampling: list[SamplingParams], generators: list[torch.Generator],
-                stop: StopRule | None = None, branch: BranchRule | None = None) -> Draft:
-        found = self.lookup.propose(sequences, draft_len, sampling, generators)  # a chain: no alternates
+                stop: StopRule | None = None, branch: BranchRule | None = None, constraints: list | None = None) -> Draft:
+        grammars = {"constraints": constraints} if constraints is not None and self.lookup.reads_grammars else {}
+        found = self.lookup.propose(sequences, draft_len, sampling, generators, **grammars)  # a chain: no alternates
         if draft_len > 0 and bool(found.num_drafted.any()) and float(self.acceptance.expected(found).mean()) >= self.model_expected:
             self.model.propose(sequences, 0, sampling, generators)  # the model skips this step
             self.counts["lookup_steps"] += 1
