@@ -126,11 +126,12 @@ def _floats(tensor: Tensor, name: str) -> torch.Tensor:
 
 
 def _matrix(tensor: Tensor, name: str, rows: np.ndarray | None = None) -> kernels.GGUFMatrix:
-    """A Q4_K / Q5_K / Q6_K matrix of the file as the kernels multiply it (rows reordered if `rows` is given: a copy)."""
+    """A quantized matrix of the file (a `kernels.GGUFMatrix` type) as the kernels multiply it (rows reordered if `rows` is given: a copy)."""
     if tensor.kind not in kernels.GGUFMatrix.KINDS:
         raise VerispecError(
-            f"{name} is {_TYPES[tensor.kind][0]}: numerics='q8' multiplies Q4_K, Q5_K and Q6_K blocks (Q4_K_M, Q4_K_S, "
-            "Q5_K_M, Q5_K_S, Q6_K files); load this file with the default float32 numerics")
+            f"{name} is {_TYPES[tensor.kind][0]}: numerics='q8' multiplies Q4_K, Q5_K, Q6_K, Q4_0, Q4_1, Q5_0, Q5_1 and "
+            "Q8_0 blocks (Q4_K_M, Q4_K_S, Q5_K_M, Q5_K_S, Q6_K, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 files); load this file with "
+            "the default float32 numerics")
     values = torch.from_numpy(tensor.raw)
     return kernels.GGUFMatrix(values if rows is None else values[torch.from_numpy(rows)].contiguous(), tensor.kind)
 
