@@ -23,6 +23,16 @@ BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34}
 PROMPT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
 
 
+def assert_verify_pass_is_single_steps(model, ids: list[int], tokens: list[int]) -> None:
+    """A verify pass over `tokens` after the prompt `ids` gives bitwise the logits of single-token steps."""
+    steps = model.new_cache(1)
+    model.forward(torch.tensor([ids]), steps, last_only=True)
+    single = torch.cat([model.forward(torch.tensor([[t]]), steps) for t in tokens], dim=1)
+    cache = model.new_cache(1)
+    model.forward(torch.tensor([ids]), cache, last_only=True)
+    assert torch.equal(model.forward(torch.tensor([tokens]), cache), single)
+
+
 def test_smollm2_runs_in_q8_and_speculation_keeps_its_greedy_tokens():
     model = verispec.load("smollm2-135m", numerics="q8")
     assert {layer.up.kind for layer in model.layers} == {3} and model.lm_head.kind == 8  # Q4_1, a tied Q8_0 table
@@ -31,14 +41,7 @@ def test_smollm2_runs_in_q8_and_speculation_keeps_its_greedy_tokens():
     for drafter in ("ngram", "self"):
         speculative = verispec.generate(model, ids, drafter=drafter, draft_len=4, max_new_tokens=48)
         assert speculative.token_ids == plain.token_ids, drafter
-    # a verify pass of 8 gives bitwise the logits of single-token steps
-    tokens = plain.token_ids[:8]
-    steps = model.new_cache(1)
-    model.forward(torch.tensor([ids]), steps, last_only=True)
-    single = torch.cat([model.forward(torch.tensor([[t]]), steps) for t in tokens], dim=1)
-    cache = model.new_cache(1)
-    model.forward(torch.tensor([ids]), cache, last_only=True)
-    assert torch.equal(model.forward(torch.tensor([tokens]), cache), single)
+    assert_verify_pass_is_single_steps(model, ids, plain.token_ids[:8])
 
 
 @pytest.mark.skipif(not zoo.is_pulled("qwen2.5-coder-0.5b"), reason="qwen2.5-coder-0.5b is not in the zoo cache")
@@ -50,6 +53,7 @@ def test_qwen_05b_loads_in_q8_and_decodes():
     plain = verispec.generate(model, ids, drafter="none", max_new_tokens=24)
     assert "return" in model.tokenizer.decode(plain.token_ids)
     assert verispec.generate(model, ids, drafter="ngram", draft_len=4, max_new_tokens=24).token_ids == plain.token_ids
+    assert_verify_pass_is_single_steps(model, ids, plain.token_ids[:8])
 
 
 def _ggml_cpu():
