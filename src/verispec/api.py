@@ -60,8 +60,9 @@ def load(name_or_path: Any, dtype: torch.dtype | str | None = None, device: str 
 
     numerics: "float32" (the default) runs the float32 model a GGUF file stands for (converted once, as
     above). "q8" runs a GGUF file (a zoo name or a .gguf path) with llama.cpp's numerics, straight from
-    the file's own Q4_K / Q6_K blocks, memory-mapped: activations rounded to 8 bits per block of 256
-    (ggml's Q8_K) and integer dot products (`verispec.models.gguf_q8`). It loads in seconds at about the
+    the file's own Q4_K / Q5_K / Q6_K or Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 blocks, memory-mapped: activations
+    rounded to 8 bits per block (ggml's Q8_K per 256, Q8_0 / Q8_1 per 32) and integer dot products
+    (`verispec.models.gguf_q8`). It loads in seconds at about the
     file's size and decodes at memory speed; its logits are not the float32 model's but llama.cpp's up
     to float32 rounding, and speculation is exact with respect to them (every token row is computed
     alike at any pass width).

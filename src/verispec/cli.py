@@ -60,7 +60,8 @@ def _add_generation_options(p: argparse.ArgumentParser) -> None:
                    help="the target keeps its GGUF's Q4_K/Q6_K blocks, rebuilt exactly (same output; plain decoding ~2x faster)")
     p.add_argument("--numerics", choices=("float32", "q8"), default="float32",
                    help="the target's numbers: float32 (the model a GGUF stands for) or q8 (llama.cpp's: the GGUF's own "
-                        "Q4_K/Q6_K blocks times 8-bit activations, memory-mapped; speculation exact w.r.t. it)")
+                        "quantized blocks (Q4_K/Q5_K/Q6_K, Q4_0/Q4_1/Q5_0/Q5_1/Q8_0) times 8-bit activations, memory-mapped; "
+                        "speculation exact w.r.t. it)")
     p.add_argument("--system", default=None, help="a system prompt (with --chat, and in `verispec chat`)")
     _add_run_options(p)
 

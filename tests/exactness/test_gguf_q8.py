@@ -322,18 +322,18 @@ def test_files_it_cannot_run_this_way_are_refused_clearly(tmp_path):
         verispec.load(str(tmp_path), numerics="q8")
     with pytest.raises(VerispecError, match="numerics must be"):
         verispec.load("x.gguf", numerics="q4")
-    writer = GGUFWriter(str(tmp_path / "q8_0.gguf"), "qwen2")
+    writer = GGUFWriter(str(tmp_path / "q2_k.gguf"), "qwen2")
     writer.add_block_count(0)
     writer.add_embedding_length(256)
     writer.add_feed_forward_length(512)
     writer.add_head_count(4)
     writer.add_tensor("token_embd.weight", np.zeros((VOCAB, 256), np.float32))
-    writer.add_tensor("output.weight", np.zeros((VOCAB, 34 * 8), np.uint8), raw_dtype=GGMLQuantizationType.Q8_0)
+    writer.add_tensor("output.weight", np.zeros((VOCAB, 84), np.uint8), raw_dtype=GGMLQuantizationType.Q2_K)
     for call in (writer.write_header_to_file, writer.write_kv_data_to_file, writer.write_tensors_to_file, writer.close):
         call()
-    with pytest.raises(VerispecError, match="output.weight is Q8_0"):
-        gguf_q8.load(tmp_path / "q8_0.gguf")
-    metadata, tensors = gguf_q8.read(tmp_path / "q8_0.gguf")
+    with pytest.raises(VerispecError, match="output.weight is Q2_K"):
+        gguf_q8.load(tmp_path / "q2_k.gguf")
+    metadata, tensors = gguf_q8.read(tmp_path / "q2_k.gguf")
     del metadata["qwen2.attention.head_count"]
     with pytest.raises(VerispecError, match="no qwen2.attention.head_count"):
         gguf_q8._config(metadata, VOCAB)

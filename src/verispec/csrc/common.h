@@ -37,6 +37,24 @@
 #define Q5G_BYTES 2880 /* Q5_K: Q4_K's 2368 bytes, then 32x16 bytes of fifth bits (kquant_q8_pack.c) */
 #define Q6G_BYTES 3360 /* 16 columns' Q6_K blocks repacked: 16 d (f16), 8x16x2 scales, 32x64 nibbles, 16x64 high bits */
 
+#define QK32 32        /* weights per ggml Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 block (and per Q8_0 / Q8_1 activation block) */
+#define GGML_Q4_0 2    /* ggml type ids of the 32-weight block types (quant32_q8.c) */
+#define GGML_Q4_1 3
+#define GGML_Q5_0 6
+#define GGML_Q5_1 7
+#define GGML_Q8_0 8
+
+/* Whether a ggml type is one of the 32-weight block types, and the bytes of one of its blocks (a repacked
+ * group of Q8G columns is Q8G times as many: quant32_q8_pack.c) */
+static inline int ggml_is_q32(int kind)
+{
+    return kind == GGML_Q4_0 || kind == GGML_Q4_1 || kind == GGML_Q5_0 || kind == GGML_Q5_1 || kind == GGML_Q8_0;
+}
+static inline int64_t q32_block_bytes(int kind)
+{
+    return kind == GGML_Q4_0 ? 18 : kind == GGML_Q4_1 ? 20 : kind == GGML_Q5_0 ? 22 : kind == GGML_Q5_1 ? 24 : 34;
+}
+
 /* Bytes of one repacked block group of a ggml k-quant type (GGML_Q4_K, GGML_Q5_K, GGML_Q6_K). */
 static inline int64_t q8_group_bytes(int kind)
 {
@@ -60,7 +78,11 @@ typedef struct { const float *x; const void *w; const float *s; const float *b; 
  * gguf_q8_repack, times Q8_K activations (kquant_q8.c): qx [M, K] int8, qd [M, K / 256], qb [M, K / 16],
  * qb32 [M, K / 32]. */
 typedef struct { const int8_t *qx; const float *qd; const int16_t *qb, *qb32; const uint8_t *w; int kind;
-                 const float *b; float *y; int64_t M, N, K; } q8_job;
+                 const float *b; float *y; int64_t M, N, K;
+                 /* the 32-weight types' activations, rounded as ggml's Q8_0 / Q8_1 (quant32_q8.c): qx0 [M, K]
+                  * int8, qd0 [M, K / 32] the scales d (half-precision values), qs0 [M, K / 32] Q8_1's s = d * sum
+                  * (half-precision values), qa0 [M, K / 32] the sums of the codes */
+                 const int8_t *qx0; const float *qd0, *qs0; const int16_t *qa0; } q8_job;
 
 /* Int4 quantization of rows of w (see int4_quantize_rows in int4.c). */
 typedef struct { const float *w; uint8_t *packed; float *scale; const float *shrinks; int64_t K; int count; } quantize_job;
@@ -102,6 +124,14 @@ void q8k_quantize_512(const float *x, int8_t *qx, float *qd, int16_t *qb, int16_
 void q8k_quantize_256(const float *x, int8_t *qx, float *qd, int16_t *qb, int16_t *qb32, int64_t M, int64_t K);
 void q8_range_512(const void *job, int64_t begin, int64_t end);
 void q8_range_256(const void *job, int64_t begin, int64_t end);
+/* quant32_q8_pack.c: gguf_q8_repack of a 32-weight type */
+int q32_repack(const uint8_t *blocks, uint8_t *packed, int64_t N, int64_t K, int kind, int threads);
+/* quant32_q8.c, per ISA as kquant_q8.c: rows to Q8_0 / Q8_1, and the column groups of a q8_job whose kind is
+ * a 32-weight type (q8_range hands them over) */
+void q8_0_quantize_512(const float *x, int8_t *qx, float *qd, float *qs, int16_t *qa, int64_t M, int64_t K);
+void q8_0_quantize_256(const float *x, int8_t *qx, float *qd, float *qs, int16_t *qa, int64_t M, int64_t K);
+void q32_range_512(const void *job, int64_t begin, int64_t end);
+void q32_range_256(const void *job, int64_t begin, int64_t end);
 
 /* ======== one ISA whatever the caller's ======== */
 /* kquant.c (AVX2+FMA): exact k-quant rows widened to float32 */

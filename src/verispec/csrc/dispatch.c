@@ -52,28 +52,42 @@ static int linear_edge_row(const vs_product *p, int i, int64_t n, const float *x
     }
 }
 
-/* A VS_GGUF_Q8 product: x rounded to Q8_K once (every row, on the calling thread), then all the
- * matrices' column groups as one job of the pool (threads split groups; see kquant_q8.c). The AVX-512 kernels
- * need BW and VNNI; without them the AVX2 ones run. */
+/* A VS_GGUF_Q8 product: x rounded once (every row, on the calling thread) to what its matrices take, Q8_K
+ * for the k-quant types and Q8_0 / Q8_1 for the 32-weight ones (a group may hold both: a Q4_K_M file's Q8_0
+ * or Q5_0 matrices beside its Q4_K ones), then all the matrices' column groups as one job of the pool
+ * (threads split groups; see kquant_q8.c, quant32_q8.c). The AVX-512 kernels need BW and VNNI; without
+ * them the AVX2 ones run. */
 static int gguf_q8_product(const vs_product *p, const float *x, float *const *y, int64_t M, int isa, int threads)
 {
     static int vnni = -1;
     if (vnni < 0) vnni = kernels_vnni();
     const int wide = isa == 512 && vnni;
     const int64_t K = p->K;
-    if (K % QK_K) return -1;
-    const size_t bytes = (size_t)(M * K + M * (K / QK_K) * 4 + M * (K / 16) * 2 + M * (K / 32) * 2);
-    int8_t *qx = aligned_alloc(64, (bytes + 63) / 64 * 64 + 64);
+    int kquant = 0, q32 = 0;
+    for (int i = 0; i < p->count; i++) {
+        if (ggml_is_q32(p->kind[i])) q32 = 1;
+        else if (p->kind[i] == GGML_Q4_K || p->kind[i] == GGML_Q5_K || p->kind[i] == GGML_Q6_K) kquant = 1;
+        else return -1;
+    }
+    if ((kquant && K % QK_K) || (q32 && K % QK32)) return -1;
+    const size_t kbytes = kquant ? (size_t)(M * K + M * (K / QK_K) * 4 + M * (K / 16) * 2 + M * (K / 32) * 2) : 0;
+    const size_t bytes32 = q32 ? (size_t)(M * K + M * (K / QK32) * (4 + 4 + 2)) : 0;
+    const size_t kpadded = (kbytes + 63) / 64 * 64;
+    int8_t *qx = aligned_alloc(64, kpadded + (bytes32 + 63) / 64 * 64 + 64);
     if (!qx) return -1;
     float *qd = (float *)(qx + M * K);
     int16_t *qb = (int16_t *)(qd + M * (K / QK_K)), *qb32 = qb + M * (K / 16);
-    (wide ? q8k_quantize_512 : q8k_quantize_256)(x, qx, qd, qb, qb32, M, K);
+    int8_t *qx0 = qx + kpadded;
+    float *qd0 = (float *)(qx0 + M * K), *qs0 = qd0 + M * (K / QK32);
+    int16_t *qa0 = (int16_t *)(qs0 + M * (K / QK32));
+    if (kquant) (wide ? q8k_quantize_512 : q8k_quantize_256)(x, qx, qd, qb, qb32, M, K);
+    if (q32) (wide ? q8_0_quantize_512 : q8_0_quantize_256)(x, qx0, qd0, qs0, qa0, M, K);
     q8_job jobs[MAX_GROUP];
     const void *job_ptrs[MAX_GROUP];
     int64_t columns[MAX_GROUP], work = 0;
     for (int i = 0; i < p->count; i++) {
-        if (p->kind[i] != GGML_Q4_K && p->kind[i] != GGML_Q5_K && p->kind[i] != GGML_Q6_K) { free(qx); return -1; }
-        jobs[i] = (q8_job){qx, qd, qb, qb32, p->w[i], p->kind[i], p->b[i], y[i], M, p->N[i], K};
+        jobs[i] = (q8_job){.qx = qx, .qd = qd, .qb = qb, .qb32 = qb32, .w = p->w[i], .kind = p->kind[i], .b = p->b[i],
+                           .y = y[i], .M = M, .N = p->N[i], .K = K, .qx0 = qx0, .qd0 = qd0, .qs0 = qs0, .qa0 = qa0};
         job_ptrs[i] = &jobs[i];
         columns[i] = (p->N[i] + Q8G - 1) / Q8G;  /* threads split groups of 16 columns (the repacked layout) */
         work += M * p->N[i] * K;

@@ -14,9 +14,10 @@ enum vs_format {
     VS_Q4K = 6,        /* exact Q4_K blocks (see widen_q4k; s holds their scales and mins) */
     VS_Q6K = 7,        /* exact Q6_K blocks (see widen_q6k; s holds their scales) */
     VS_PANELS = 8,     /* float32 in 16-row panels (see panel_linear_group; AVX2+FMA whatever the ISA) */
-    VS_GGUF_Q8 = 9,    /* a GGUF file's k-quant blocks, repacked 16 columns interleaved (kquant_q8_pack.c), vs_product.kind[i]
-                          the ggml type of matrix i (12 Q4_K, 14 Q6_K); activations rounded per row as ggml's Q8_K:
-                          llama.cpp's numerics (kquant_q8.c) */
+    VS_GGUF_Q8 = 9,    /* a GGUF file's quantized blocks, repacked 16 columns interleaved (kquant_q8_pack.c, quant32_q8_pack.c),
+                          vs_product.kind[i] the ggml type of matrix i (12 Q4_K, 13 Q5_K, 14 Q6_K; 2 Q4_0, 3 Q4_1, 6 Q5_0,
+                          7 Q5_1, 8 Q8_0); activations rounded per row as ggml's Q8_K (k-quants) or Q8_0 / Q8_1 (the
+                          32-weight types): llama.cpp's numerics (kquant_q8.c, quant32_q8.c) */
 };
 
 /* How blocked_linear_group (prefill) reads one matrix of its group. */

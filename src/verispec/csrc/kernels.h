@@ -77,10 +77,12 @@ VS_API int kernels_isa(void);   /* the widest ISA this CPU runs: 512, 256, or 0 
 VS_API int kernels_vnni(void);  /* 1 when the CPU has AVX-512 VNNI (for VS_INT4_VNNI) */
 VS_API int linear_product(const vs_product *product, const float *x, float *const *y, int64_t M, int isa, int threads);
 VS_API void blocked_linear(const vs_blocked *args, int threads);
-/* kquant_q8_pack.c: a GGUF Q4_K / Q6_K matrix [N, K] (kind 12 / 14) repacked for VS_GGUF_Q8 products into
- * packed [ceil(N / 16) * K / 256 * (2368 or 3360 bytes)]; -1 for another kind or K % 256 */
+/* kquant_q8_pack.c: a GGUF Q4_K / Q5_K / Q6_K matrix [N, K] (kind 12 / 13 / 14) repacked for VS_GGUF_Q8 products
+ * into packed [ceil(N / 16) * K / 256 * (2368, 2880 or 3360 bytes)], or a Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 one
+ * (kind 2 / 3 / 6 / 7 / 8) into [ceil(N / 16) * K / 32 * 16 * (18, 20, 22, 24 or 34 bytes)] (quant32_q8_pack.c);
+ * -1 for another kind, or K not a multiple of the block (256, 32) */
 VS_API int gguf_q8_repack(const uint8_t *blocks, uint8_t *packed, int64_t N, int64_t K, int kind, int threads);
-/* Rows ids[0..n) of an [N, K] Q4_K / Q5_K / Q6_K matrix (`kind`, its blocks as the file stores them) ->
+/* Rows ids[0..n) of an [N, K] Q4_K / Q5_K / Q6_K / Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 matrix (`kind`, its blocks as the file stores them) ->
  * out [n, K] float32, as ggml's dequantize_row_*: 0, or 1 (bad kind or K), 2 (an id out of range). */
 VS_API int gguf_dequantize_rows(const uint8_t *blocks, const int64_t *ids, int64_t n, int64_t N, int64_t K, int kind, float *out);
 VS_API int64_t exact_blocks_mismatch(const void *w, const float *s, const float *dense, int64_t N, int64_t K, int format);

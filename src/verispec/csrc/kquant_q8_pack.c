@@ -124,6 +124,7 @@ static void repack_range(const void *arg, int64_t begin, int64_t end)
 
 int gguf_q8_repack(const uint8_t *blocks, uint8_t *packed, int64_t N, int64_t K, int kind, int threads)
 {
+    if (ggml_is_q32(kind)) return q32_repack(blocks, packed, N, K, kind, threads);
     if (K % QK_K || N < 0 || (kind != GGML_Q4_K && kind != GGML_Q5_K && kind != GGML_Q6_K)) return -1;
     const repack_job job = {blocks, packed, N, K, kind};
     const int64_t groups = (N + Q8G - 1) / Q8G;

@@ -1,4 +1,4 @@
-/* ======== rows of a GGUF file's Q4_K / Q5_K / Q6_K matrix, dequantized to float32 ========
+/* ======== rows of a GGUF file's Q4_K / Q5_K / Q6_K / Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 matrix, dequantized to float32 ========
  * (baseline C: an embedding lookup reads a handful of rows per step)
  *
  * ggml's dequantize_row_q4_K / _q5_K / _q6_K, term for term and in the same float order (d * sc, then
@@ -76,8 +76,46 @@ static void block_q6k(const uint8_t *b, float *y)
         }
 }
 
+/* One block of a 32-weight type -> 32 floats: ggml's dequantize_row_q4_0 / _q4_1 / _q5_0 / _q5_1 / _q8_0
+ * (weight j < 16 from qs[j]'s low nibble, j + 16 from its high one; Q5's fifth bit j of qh as 16; the _0
+ * types' codes less 8 or 16 times d, the _1 types' codes times d plus m). */
+static void block_q32(const uint8_t *b, int kind, float *y)
+{
+    const float d = half_to_float(b);
+    if (kind == GGML_Q8_0) {
+        for (int j = 0; j < QK32; j++) y[j] = (float)(int8_t)b[2 + j] * d;
+        return;
+    }
+    const int ones = kind == GGML_Q4_1 || kind == GGML_Q5_1, five = kind == GGML_Q5_0 || kind == GGML_Q5_1;
+    const float m = ones ? half_to_float(b + 2) : 0.0f;
+    const uint8_t *after = b + (ones ? 4 : 2);
+    uint32_t qh = 0;
+    if (five) memcpy(&qh, after, 4);
+    const uint8_t *qs = after + (five ? 4 : 0);
+    const int offset = ones ? 0 : five ? 16 : 8;
+    for (int j = 0; j < QK32 / 2; j++) {
+        const int lo = (qs[j] & 15) | (int)((qh >> j) & 1) << 4, hi = (qs[j] >> 4) | (int)((qh >> (j + 16)) & 1) << 4;
+        if (ones) {
+            y[j] = (float)lo * d + m;
+            y[j + 16] = (float)hi * d + m;
+        } else {
+            y[j] = (float)(lo - offset) * d;
+            y[j + 16] = (float)(hi - offset) * d;
+        }
+    }
+}
+
 int gguf_dequantize_rows(const uint8_t *blocks, const int64_t *ids, int64_t n, int64_t N, int64_t K, int kind, float *out)
 {
+    if (ggml_is_q32(kind)) {
+        if (K % QK32) return 1;
+        const int64_t bytes = q32_block_bytes(kind);
+        for (int64_t r = 0; r < n; r++) {
+            if (ids[r] < 0 || ids[r] >= N) return 2;
+            for (int64_t b = 0; b < K / QK32; b++) block_q32(blocks + (ids[r] * (K / QK32) + b) * bytes, kind, out + r * K + b * QK32);
+        }
+        return 0;
+    }
     const int64_t size = kind == GGML_Q4_K ? Q4K_BYTES : kind == GGML_Q5_K ? Q5K_BYTES : kind == GGML_Q6_K ? Q6K_BYTES : 0;
     if (!size || K % QK_K) return 1;
     for (int64_t r = 0; r < n; r++) {

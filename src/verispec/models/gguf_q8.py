@@ -1,7 +1,7 @@
 """A GGUF file run with llama.cpp's numerics, straight from its own blocks (`numerics="q8"`).
 
 `load(path)` builds a `NativeCausalLM` from the file itself, no transformers model and no float32
-conversion: the file is memory-mapped, every Q4_K / Q5_K / Q6_K matrix (the LM head and, when tied, the
+conversion: the file is memory-mapped, every quantized matrix (the LM head and, when tied, the
 embedding included) keeps the file's blocks (`kernels.GGUFMatrix`), and only the small float tensors
 (norms, biases) are read as they are. The kernels read each matrix's blocks repacked at load, 16
 output columns interleaved (the same codes and scales, 0-3% more bytes: csrc/kquant_q8_pack.c, a
@@ -11,16 +11,18 @@ a model occupies about its file's size in memory and starts in about the time it
 file once.
 
 The numbers are llama.cpp's, not the float32 model's: every activation row entering a matrix is
-rounded to 8 bits per block of 256 as ggml's Q8_K, and the products are integer dot products against
-the blocks (see `kernels.GGUFMatrix` and csrc/kquant_q8.c). The rest of the pass (RMSNorm, RoPE,
+rounded to 8 bits as ggml rounds it for the matrix's type (per 256 as Q8_K for Q4_K / Q5_K / Q6_K, per
+32 as llama.cpp's x86 Q8_0 / Q8_1 for Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0), and the products are integer dot products against
+the blocks (see `kernels.GGUFMatrix`, csrc/kquant_q8.c and csrc/quant32_q8.c). The rest of the pass (RMSNorm, RoPE,
 attention, SwiGLU) is verispec's float32 kernels, where llama.cpp has its own float32 ops (and F16
 key/value caches by default), so logits agree with llama.cpp's closely but not bit for bit. What
 speculation needs holds exactly: each token row's logits are bitwise the same at any pass width,
 so greedy speculative decoding gives exactly the plain greedy tokens of this target. Prefill runs
 the same kernels in chunks of `kernels.MAX_ROWS` tokens.
 
-Reads Llama and Qwen2 files whose matrices are Q4_K, Q5_K or Q6_K (e.g. Q4_K_M, Q5_K_M, Q6_K files); other
-types raise `VerispecError` (use the default float32 numerics for them).
+Reads Llama and Qwen2 files whose matrices are Q4_K, Q5_K, Q6_K, Q4_0, Q4_1, Q5_0, Q5_1 or Q8_0 (e.g. Q4_K_M,
+Q5_K_M, Q6_K, Q4_0, Q4_1, Q8_0 files, and the Q5_0 / Q8_0 matrices a K-quant file holds where a row's length is
+not a multiple of 256); other types raise `VerispecError` (use the default float32 numerics for them).
 """
 
 from __future__ import annotations
@@ -126,11 +128,12 @@ def _floats(tensor: Tensor, name: str) -> torch.Tensor:
 
 
 def _matrix(tensor: Tensor, name: str, rows: np.ndarray | None = None) -> kernels.GGUFMatrix:
-    """A Q4_K / Q5_K / Q6_K matrix of the file as the kernels multiply it (rows reordered if `rows` is given: a copy)."""
+    """A quantized matrix of the file (a `kernels.GGUFMatrix` type) as the kernels multiply it (rows reordered if `rows` is given: a copy)."""
     if tensor.kind not in kernels.GGUFMatrix.KINDS:
         raise VerispecError(
-            f"{name} is {_TYPES[tensor.kind][0]}: numerics='q8' multiplies Q4_K, Q5_K and Q6_K blocks (Q4_K_M, Q4_K_S, "
-            "Q5_K_M, Q5_K_S, Q6_K files); load this file with the default float32 numerics")
+            f"{name} is {_TYPES[tensor.kind][0]}: numerics='q8' multiplies Q4_K, Q5_K, Q6_K, Q4_0, Q4_1, Q5_0, Q5_1 and "
+            "Q8_0 blocks (Q4_K_M, Q4_K_S, Q5_K_M, Q5_K_S, Q6_K, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 files); load this file with "
+            "the default float32 numerics")
     values = torch.from_numpy(tensor.raw)
     return kernels.GGUFMatrix(values if rows is None else values[torch.from_numpy(rows)].contiguous(), tensor.kind)
 

@@ -33,12 +33,13 @@ rows the weights are rebuilt in registers; for more, a tile's rows are widened o
 into an L1 scratch that the float32 tiles then read. Qwen2.5-Coder 1.5B reads 1.4 GB per step
 instead of 7.1; the step becomes bound by the rebuilding arithmetic (~3 cycles per 8 weights).
 
-`GGUFMatrix` is the other way to run a GGUF file: its Q4_K / Q6_K blocks as the file stores them (read
-from the mapped file, `models.gguf_q8`), regrouped at load 16 output columns at a time so one vector
-lane serves one column (csrc/kquant_q8_pack.c), with llama.cpp's numerics instead of the float32 model's: each
-activation row rounded to 8 bits per block of 256 as ggml's Q8_K, integer dot products against the
+`GGUFMatrix` is the other way to run a GGUF file: its Q4_K / Q5_K / Q6_K or Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0
+blocks as the file stores them (read from the mapped file, `models.gguf_q8`), regrouped at load 16 output
+columns at a time so one vector lane serves one column (csrc/kquant_q8_pack.c, quant32_q8_pack.c), with
+llama.cpp's numerics instead of the float32 model's: each activation row rounded to 8 bits per block as
+ggml rounds it for the matrix's type (Q8_K per 256, Q8_0 / Q8_1 per 32), integer dot products against the
 blocks' codes (AVX-512 VNNI, or AVX2 byte products), the blocks' scales applied in float32 (csrc/
-kquant_q8.c). Rows stay independent (threads split output columns; each output's sums run in one
+kquant_q8.c, quant32_q8.c). Rows stay independent (threads split output columns; each output's sums run in one
 fixed order), so a target in this mode (`numerics="q8"`) is speculated on exactly.
 
 Prefill is the other regime: hundreds of rows, compute-bound. `blocked_linear` is a classic blocked

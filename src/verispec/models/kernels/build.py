@@ -40,7 +40,9 @@ UNITS: dict[str, tuple[tuple[str, ...], ...]] = {
     "int4_avx2.c": (AVX2_ONLY,),
     "int4_vnni.c": (VNNI_ONLY,),
     "kquant_q8.c": (Q8_512, Q8_256),
+    "quant32_q8.c": (Q8_512, Q8_256),
     "kquant_q8_pack.c": ((),),
+    "quant32_q8_pack.c": ((),),
     "kquant_rows.c": ((),),
     **{vector: (AVX512, AVX2) for vector in ("linear.c", "int4.c", "exact.c", "norms.c", "attention.c")},
 }

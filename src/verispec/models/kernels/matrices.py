@@ -196,31 +196,38 @@ class Q6KMatrix(ExactBlocks):
 
 
 class GGUFMatrix(QuantizedMatrix):
-    """A GGUF file's Q4_K, Q5_K or Q6_K matrix [N, K], multiplied with llama.cpp's numerics: each activation row
-    rounded to 8 bits per block of 256 as ggml's Q8_K, integer dot products against the blocks' codes, the
-    blocks' scales applied in float32 (see csrc/kquant_q8.c for the exact recipe). The integer parts are
-    ggml's to the bit; the float parts are summed in another order than llama.cpp's SIMD kernels, so
-    outputs agree with llama.cpp's to float32 rounding, not bitwise. These are not the float32 model's
-    numbers: a target in this mode is its own target (`numerics="q8"`), and every row's result is bitwise
-    the same at any pass width, so speculation is exact with respect to it.
+    """A GGUF file's quantized matrix [N, K] (Q4_K, Q5_K, Q6_K, or the 32-weight Q4_0, Q4_1, Q5_0, Q5_1, Q8_0),
+    multiplied with llama.cpp's numerics: each activation row rounded to 8 bits per block as ggml does for
+    the matrix's type (Q8_K per 256 for the k-quants, Q8_0 / Q8_1 per 32 for the others), integer dot
+    products against the blocks' codes, the blocks' scales applied in float32 (see csrc/kquant_q8.c and
+    csrc/quant32_q8.c for the exact recipes). The integer parts are ggml's to the bit; the float parts are
+    summed in another order than llama.cpp's SIMD kernels, so outputs agree with llama.cpp's to float32
+    rounding, not bitwise. These are not the float32 model's numbers: a target in this mode is its own
+    target (`numerics="q8"`), and every row's result is bitwise the same at any pass width, so speculation
+    is exact with respect to it.
 
-    blocks [N, K / 256 * block bytes] uint8: the rows' blocks as the file stores them (144 bytes per 256
-    weights for Q4_K, 176 for Q5_K, 210 for Q6_K), typically a view of the memory-mapped file; embedding lookups
-    (`rows`) read them. `values`: the same codes and scales repacked for the kernels, 16 columns
-    interleaved (csrc/kquant_q8_pack.c; 2-3% more bytes for Q4_K and Q5_K, as many for Q6_K), made on first use
-    so a table only looked up (an untied embedding) is never repacked. `kind` the ggml type id (12 Q4_K,
-    13 Q5_K, 14 Q6_K)."""
+    blocks [N, K / block weights * block bytes] uint8: the rows' blocks as the file stores them (per 256
+    weights 144 bytes for Q4_K, 176 for Q5_K, 210 for Q6_K; per 32 weights 18 for Q4_0, 20 Q4_1, 22 Q5_0,
+    24 Q5_1, 34 Q8_0), typically a view of the memory-mapped file; embedding lookups (`rows`) read them.
+    `values`: the same codes and scales repacked for the kernels, 16 columns interleaved
+    (csrc/kquant_q8_pack.c, csrc/quant32_q8_pack.c; 2-3% more bytes for Q4_K and Q5_K, as many for the
+    rest), made on first use so a table only looked up (an untied embedding) is never repacked. `kind` the
+    ggml type id (12 Q4_K, 13 Q5_K, 14 Q6_K, 2 Q4_0, 3 Q4_1, 6 Q5_0, 7 Q5_1, 8 Q8_0)."""
 
     dtype = torch.float32  # activations in and outputs out are float32
-    KINDS = {12: ("Q4_K", 144), 13: ("Q5_K", 176), 14: ("Q6_K", 210)}
+    # ggml type id: (name, bytes per block, weights per block, bytes of a repacked group's block)
+    KINDS = {12: ("Q4_K", 144, 256, 2368), 13: ("Q5_K", 176, 256, 2880), 14: ("Q6_K", 210, 256, 3360),
+             2: ("Q4_0", 18, 32, 288), 3: ("Q4_1", 20, 32, 320), 6: ("Q5_0", 22, 32, 352), 7: ("Q5_1", 24, 32, 384),
+             8: ("Q8_0", 34, 32, 544)}
     GROUP = 16  # columns per repacked group
-    GROUP_BYTES = {12: 2368, 13: 2880, 14: 3360}  # a group's 16 blocks, repacked
 
     def __init__(self, blocks: torch.Tensor, kind: int):
         if kind not in self.KINDS:
-            raise ValueError(f"GGUFMatrix holds Q4_K (12), Q5_K (13) or Q6_K (14) blocks, not ggml type {kind}")
-        if blocks.dim() != 2 or blocks.dtype != torch.uint8 or blocks.shape[1] % self.KINDS[kind][1]:
-            raise ValueError(f"{self.KINDS[kind][0]} blocks must be a uint8 [N, K / 256 * {self.KINDS[kind][1]}] tensor")
+            names = ", ".join(f"{name} ({k})" for k, (name, *_) in self.KINDS.items())
+            raise ValueError(f"GGUFMatrix holds {names} blocks, not ggml type {kind}")
+        name, size, weights, _ = self.KINDS[kind]
+        if blocks.dim() != 2 or blocks.dtype != torch.uint8 or blocks.shape[1] % size:
+            raise ValueError(f"{name} blocks must be a uint8 [N, K / {weights} * {size}] tensor")
         self.blocks, self.kind = blocks, kind
         self.scale = torch.empty(0)  # the scales are inside the blocks
         self._packed: torch.Tensor | None = None
@@ -228,17 +235,18 @@ class GGUFMatrix(QuantizedMatrix):
 
     @property
     def values(self) -> torch.Tensor:
-        """The blocks repacked for the kernels, uint8 [ceil(N / 16), K / 256 * group bytes] (made once)."""
+        """The blocks repacked for the kernels, uint8 [ceil(N / 16), K / block weights * group bytes] (made once)."""
         if self._packed is None:
             if not available():
                 raise RuntimeError("GGUFMatrix products need verispec's C kernels (a C compiler and an AVX2 CPU)")
             n, k = self.shape
+            name, _, weights, group_bytes = self.KINDS[self.kind]
             groups = -(-n // self.GROUP)
-            packed = torch.empty(groups, k // 256 * self.GROUP_BYTES[self.kind], dtype=torch.uint8)
+            packed = torch.empty(groups, k // weights * group_bytes, dtype=torch.uint8)
             blocks = self.blocks.contiguous()
             if runtime().lib.gguf_q8_repack(blocks.data_ptr(), packed.data_ptr(), n, k, self.kind,
                                             torch.get_num_threads()):
-                raise ValueError(f"cannot repack a [{n}, {k}] {self.KINDS[self.kind][0]} matrix")
+                raise ValueError(f"cannot repack a [{n}, {k}] {name} matrix")
             self._packed = packed
         return self._packed
 
@@ -255,7 +263,7 @@ class GGUFMatrix(QuantizedMatrix):
 
     @property
     def shape(self) -> torch.Size:
-        return torch.Size((self.blocks.shape[0], self.blocks.shape[1] // self.block_bytes * 256))
+        return torch.Size((self.blocks.shape[0], self.blocks.shape[1] // self.block_bytes * self.KINDS[self.kind][2]))
 
     def __getitem__(self, rows) -> "GGUFMatrix":
         return GGUFMatrix(self.blocks[rows].contiguous(), self.kind)

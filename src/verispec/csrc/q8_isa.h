@@ -1,0 +1,136 @@
+/* The int8 vocabulary of the q8 kernels (kquant_q8.c, quant32_q8.c): vectors of VCOLS int32 lanes, one
+ * output column each, and the dot steps on them, mapped per ISA. Included by a source compiled with
+ * -DVS_Q8_512 (AVX-512 BW + VNNI: vpdpbusd) or -DVS_Q8_256 (AVX2: vpmaddubsw); see kernels/build.py. */
+#ifndef VS_Q8_ISA_H
+#define VS_Q8_ISA_H
+
+#include "common.h"
+
+#if defined(VS_Q8_512)
+#define KQ(name) name##_512
+#define VCOLS 16                  /* columns per vector: one int32 lane each */
+typedef __m512i IVEC;
+typedef __m512 FVEC;
+#define ILOAD(p) _mm512_loadu_si512((const void *)(p))
+#define IZERO _mm512_setzero_si512
+#define ISET8 _mm512_set1_epi8
+#define ISET32 _mm512_set1_epi32
+#define IAND _mm512_and_si512
+#define IOR _mm512_or_si512
+#define ISRL16 _mm512_srli_epi16
+#define ISLL16 _mm512_slli_epi16
+#define IADD32 _mm512_add_epi32
+#define ISUB16 _mm512_sub_epi16
+#define HALVES(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))          /* 16 half floats */
+#define U8X16(p) _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(p)))      /* 32 bytes -> int16 */
+#define I8X16(p) _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(p)))
+#define ICVT _mm512_cvtepi32_ps
+#define FZERO _mm512_setzero_ps
+#define FMUL _mm512_mul_ps
+#define FADD _mm512_add_ps
+#define FSUB _mm512_sub_ps
+#define FSET1 _mm512_set1_ps
+#define FLOAD _mm512_loadu_ps
+#define FSTORE _mm512_storeu_ps
+#elif defined(VS_Q8_256)
+#define KQ(name) name##_256
+#define VCOLS 8
+typedef __m256i IVEC;
+typedef __m256 FVEC;
+#define ILOAD(p) _mm256_loadu_si256((const __m256i *)(p))
+#define IZERO _mm256_setzero_si256
+#define ISET8 _mm256_set1_epi8
+#define ISET32 _mm256_set1_epi32
+#define IAND _mm256_and_si256
+#define IOR _mm256_or_si256
+#define ISRL16 _mm256_srli_epi16
+#define ISLL16 _mm256_slli_epi16
+#define IADD32 _mm256_add_epi32
+#define ISUB16 _mm256_sub_epi16
+#define HALVES(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))             /* 8 half floats */
+#define U8X16(p) _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(p)))         /* 16 bytes -> int16 */
+#define I8X16(p) _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(p)))
+#define ICVT _mm256_cvtepi32_ps
+#define FZERO _mm256_setzero_ps
+#define FMUL _mm256_mul_ps
+#define FADD _mm256_add_ps
+#define FSUB _mm256_sub_ps
+#define FSET1 _mm256_set1_ps
+#define FLOAD _mm256_loadu_ps
+#define FSTORE _mm256_storeu_ps
+#else
+#error "a q8 source: compile with -DVS_Q8_512 (AVX-512 BW + VNNI) or -DVS_Q8_256 (AVX2)"
+#endif
+
+#define VBYTES (4 * VCOLS)        /* bytes of a step (four weights of each column) in a vector */
+#define PARTS (Q8G / VCOLS)       /* vectors across a group: 1 or 2 */
+#define Q8TILE 8                  /* activation rows sharing each decoded sub-block */
+#define INLINE static inline __attribute__((always_inline))
+#ifndef Q8_AHEAD
+#define Q8_AHEAD 4                /* blocks ahead the tiles prefetch the weights (see prefetch_block) */
+#endif
+
+/* Prefetch part `step` of `steps` of the block group `bytes` after p. The blocks are one sequential
+ * stream, but at 8 rows a tile spends long enough on each that the hardware prefetcher does not run
+ * far enough ahead: without this a third of a wide tile's time stalled on its weight loads (perf,
+ * Zen 5), with it the loads find the lines in cache. Past the matrix's end it reads nothing (a
+ * prefetch never faults). */
+INLINE void prefetch_block(const uint8_t *p, int64_t bytes, int step, int steps)
+{
+    const int64_t lines = (bytes + 63) / 64, per = (lines + steps - 1) / steps;
+    for (int64_t l = step * per; l < (step + 1) * per && l < lines; l++)
+        _mm_prefetch((const char *)(p + Q8_AHEAD * bytes + 64 * l), _MM_HINT_T0);
+}
+
+/* Four bytes at p as an int32 broadcast to every lane (a row's activations of one step, or a pair of int16). */
+INLINE IVEC bcast4(const void *p)
+{
+    int32_t v;
+    memcpy(&v, p, 4);
+    return ISET32(v);
+}
+
+#if VCOLS == 16
+/* acc + w . (the four bytes at x, broadcast) as one vpdpbusd with an embedded broadcast: GCC leaves
+ * _mm512_set1_epi32 of a load as a separate vpbroadcastd, which on Zen 5 cut the dot's throughput by a
+ * quarter. w unsigned bytes, x signed. */
+INLINE __m512i dpbusd_bcast(__m512i acc, __m512i w, const void *x)
+{
+    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*(const int32_t *)x));
+    return acc;
+}
+
+/* acc + pairwise w * (the int16 pair at p, broadcast), int16 -> int32: vpdpwssd, broadcast embedded */
+INLINE __m512i dpwssd_bcast(__m512i acc, __m512i w, const void *p)
+{
+    __asm__("vpdpwssd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*(const int32_t *)p));
+    return acc;
+}
+#else
+#define dpwssd_bcast(acc, w, p) _mm256_add_epi32(acc, _mm256_madd_epi16(w, bcast4(p)))
+#endif
+
+#if VCOLS == 16
+/* The fifth bits of a vector's 64 weights (a 64-bit word at p, bit i for byte i) as 16 or 0 per byte. */
+INLINE IVEC fifth_bits(const uint8_t *p, int part)
+{
+    (void)part;
+    uint64_t bits;
+    memcpy(&bits, p, 8);
+    return _mm512_maskz_mov_epi8(_cvtu64_mask64(bits), ISET8(16));
+}
+#else
+/* The same for the 32 bytes of part `part`: bits 32 part .. 32 part + 31 of the word. */
+INLINE IVEC fifth_bits(const uint8_t *p, int part)
+{
+    int32_t bits;
+    memcpy(&bits, p + 4 * part, 4);
+    const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32(bits),  /* byte i <- byte i / 8 of the word */
+                                               _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                                                2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+    const __m256i select = _mm256_set1_epi64x((long long)0x8040201008040201ull);  /* bit i % 8 of byte i */
+    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, select), select), ISET8(16));
+}
+#endif
+
+#endif
