@@ -140,6 +140,8 @@ def run_race(args) -> dict:
                 "draft_seconds_per_pass": result.stats.draft_seconds / max(1, result.stats.target_passes),
                 "prefill_seconds": result.stats.prefill_seconds}  # the target's, and a draft model's own, prompt prefill
             stage2 = result.stats.drafter_figures
+            if "lookup_steps" in stage2:  # head+suffix: how many drafting steps each of its two drafters took
+                row["methods"][method.name]["steps_by_drafter"] = {k: stage2[k] for k in ("lookup_steps", "model_steps")}
             if "draft_passes" in stage2:  # a staged drafter's: draft tokens and accepted proposals per draft-model pass
                 passes = max(1, stage2["draft_passes"])
                 row["methods"][method.name]["stage2"] = {**stage2, "tokens_per_draft_pass": stage2["draft_tokens"] / passes,
