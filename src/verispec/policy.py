@@ -189,7 +189,7 @@ class RatesByBatch:
         weight = 0.0 if own is None or own.rate is None else min(1.0, own.steps / self.min_steps)
         if weight >= 1.0:
             return own.rate
-        edge = self._neighbours_edge(batch_size, plain_seconds)
+        edge = self._neighbours_edge(batch_size, plain_seconds) if plain_seconds(batch_size) else None
         if edge is None:
             return own.rate if weight else None
         borrowed = edge / plain_seconds(batch_size)
@@ -198,7 +198,7 @@ class RatesByBatch:
     def _neighbours_edge(self, batch_size: int, plain_seconds) -> float | None:
         """Delivered rate / plain rate at `batch_size`, from the sizes measured over at least `min_steps` steps."""
         edges = sorted((b, r.rate * plain_seconds(b)) for b, r in self.by_size.items()
-                       if b != batch_size and r.rate is not None and r.steps >= self.min_steps)
+                       if b != batch_size and r.rate is not None and r.steps >= self.min_steps and plain_seconds(b))
         if not edges:
             return None
         below = [(b, e) for b, e in edges if b < batch_size]
