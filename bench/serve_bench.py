@@ -10,10 +10,12 @@ measured) with greedy decoding; every output must equal plain decoding's, and th
 The server's /metrics split each run's worker time by phase (prefill, draft, target pass, verify,
 other) and count target passes by width. Writes a Markdown table and JSON to bench/reports/.
 
-Defaults: smollm2-135m with the server's `auto` drafter: SmolLM2 has no smaller sibling to draft for
-it, so that is its own int4 copy drafting on its cache (n-gram lookup with `--drafter ngram`). For the Qwen pair: --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b.
+Defaults: smollm2-135m with the server's `auto` drafter and draft length, as `verispec serve` starts: SmolLM2
+has no smaller sibling to draft for it, so that is its own int4 copy drafting on its cache (n-gram lookup with
+`--drafter ngram`), with the adaptive draft length (`--draft-len 4` for a fixed one). For the Qwen pair:
+--target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b.
 
-    python bench/serve_bench.py                      # smollm2-135m, n-gram, concurrency 1 4 16, 3 rounds
+    python bench/serve_bench.py                      # smollm2-135m, int4 self copy, concurrency 1 4 16, 3 rounds
     python bench/serve_bench.py --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b
 """
 
@@ -43,7 +45,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--target", default="smollm2-135m")
     p.add_argument("--draft", default=None, help="draft model; omit for n-gram drafting")
     p.add_argument("--drafter", default="auto", help="auto | model | ngram")
-    p.add_argument("--draft-len", default="4", help="int, or 'auto'")
+    p.add_argument("--draft-len", default="auto", help="int, or 'auto' (default: auto, as `verispec serve` runs)")
     p.add_argument("--prompts", default=DEFAULT_PROMPTS, help="the bundled 'spec_bench' set or a Spec-Bench JSONL file ({category, turns})")
     p.add_argument("--num-prompts", type=int, default=8, help="fixed sample: the first prompt of each category, in file order")
     p.add_argument("--max-tokens", type=int, default=48)

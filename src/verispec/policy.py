@@ -25,8 +25,11 @@ a(.) the acceptance observed at that confidence, dt_target what one more row add
 pass there, and R the rate the engine already gets (the better of what speculative steps have
 delivered and a plain step): a step should take on a token when the tokens it is expected to add
 are worth at least what its seconds would earn at that rate, which is the rule that maximises a
-long-run rate of reward over cost. Whether to draft at all is then decided from the delivered rate
-against a plain step's. For a batch this treats every row as deciding alike, exact at batch size 1.
+long-run rate of reward over cost. In a batch every row rides the widest row's pass, so a position is
+taken when the batch's sum of S_i pays for it (`ConfidenceStop.position_pays`). Whether to draft at all is
+then decided from the rate drafting has delivered at this batch size (`RatesByBatch`: an unmeasured size
+leans on its neighbours) against a plain step's there; and where even a draft accepted in full could not beat
+a plain step, probing nearly stops (`AdaptiveDraftLen.could_pay`).
 
 The same rule places alternates (a second candidate beside chain position i, a leaf of a token tree)
 once the chain is drafted: one is worth v_i = S_{i-1} * b(conf2_i) tokens, where b(.) is the observed
@@ -150,6 +153,62 @@ class RealizedRate:
         return self.tokens / self.seconds if self.seconds > 0 else None
 
 
+class RatesByBatch:
+    """What drafting steps delivered at each batch size: a `RealizedRate` each (tokens per second per sequence).
+
+    Speculation's edge over plain decoding shrinks as a batch fills the pass (SmolLM2-135M with its int4 copy
+    on 2 cores: 1.4x at batch 1, below 1x at 4 and 16), so one rate shared by every batch size carries batch
+    1's evidence into batch 16 for dozens of steps. A batch size is judged by its own steps; one with fewer
+    than `min_steps` of them leans, in proportion, on its neighbours' *edge* (delivered rate times a plain step's
+    seconds there), on the line between the nearest measured sizes below and above it, else the nearest one,
+    as `CostCurve` prices token rows.
+    """
+
+    def __init__(self, decay: float = 0.98, min_steps: float = 4.0):
+        self.decay = decay
+        self.min_steps = min_steps
+        self.by_size: dict[int, RealizedRate] = {}
+
+    def observe(self, batch_size: int, tokens: float, seconds: float) -> None:
+        self.by_size.setdefault(batch_size, RealizedRate(self.decay)).observe(tokens, seconds)
+
+    def fade(self, batch_size: int, factor: float) -> None:
+        """Age one batch size's evidence (see `RealizedRate.fade`)."""
+        if batch_size in self.by_size:
+            self.by_size[batch_size].fade(factor)
+
+    @property
+    def steps(self) -> float:
+        """Drafting steps seen, over every batch size (decayed)."""
+        return sum(r.steps for r in self.by_size.values())
+
+    def rate(self, batch_size: int, plain_seconds) -> float | None:
+        """Tokens per second per sequence drafting is expected to deliver at `batch_size`; plain_seconds(b): a plain
+        step's seconds at batch size b (what an edge is measured against). None: nothing measured anywhere."""
+        own = self.by_size.get(batch_size)
+        weight = 0.0 if own is None or own.rate is None else min(1.0, own.steps / self.min_steps)
+        if weight >= 1.0:
+            return own.rate
+        edge = self._neighbours_edge(batch_size, plain_seconds) if plain_seconds(batch_size) else None
+        if edge is None:
+            return own.rate if weight else None
+        borrowed = edge / plain_seconds(batch_size)
+        return weight * own.rate + (1 - weight) * borrowed if weight else borrowed
+
+    def _neighbours_edge(self, batch_size: int, plain_seconds) -> float | None:
+        """Delivered rate / plain rate at `batch_size`, from the sizes measured over at least `min_steps` steps."""
+        edges = sorted((b, r.rate * plain_seconds(b)) for b, r in self.by_size.items()
+                       if b != batch_size and r.rate is not None and r.steps >= self.min_steps and plain_seconds(b))
+        if not edges:
+            return None
+        below = [(b, e) for b, e in edges if b < batch_size]
+        above = [(b, e) for b, e in edges if b > batch_size]
+        if below and above:
+            (b0, e0), (b1, e1) = below[-1], above[0]
+            return e0 + (e1 - e0) * (batch_size - b0) / (b1 - b0)
+        return (below[-1] if below else above[0])[1]
+
+
 class ConfidenceStop:
     """One step's stop rule: keep a row drafting while S_i >= thresholds[i] (see the module docstring)."""
 
@@ -160,13 +219,28 @@ class ConfidenceStop:
         self.alternates = alternates
         self.row_prices = row_prices  # [w]: tokens a row must be expected to add to a pass already w rows wide
         self.survival: torch.Tensor | None = None
+        self.going: torch.Tensor | None = None  # [batch] bool: rows this rule has not stopped yet
         self.reach: list[torch.Tensor] = []  # [i]: S_{i-1} per row, the chance the chain reaches position i
 
     def __call__(self, position: int, confidence: torch.Tensor) -> torch.Tensor:
         accept = self.calibration(confidence)
         self.reach.append(torch.ones_like(accept) if self.survival is None else self.survival)
         self.survival = accept if self.survival is None else self.survival * accept
-        return self.survival >= self.thresholds[position]
+        if self.going is None:
+            self.going = torch.ones(len(accept), dtype=torch.bool)
+        self.going = self.going & self.position_pays(position)
+        return self.going
+
+    def position_pays(self, position: int) -> torch.Tensor:
+        """[batch] bool: rows whose token at `position` is worth its seconds. The pass is as wide as the longest
+        draft, and a draft pass runs over every row, so a position is paid for by the whole batch: it pays when
+        the tokens the rows still drafting expect from it, sum of S_i, are worth what its seconds earn at the
+        batch's rate, batch * R * (t_draft + dt_target); then every such row may use it, at no further cost. (One
+        row deciding for itself would widen every row's pass for its own S_i alone.) At batch size 1 this is
+        S_i >= threshold."""
+        expected = float(self.survival[self.going].sum())
+        pays = expected >= len(self.survival) * self.thresholds[position]
+        return self.going.clone() if pays else torch.zeros(len(self.survival), dtype=torch.bool)
 
     def branch(self, confidence: torch.Tensor, num_drafted: torch.Tensor) -> torch.Tensor:
         """The `BranchRule`: alternates by decreasing worth, while each pays for the row it adds."""
@@ -255,6 +329,12 @@ class CostCurve:
         return cost[-1] + slope * (size - sizes[-1])
 
 
+# Drafting is ruled out at a batch size only when even a draft accepted in full would fall this far short of a plain
+# step there (measured costs are noisy), and is then probed this many times less often.
+PAYABLE_MARGIN = 0.9
+UNPAYABLE_PROBE_SPACING = 8
+
+
 class AdaptiveDraftLen:
     """Chooses k from running estimates of acceptance and costs; see the module docstring."""
 
@@ -276,7 +356,7 @@ class AdaptiveDraftLen:
         # an alternate's confidence -> the chance it is the target's token once its position is reached;
         # a draft's second probability is about what it says (prior b(conf) = conf)
         self.alternate_calibration = Calibration(prior_power=1.0)
-        self.speculative = RealizedRate()  # tokens per second per sequence that drafting steps delivered
+        self.speculative = RatesByBatch()  # tokens per second per sequence that drafting steps delivered, per batch size
         # While speculation is off, what it delivered ages with every plain step, so the probes' fresh
         # evidence decides within a few probes (a slow stretch, e.g. a busy machine, is not held for ever).
         self.idle_fade = idle_fade
@@ -343,15 +423,29 @@ class AdaptiveDraftLen:
             return self.max_draft_len
         if self.target_cost.count(batch_size) == 0:
             return 0  # a plain step, measured once it is needed (until then the narrowest pass measured prices it)
-        if self.speculative.rate >= 1.0 / self.target_cost(batch_size):
+        if not self.could_pay(batch_size):  # probing would only cost; rarely, in case the draft's cost has changed
+            return self.max_draft_len if self.steps % (self.probe_every * UNPAYABLE_PROBE_SPACING) == 0 else 0
+        delivered = self.speculative.rate(batch_size, self.target_cost)
+        if delivered is None or delivered >= 1.0 / self.target_cost(batch_size):
             return self.max_draft_len
         return self.max_draft_len if self.steps % self.probe_every == 0 else 0  # now and then, check again
+
+    def could_pay(self, batch_size: int) -> bool:
+        """Whether drafting could beat a plain step at this batch size even with every drafted token accepted,
+        (k + 1) / (k * t_draft(b) + t_target(b * (k + 1))) for the best k, within PAYABLE_MARGIN. Where it could not
+        (a draft pass nearly as dear as a plain step, and a wider pass dearer still: batch 16 on a CPU), a probe
+        is a step lost. True while either cost is unmeasured."""
+        draft, plain = self.draft_cost(batch_size), self.target_cost(batch_size)
+        if draft is None or plain is None:
+            return True
+        best = max((k + 1) / (k * draft + self.target_cost(batch_size * (k + 1))) for k in range(1, self.max_draft_len + 1))
+        return best * plain >= PAYABLE_MARGIN
 
     def stop_rule(self, batch_size: int) -> ConfidenceStop | None:
         if not self.calibration.seen:
             return None
         # R: the rate a token must beat, the better of what speculation delivers and a plain step.
-        rate = max(self.speculative.rate or 0.0, 1.0 / self.target_cost(batch_size))
+        rate = max(self.speculative.rate(batch_size, self.target_cost) or 0.0, 1.0 / self.target_cost(batch_size))
         draft = self.draft_cost(batch_size) or 0.0
         # extra[w]: what one more row adds to a pass w rows wide, as the slope over two rows there
         # (single-row differences between noisy medians would be noise). Chain token i joins a pass of
@@ -378,7 +472,7 @@ class AdaptiveDraftLen:
             self.alternate_calibration.count(outcome.confidence, outcome.reached, outcome.accepted)
             gained = gained + outcome.taken
         if draft_len > 0:  # including a draft stopped before its first token: that cost a draft pass
-            self.speculative.observe(float(gained.float().mean()), draft_seconds + target_seconds)
+            self.speculative.observe(batch_size, float(gained.float().mean()), draft_seconds + target_seconds)
             # Draft passes run: one per token kept, plus the one that judged the token a stop refused
             # (none past k). Counted even when every row stopped at its first token: otherwise a draft
             # cost measured on a slow stretch would make the stop refuse every token, and never be re-measured.
@@ -386,7 +480,7 @@ class AdaptiveDraftLen:
                 self.draft_cost.samples.pop(batch_size, None)
             self.draft_cost.observe(batch_size, draft_seconds / min(width, draft_len))
         else:
-            self.speculative.fade(self.idle_fade)
+            self.speculative.fade(batch_size, self.idle_fade)
         self.idle = draft_len == 0
         if width <= 1:
             return  # nothing was drafted (k = 0, or every row stopped at once): no acceptance to learn
