@@ -229,6 +229,10 @@ DRAFTERS: dict[str, Callable[[CausalLM, CausalLM | None, float], Drafter]] = {
 HEAD_DRAFTERS: dict[type, str] = {Eagle3Head: "eagle3", MedusaHead: "medusa", OnlineMedusa: "medusa", MTPHead: "mtp"}
 
 
+# The heads "auto" pairs with suffix lookup ("head+suffix"): those that skip a step and read what they skipped later.
+LOOKUP_FIRST_HEADS = ("eagle3", "mtp")
+
+
 def head_drafter(draft) -> str | None:
     """The drafter name of a trained head (`HEAD_DRAFTERS`), None for anything else."""
     return next((name for kind, name in HEAD_DRAFTERS.items() if isinstance(draft, kind)), None)
@@ -356,7 +360,9 @@ def resolve_drafter(target: CausalLM, draft: CausalLM | None, drafter: str, new_
     if drafter != "auto":
         return drafter
     if head_drafter(draft) is not None:
-        return head_drafter(draft)
+        # a chain head (EAGLE-3, MTP) with suffix lookup beside it, which drafts repeated text for free: ahead of
+        # the head alone on HumanEval (1.36x against 1.21x plain) and Spec-Bench (0.98x against 0.93x), q8 1.5B
+        return "head+suffix" if head_drafter(draft) in LOOKUP_FIRST_HEADS else head_drafter(draft)
     if draft is not None:
         return "model"
     if self_draft_possible(target) and (target in _SELF_DRAFTS or new_tokens is None or new_tokens >= SELF_COPY_MIN_TOKENS

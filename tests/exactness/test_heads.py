@@ -265,9 +265,12 @@ def trained_head(tiny_target):
 def test_greedy_eagle3_equals_plain(tiny_target, trained_head, draft_len):
     plain = [verispec.generate(tiny_target, p, drafter="none", max_new_tokens=40).token_ids for p in PROMPTS]
     for prompt, expected in zip(PROMPTS, plain):
-        got = verispec.generate(tiny_target, prompt, draft=trained_head, draft_len=draft_len, max_new_tokens=40)
+        got = verispec.generate(tiny_target, prompt, draft=trained_head, drafter="eagle3", draft_len=draft_len,
+                                max_new_tokens=40)
         assert got.token_ids == expected, f"prompt {prompt}"
         assert got.stats.drafter == "Eagle3Drafter"
+        auto = verispec.generate(tiny_target, prompt, draft=trained_head, draft_len=draft_len, max_new_tokens=40)
+        assert auto.token_ids == expected and auto.stats.drafter == "LookupFirstDrafter"  # "auto": head+suffix
     batch = verispec.generate(tiny_target, PROMPTS, draft=trained_head, drafter="eagle3", draft_len=draft_len,
                               max_new_tokens=40)
     assert [r.token_ids for r in batch] == plain  # rows of different lengths, leaving at different steps
@@ -473,7 +476,7 @@ def test_smollm_greedy_eagle3_equals_plain(smol_head, draft_len):
         expected = verispec.generate(target, prompt, drafter="none", max_new_tokens=40).token_ids
         got = verispec.generate(target, prompt, draft=head, draft_len=draft_len, max_new_tokens=40)
         assert got.token_ids == expected, prompt
-        assert got.stats.drafter == "Eagle3Drafter"
+        assert got.stats.drafter == "LookupFirstDrafter"  # "auto": the head with suffix lookup beside it
     batch = verispec.generate(target, SMOL_PROMPTS, draft=head, draft_len=draft_len, max_new_tokens=24)
     assert [r.token_ids for r in batch] == [verispec.generate(target, p, drafter="none", max_new_tokens=24).token_ids
                                             for p in SMOL_PROMPTS]

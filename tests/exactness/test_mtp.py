@@ -147,7 +147,7 @@ def test_save_load_round_trip_and_dispatch(tiny_target, tmp_path):
     plain = verispec.generate(tiny_target, PROMPT, drafter="none", max_new_tokens=8).token_ids
     for draft in (by_load, str(tmp_path / "mtp")):
         got = verispec.generate(tiny_target, PROMPT, draft=draft, max_new_tokens=8)
-        assert got.token_ids == plain and got.stats.drafter == "MTPDrafter"
+        assert got.token_ids == plain and got.stats.drafter == "LookupFirstDrafter"  # "auto": the module with suffix lookup
     assert verispec.generate(tiny_target, PROMPT, head=str(tmp_path / "mtp"), drafter="mtp", max_new_tokens=8).token_ids == plain
     with pytest.raises(VerispecError, match="no MTP module"):
         load_head(tmp_path)
@@ -200,9 +200,11 @@ def test_greedy_mtp_equals_plain(pair, trained_module, draft_len):
     _, target = pair
     plain = [verispec.generate(target, p, drafter="none", max_new_tokens=40).token_ids for p in PROMPTS]
     for prompt, expected in zip(PROMPTS, plain):
-        got = verispec.generate(target, prompt, draft=trained_module, draft_len=draft_len, max_new_tokens=40)
+        got = verispec.generate(target, prompt, draft=trained_module, drafter="mtp", draft_len=draft_len, max_new_tokens=40)
         assert got.token_ids == expected, f"prompt {prompt}"
         assert got.stats.drafter == "MTPDrafter"
+        auto = verispec.generate(target, prompt, draft=trained_module, draft_len=draft_len, max_new_tokens=40)
+        assert auto.token_ids == expected and auto.stats.drafter == "LookupFirstDrafter"  # "auto": head+suffix
     batch = verispec.generate(target, PROMPTS, draft=trained_module, drafter="mtp", draft_len=draft_len, max_new_tokens=40)
     assert [r.token_ids for r in batch] == plain  # rows of different lengths, leaving at different steps
     if draft_len not in ("auto", "tree"):  # "auto" rightly drafts little here: the tiny target is as cheap as the module
@@ -442,7 +444,7 @@ def test_smollm_greedy_mtp_equals_plain(smol_module, draft_len):
         expected = verispec.generate(target, prompt, drafter="none", max_new_tokens=40).token_ids
         got = verispec.generate(target, prompt, draft=head, draft_len=draft_len, max_new_tokens=40)
         assert got.token_ids == expected, prompt
-        assert got.stats.drafter == "MTPDrafter"
+        assert got.stats.drafter == "LookupFirstDrafter"  # "auto": the module with suffix lookup beside it
     batch = verispec.generate(target, SMOL_PROMPTS, draft=head, draft_len=draft_len, max_new_tokens=24)
     assert [r.token_ids for r in batch] == [verispec.generate(target, p, drafter="none", max_new_tokens=24).token_ids
                                             for p in SMOL_PROMPTS]
