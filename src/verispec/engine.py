@@ -168,7 +168,7 @@ class DecodeBatch:
             self.check(request)
         taps = self.drafter.target_taps  # a drafter that reads the target's hidden states
         if readers is None:
-            readers = read_once(self.target, [r.prompt[:-1] for r in requests], taps=taps)
+            readers = read_once(self.target, [r.prompt[:-1] for r in requests], taps=taps, tap_last=self.drafter.prompt_taps)
         if any(not reader.done or reader.tokens != list(r.prompt[:-1]) for reader, r in zip(readers, requests)):
             raise ValueError("each reader must have read its request's prompt but the last token")
         started = time.perf_counter()

@@ -87,11 +87,14 @@ class PromptReader:
     prefix_cache: look the prompt up at the first `advance` (the hit is written into the cache, not computed),
     and store the chunks computed here that end where `Chunking.ends` puts an end, under `salt` (see
     `PrefixCache.lookup`). taps (see `CausalLM.forward`): collect the tapped hidden states of every token
-    read ([tokens, n * hidden] in `hidden`); no prefix cache then, since it keeps no hidden states."""
+    read ([tokens, n * hidden] in `hidden`), or with `tap_last` of the last that many tokens only (passes
+    before them run without taps, the same numbers); no prefix cache then, since it keeps no hidden states."""
 
     def __init__(self, model: CausalLM, tokens: list[int], prefix_cache=None, taps: tuple[int, ...] | None = None,
-                 salt: str = ""):
+                 salt: str = "", tap_last: int | None = None):
         self.model, self.tokens, self.taps, self.salt = model, list(tokens), taps, salt
+        # the first token whose taps are collected
+        self.tap_from = 0 if tap_last is None else max(0, len(self.tokens) - tap_last)
         self.prefix_cache = prefix_cache if taps is None else None
         chunking = Chunking.of(model)
         self._ends = chunking.ends(self.tokens) if chunking else None  # the chunk ends a cache may store
@@ -147,9 +150,9 @@ class PromptReader:
 
     def _pass(self, begin: int, end: int) -> None:
         tokens = torch.tensor([self.tokens[begin:end]], dtype=torch.long)
-        if self.taps is not None:
+        if self.taps is not None and end > self.tap_from:
             _, tapped = self.model.forward(tokens, self.cache, last_only=True, taps=self.taps)
-            self.hidden.append(tapped[0])
+            self.hidden.append(tapped[0, max(0, self.tap_from - begin) :])
         else:
             self.model.forward(tokens, self.cache, last_only=True)
         self.read = end
@@ -168,7 +171,7 @@ def prefill(model: CausalLM, contexts: list[list[int]], taps: tuple[int, ...] | 
 
 
 def read_once(model: CausalLM, contexts: list[list[int]], taps: tuple[int, ...] | None = None,
-              prefix_cache=None) -> list[PromptReader]:
+              prefix_cache=None, tap_last: int | None = None) -> list[PromptReader]:
     """A done `PromptReader` per context, the same reader for equal contexts: n samples of one prompt (a
     request's `n`, a statistical test's thousands of seeded rows) read it once, and `joined` copies its
     row. A reader's numbers depend on its own tokens only, so sharing one is the same as reading again."""
@@ -177,7 +180,7 @@ def read_once(model: CausalLM, contexts: list[list[int]], taps: tuple[int, ...] 
     for context in contexts:
         key = tuple(context)
         if key not in distinct:
-            distinct[key] = PromptReader(model, context, prefix_cache, taps)
+            distinct[key] = PromptReader(model, context, prefix_cache, taps, tap_last=tap_last)
             distinct[key].advance()
         readers.append(distinct[key])
     return readers

@@ -376,12 +376,15 @@ def test_a_heads_window_keeps_greedy_output_exact(tiny_target, trained_head, win
 
 
 def test_a_heads_window_restarts_only_the_rows_past_it(tiny_target, trained_head):
+    """A prompt hands the head the taps of its last `window` positions only (`prompt_taps`); a stretch of more
+    than `window` positions without drafting restarts that row's head cache from the last `window` of them."""
     drafter = Eagle3Drafter(trained_head, tiny_target, window=4)
+    assert drafter.prompt_taps == 4
     rows = [[1] + list(range(5, 15)), [1, 20, 21]]  # 10 and 2 positions to read
     drafter.add(rows)
     _, hidden = tiny_target.forward(torch.tensor([rows[0][:-1]]), tiny_target.new_cache(1), taps=TAPS)
     _, short = tiny_target.forward(torch.tensor([rows[1][:-1]]), tiny_target.new_cache(1), taps=TAPS)
-    drafter.observe_taps([hidden[0], short[0]])
+    drafter.observe_taps([hidden[0, -4:], short[0]])
     drafter.catch_up(rows)
     assert drafter.slots.num_tokens().tolist() == [4, 2] and drafter.skipped == [6, 0]
     # what the windowed row holds is what a head given only those 4 positions computes
@@ -390,9 +393,32 @@ def test_a_heads_window_restarts_only_the_rows_past_it(tiny_target, trained_head
     alone.observe_taps([hidden[0, 6:]])
     alone.catch_up([rows[0][6:]])
     torch.testing.assert_close(drafter._caught[0][0], alone._caught[0][0], rtol=1e-5, atol=1e-5)
+    # six more positions on row 0 while nothing drafted: past the window, so the row starts afresh from the last 4
+    longer = rows[0] + list(range(30, 36))
+    _, more = tiny_target.forward(torch.tensor([longer[:-1]]), tiny_target.new_cache(1), taps=TAPS)
+    drafter.observe_taps([more[0, 10:], None])
+    drafter.catch_up([longer, rows[1]])
+    assert drafter.slots.num_tokens().tolist() == [4, 2] and drafter.skipped == [12, 0]
     with pytest.raises(RuntimeError, match="skipped"):  # the bookkeeping still checks the target's count
-        drafter.observe_taps([hidden[0, :1], None])
-        drafter.catch_up(rows)
+        drafter.observe_taps([more[0, :1], None])
+        drafter.catch_up([longer, rows[1]])
+
+
+def test_a_heads_prefill_taps_only_the_prompts_window(tiny_target, trained_head):
+    """The engine's prefill collects the taps of the last `prompt_taps` prompt tokens only (the passes before run
+    without them), the head reads exactly those, and greedy output is plain decoding's."""
+    from verispec.prefill import read_once
+
+    prompt = [1] + list(range(5, 40))
+    readers = read_once(tiny_target, [prompt[:-1]], taps=TAPS, tap_last=8)
+    full = read_once(tiny_target, [prompt[:-1]], taps=TAPS)
+    tail = torch.cat(readers[0].hidden)
+    assert tail.shape[0] == 8 and torch.equal(tail, torch.cat(full[0].hidden)[-8:])
+    long_prompt = [1] + [5 + (7 * i) % 80 for i in range(100)]  # past the default window of 64
+    for prompts in ([long_prompt], [long_prompt, prompt]):
+        plain = [verispec.generate(tiny_target, p, drafter="none", max_new_tokens=20).token_ids for p in prompts]
+        got = verispec.generate(tiny_target, prompts, draft=trained_head, drafter="eagle3", draft_len=3, max_new_tokens=20)
+        assert [r.token_ids for r in got] == plain
 
 
 def test_engine_hands_over_the_taps_of_every_kept_token(tiny_hf, tiny_target):

@@ -262,6 +262,10 @@ class Drafter(Protocol):
     # engine's prefill and verify passes also return them, and it hands over those of every token the
     # target's cache keeps (`observe_taps`), with no extra target pass. None: it reads none.
     target_taps: "tuple[int, ...] | None" = None
+    # Of a prompt, reads the taps of at most this many last tokens (a head that reads a window of positions,
+    # `Eagle3Drafter.window`): the prefill taps only those, and `observe_taps` gets only those for the prompt.
+    # None: every prompt token's.
+    prompt_taps: "int | None" = None
 
     # Reads, when drafting resumes, what it skipped while steps did not draft (a trained head: the target's
     # hidden states of the tokens decoded meanwhile, or of new rows' prompts): in the first drafting step after

@@ -74,6 +74,7 @@ class Eagle3Drafter(Drafter):
         self.min_confidence = min_confidence
         self.top_k, self.beam = top_k, beam
         self.window = window
+        self.prompt_taps = window  # a prompt's first catch-up reads no more than its last `window` positions
         config = head.config
         self.slots = SlotCache(0)
         self.keys = torch.zeros(0, config.num_key_value_heads, 0, config.head_dim)
@@ -83,14 +84,15 @@ class Eagle3Drafter(Drafter):
         self._caught: tuple[torch.Tensor, torch.Tensor] | None = None  # `catch_up`'s result, for this step's `propose`
 
     def add(self, prompts: list[list[int]]) -> None:
-        """New rows: an empty head cache each; their prompt taps arrive through `observe_taps`."""
+        """New rows: an empty head cache each; their prompt taps arrive through `observe_taps`, those of the last
+        `prompt_taps` positions only (the ones before are never read: `window`)."""
         config = self.head.config
         new = SlotCache(len(prompts))
         self.slots.concat(new)
         empty = torch.zeros(len(prompts), config.num_key_value_heads, self.keys.shape[2], config.head_dim)
         self.keys, self.values = torch.cat([self.keys, empty]), torch.cat([self.values, empty.clone()])
         self.pending.extend([] for _ in prompts)
-        self.skipped.extend(0 for _ in prompts)
+        self.skipped.extend(0 if self.window is None else max(0, len(p) - 1 - self.window) for p in prompts)
 
     def observe_taps(self, hidden: list[torch.Tensor | None]) -> None:
         """Per row of the batch, the target's taps [n, len(taps) * H] of the n tokens its cache just kept

@@ -78,7 +78,7 @@ class LookupFirstDrafter(Drafter):
     def __init__(self, model: Drafter, lookup: Drafter, decay: float = 0.95, prior_accepted: float = 0.8,
                  prior_weight: float = 2.0):
         self.model, self.lookup = model, lookup
-        self.target_taps, self.catches_up = model.target_taps, model.catches_up
+        self.target_taps, self.prompt_taps, self.catches_up = model.target_taps, model.prompt_taps, model.catches_up
         self.acceptance = _LookupAcceptance()
         # the model's accepted tokens per row and drafting step: decayed sums, started at a prior
         self.decay = decay

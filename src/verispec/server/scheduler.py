@@ -147,7 +147,7 @@ class Scheduler:
         self.waiting: list[Job] = []
         self.reading: list[tuple[Job, PromptReader]] = []  # jobs with a row, their prompts being read
         self.prefix_cache = prefix_cache  # shared by every lane: one target, one set of numbers
-        self._lane_taps: dict[DraftSetting, tuple[int, ...] | None] = {}
+        self._lane_taps: dict[DraftSetting, tuple[tuple[int, ...] | None, int | None]] = {}
         self.lanes: list[Lane] = []
         self.step_failures = 0
         self.failed: dict[int, int] = defaultdict(int)  # JobFailed status -> sequences failed with it
@@ -280,8 +280,9 @@ class Scheduler:
                 self._finish(job, JobFailed(400, str(exc)))
                 continue
             try:
-                reader = PromptReader(self.target, job.request.prompt[:-1], self.prefix_cache, self._taps(job.draft),
-                                      salt=job.request.cache_salt)
+                taps, tap_last = self._taps(job.draft)
+                reader = PromptReader(self.target, job.request.prompt[:-1], self.prefix_cache, taps,
+                                      salt=job.request.cache_salt, tap_last=tap_last)
             except Exception:
                 log.exception("looking up a prompt in the prefix cache failed")
                 self.step_failures += 1
@@ -342,9 +343,10 @@ class Scheduler:
             if self.on_admit is not None:
                 self.on_admit(job)
 
-    def _taps(self, setting: DraftSetting) -> tuple[int, ...] | None:
-        """The target layers whose hidden states the drafter of `setting` reads (`Drafter.target_taps`):
-        a prompt read for it collects them. Learnt from the first lane of that setting."""
+    def _taps(self, setting: DraftSetting) -> tuple[tuple[int, ...] | None, int | None]:
+        """The target layers whose hidden states the drafter of `setting` reads (`Drafter.target_taps`), and of how
+        many last prompt tokens (`Drafter.prompt_taps`): a prompt read for it collects them. Learnt from the
+        first lane of that setting."""
         if setting not in self._lane_taps:
             self._open_lane(setting)
         return self._lane_taps[setting]
@@ -359,7 +361,7 @@ class Scheduler:
             drafter = self.new_drafter(True)
             policy = self.policies.setdefault(setting, make_policy(setting))
         lane = Lane(setting, DecodeBatch(self.target, drafter, policy, stats=self.stats, prefix_cache=self.prefix_cache))
-        self._lane_taps[setting] = drafter.target_taps
+        self._lane_taps[setting] = drafter.target_taps, drafter.prompt_taps
         self.lanes.append(lane)
         return lane
 
