@@ -306,18 +306,17 @@ INLINE void q6k_tile(const q8_job *job, const uint8_t *group, int64_t m0, const 
     for (int r = 0; r < R; r++) out[r] = acc[r];
 }
 
-typedef void (*tile_fn)(const q8_job *, const uint8_t *, int64_t, int, FVEC *);
 #define TILES(R)                                                                                               \
     static void q4k_tile_##R(const q8_job *j, const uint8_t *g, int64_t m0, int part, FVEC *out) { q4k_tile(j, g, m0, R, part, out, 0); } \
     static void q5k_tile_##R(const q8_job *j, const uint8_t *g, int64_t m0, int part, FVEC *out) { q4k_tile(j, g, m0, R, part, out, 1); } \
     static void q6k_tile_##R(const q8_job *j, const uint8_t *g, int64_t m0, int part, FVEC *out) { q6k_tile(j, g, m0, R, part, out); }
 TILES(1) TILES(2) TILES(3) TILES(4) TILES(5) TILES(6) TILES(7) TILES(8)
-static const tile_fn q4k_tiles[Q8TILE + 1] = {0, q4k_tile_1, q4k_tile_2, q4k_tile_3, q4k_tile_4,
-                                              q4k_tile_5, q4k_tile_6, q4k_tile_7, q4k_tile_8};
-static const tile_fn q5k_tiles[Q8TILE + 1] = {0, q5k_tile_1, q5k_tile_2, q5k_tile_3, q5k_tile_4,
-                                              q5k_tile_5, q5k_tile_6, q5k_tile_7, q5k_tile_8};
-static const tile_fn q6k_tiles[Q8TILE + 1] = {0, q6k_tile_1, q6k_tile_2, q6k_tile_3, q6k_tile_4,
-                                              q6k_tile_5, q6k_tile_6, q6k_tile_7, q6k_tile_8};
+static const q8_tile_fn q4k_tiles[Q8TILE + 1] = {0, q4k_tile_1, q4k_tile_2, q4k_tile_3, q4k_tile_4,
+                                                 q4k_tile_5, q4k_tile_6, q4k_tile_7, q4k_tile_8};
+static const q8_tile_fn q5k_tiles[Q8TILE + 1] = {0, q5k_tile_1, q5k_tile_2, q5k_tile_3, q5k_tile_4,
+                                                 q5k_tile_5, q5k_tile_6, q5k_tile_7, q5k_tile_8};
+static const q8_tile_fn q6k_tiles[Q8TILE + 1] = {0, q6k_tile_1, q6k_tile_2, q6k_tile_3, q6k_tile_4,
+                                                 q6k_tile_5, q6k_tile_6, q6k_tile_7, q6k_tile_8};
 
 /* Column groups [begin, end) of a q8_job (columns 16 g .. 16 g + 15 of the repacked matrix): every row
  * against each group's blocks, Q8TILE rows at a time (later tiles re-read the group from cache). */
@@ -328,32 +327,7 @@ void KQ(q8_range)(const void *arg, int64_t begin, int64_t end)
         KQ(q32_range)(arg, begin, end);  /* quant32_q8.c */
         return;
     }
-    const int64_t blocks = job->K / QK_K, N = job->N;
     const int kind = job->kind;
-    const tile_fn *tiles = kind == GGML_Q6_K ? q6k_tiles : kind == GGML_Q5_K ? q5k_tiles : q4k_tiles;
-    const int64_t size = q8_group_bytes(kind);
-    for (int64_t g = begin; g < end; g++) {
-        const uint8_t *group = job->w + g * blocks * size;
-        const int64_t n0 = g * Q8G, cols = N - n0 < Q8G ? N - n0 : Q8G;
-        float bias[Q8G] = {0};
-        if (job->b) memcpy(bias, job->b + n0, (size_t)cols * sizeof(float));
-        for (int64_t m0 = 0; m0 < job->M; m0 += Q8TILE) {
-            const int R = job->M - m0 < Q8TILE ? (int)(job->M - m0) : Q8TILE;
-            for (int part = 0; part < PARTS; part++) {
-                FVEC out[Q8TILE];
-                tiles[R](job, group, m0, part, out);
-                const FVEC b = FLOAD(bias + VCOLS * part);
-                for (int r = 0; r < R; r++) {
-                    float *y = job->y + (m0 + r) * N + n0 + VCOLS * part;
-                    if (cols == Q8G) {
-                        FSTORE(y, FADD(out[r], b));
-                    } else {
-                        float lanes[VCOLS];
-                        FSTORE(lanes, FADD(out[r], b));
-                        for (int c = 0; c < VCOLS && VCOLS * part + c < cols; c++) y[c] = lanes[c];
-                    }
-                }
-            }
-        }
-    }
+    const q8_tile_fn *tiles = kind == GGML_Q6_K ? q6k_tiles : kind == GGML_Q5_K ? q5k_tiles : q4k_tiles;
+    q8_groups(job, begin, end, tiles, job->K / QK_K, q8_group_bytes(kind));
 }

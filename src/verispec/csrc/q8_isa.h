@@ -133,4 +133,42 @@ INLINE IVEC fifth_bits(const uint8_t *p, int part)
 }
 #endif
 
+/* A tile: R activation rows (rows m0 ..) against one column group's blocks, vector `part` of the group's
+ * columns, into out[0 .. R - 1]; tables of them are indexed by R (1 .. Q8TILE). */
+typedef void (*q8_tile_fn)(const q8_job *, const uint8_t *, int64_t, int, FVEC *);
+
+/* Column groups [begin, end) of a q8_job, each `size` bytes per block column and `blocks` blocks deep: every
+ * row against each group's blocks, Q8TILE rows at a time (later tiles re-read the group from cache), plus the
+ * bias; a last group narrower than Q8G stores only its columns. The loop of every block kind (kquant_q8.c,
+ * quant32_q8.c), which differ only in their tiles. */
+static inline void q8_groups(const q8_job *job, int64_t begin, int64_t end, const q8_tile_fn *tiles, int64_t blocks,
+                             int64_t size)
+{
+    const int64_t N = job->N;
+    for (int64_t g = begin; g < end; g++) {
+        const uint8_t *group = job->w + g * blocks * size;
+        const int64_t n0 = g * Q8G, cols = N - n0 < Q8G ? N - n0 : Q8G;
+        float bias[Q8G] = {0};
+        if (job->b) memcpy(bias, job->b + n0, (size_t)cols * sizeof(float));
+        for (int64_t m0 = 0; m0 < job->M; m0 += Q8TILE) {
+            const int R = job->M - m0 < Q8TILE ? (int)(job->M - m0) : Q8TILE;
+            for (int part = 0; part < PARTS; part++) {
+                FVEC out[Q8TILE];
+                tiles[R](job, group, m0, part, out);
+                const FVEC b = FLOAD(bias + VCOLS * part);
+                for (int r = 0; r < R; r++) {
+                    float *y = job->y + (m0 + r) * N + n0 + VCOLS * part;
+                    if (cols == Q8G) {
+                        FSTORE(y, FADD(out[r], b));
+                    } else {
+                        float lanes[VCOLS];
+                        FSTORE(lanes, FADD(out[r], b));
+                        for (int c = 0; c < VCOLS && VCOLS * part + c < cols; c++) y[c] = lanes[c];
+                    }
+                }
+            }
+        }
+    }
+}
+
 #endif

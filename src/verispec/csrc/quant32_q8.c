@@ -154,7 +154,6 @@ INLINE void q32_tile(const q8_job *job, const uint8_t *group, int64_t m0, const 
     for (int r = 0; r < R; r++) out[r] = acc[r];
 }
 
-typedef void (*tile_fn)(const q8_job *, const uint8_t *, int64_t, int, FVEC *);
 #define TILES(R)                                                                                                      \
     static void q4_0_tile_##R(const q8_job *j, const uint8_t *g, int64_t m0, int part, FVEC *out) { q32_tile(j, g, m0, R, part, out, GGML_Q4_0); } \
     static void q4_1_tile_##R(const q8_job *j, const uint8_t *g, int64_t m0, int part, FVEC *out) { q32_tile(j, g, m0, R, part, out, GGML_Q4_1); } \
@@ -163,42 +162,17 @@ typedef void (*tile_fn)(const q8_job *, const uint8_t *, int64_t, int, FVEC *);
     static void q8_0_tile_##R(const q8_job *j, const uint8_t *g, int64_t m0, int part, FVEC *out) { q32_tile(j, g, m0, R, part, out, GGML_Q8_0); }
 TILES(1) TILES(2) TILES(3) TILES(4) TILES(5) TILES(6) TILES(7) TILES(8)
 #define TABLE(t) {0, t##_tile_1, t##_tile_2, t##_tile_3, t##_tile_4, t##_tile_5, t##_tile_6, t##_tile_7, t##_tile_8}
-static const tile_fn q4_0_tiles[Q8TILE + 1] = TABLE(q4_0), q4_1_tiles[Q8TILE + 1] = TABLE(q4_1),
-                     q5_0_tiles[Q8TILE + 1] = TABLE(q5_0), q5_1_tiles[Q8TILE + 1] = TABLE(q5_1),
-                     q8_0_tiles[Q8TILE + 1] = TABLE(q8_0);
+static const q8_tile_fn q4_0_tiles[Q8TILE + 1] = TABLE(q4_0), q4_1_tiles[Q8TILE + 1] = TABLE(q4_1),
+                        q5_0_tiles[Q8TILE + 1] = TABLE(q5_0), q5_1_tiles[Q8TILE + 1] = TABLE(q5_1),
+                        q8_0_tiles[Q8TILE + 1] = TABLE(q8_0);
 
 /* Column groups [begin, end) of a q8_job of a 32-weight type: every row against each group's blocks,
  * Q8TILE rows at a time, as kquant_q8.c's q8_range. */
 void KQ(q32_range)(const void *arg, int64_t begin, int64_t end)
 {
     const q8_job *job = arg;
-    const int64_t blocks = job->K / QK32, N = job->N;
     const int kind = job->kind;
-    const tile_fn *tiles = kind == GGML_Q4_0 ? q4_0_tiles : kind == GGML_Q4_1 ? q4_1_tiles : kind == GGML_Q5_0 ? q5_0_tiles
-                         : kind == GGML_Q5_1 ? q5_1_tiles : q8_0_tiles;
-    const int64_t size = Q8G * q32_block_bytes(kind);
-    for (int64_t g = begin; g < end; g++) {
-        const uint8_t *group = job->w + g * blocks * size;
-        const int64_t n0 = g * Q8G, cols = N - n0 < Q8G ? N - n0 : Q8G;
-        float bias[Q8G] = {0};
-        if (job->b) memcpy(bias, job->b + n0, (size_t)cols * sizeof(float));
-        for (int64_t m0 = 0; m0 < job->M; m0 += Q8TILE) {
-            const int R = job->M - m0 < Q8TILE ? (int)(job->M - m0) : Q8TILE;
-            for (int part = 0; part < PARTS; part++) {
-                FVEC out[Q8TILE];
-                tiles[R](job, group, m0, part, out);
-                const FVEC b = FLOAD(bias + VCOLS * part);
-                for (int r = 0; r < R; r++) {
-                    float *y = job->y + (m0 + r) * N + n0 + VCOLS * part;
-                    if (cols == Q8G) {
-                        FSTORE(y, FADD(out[r], b));
-                    } else {
-                        float lanes[VCOLS];
-                        FSTORE(lanes, FADD(out[r], b));
-                        for (int c = 0; c < VCOLS && VCOLS * part + c < cols; c++) y[c] = lanes[c];
-                    }
-                }
-            }
-        }
-    }
+    const q8_tile_fn *tiles = kind == GGML_Q4_0 ? q4_0_tiles : kind == GGML_Q4_1 ? q4_1_tiles : kind == GGML_Q5_0 ? q5_0_tiles
+                            : kind == GGML_Q5_1 ? q5_1_tiles : q8_0_tiles;
+    q8_groups(job, begin, end, tiles, job->K / QK32, Q8G * q32_block_bytes(kind));
 }
