@@ -152,7 +152,11 @@ def test_each_row_is_the_same_at_every_width_and_thread_count(kind, isa):
     rng = np.random.default_rng(5)
     raw = random_blocks(kind, 37, 512, rng)  # 37 columns: threads split them unevenly
     matrix = kernels.GGUFMatrix(torch.from_numpy(raw), KIND[kind])
-    x = torch.from_numpy(rng.standard_normal((16, 512)).astype(np.float32))
+    assert_rows_independent(matrix, torch.from_numpy(rng.standard_normal((16, 512)).astype(np.float32)))
+
+
+def assert_rows_independent(matrix, x: torch.Tensor) -> None:
+    """Every row of x [16, K] @ matrix gives the same bits alone or among others, at every width and on 1 or 2 threads."""
     whole = kernels.rowwise_linear(x, matrix)
     threads = torch.get_num_threads()
     try:

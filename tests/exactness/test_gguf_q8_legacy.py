@@ -19,6 +19,7 @@ from verispec.models import kernels
 from verispec.models.kernels import config as kernel_config
 
 from conftest import EOS, VOCAB
+from test_gguf_q8 import assert_rows_independent
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="kernels unavailable here")
 
@@ -141,18 +142,7 @@ def test_each_row_is_the_same_at_every_width_and_thread_count(kind, isa):
     rng = np.random.default_rng(5)
     raw = random_blocks(kind, 37, 192, rng)  # 37 columns: threads split them unevenly; K not a multiple of 256
     matrix = kernels.GGUFMatrix(torch.from_numpy(raw), KIND[kind])
-    x = torch.from_numpy(rng.standard_normal((16, 192)).astype(f32))
-    whole = kernels.rowwise_linear(x, matrix)
-    threads = torch.get_num_threads()
-    try:
-        for count in (1, 2):
-            torch.set_num_threads(count)
-            for rows in range(1, 17):
-                for first in (0, 16 - rows):
-                    part = kernels.rowwise_linear(x[first:first + rows].contiguous(), matrix)
-                    assert torch.equal(part, whole[first:first + rows])
-    finally:
-        torch.set_num_threads(threads)
+    assert_rows_independent(matrix, torch.from_numpy(rng.standard_normal((16, 192)).astype(f32)))
 
 
 def test_a_group_mixing_k_quants_and_32_weight_types_is_one_call_with_each_matrix_own_numbers(isa):
