@@ -25,26 +25,18 @@ from dataclasses import replace
 import torch
 
 from verispec.drafters.base import BranchRule, Draft, Drafter, StopRule, Verdict
+from verispec.policy import Calibration
 from verispec.sampling import SamplingParams
 
 
-class _LookupAcceptance:
-    """a(conf): how often a lookup token of each reported frequency is accepted once its place is reached; decayed
-    counts per bin, shrunk toward a(conf) = conf."""
+class _LookupAcceptance(Calibration):
+    """a(conf): how often a lookup token of each reported frequency is accepted once its place is reached
+    (`policy.Calibration` over coarser bins, shrunk toward a(conf) = conf); and what a draft is expected to get."""
 
     EDGES = torch.tensor([0.4, 0.6, 0.75, 0.9, 0.97])
 
-    def __init__(self, decay: float = 0.98, prior_weight: float = 2.0):
-        self.decay, self.prior_weight = decay, prior_weight
-        lower = torch.cat([torch.zeros(1), self.EDGES])
-        upper = torch.cat([self.EDGES, torch.ones(1)])
-        self.prior = (lower + upper) / 2
-        self.accepted = torch.zeros(len(self.prior))
-        self.reached = torch.zeros(len(self.prior))
-
-    def __call__(self, confidence: torch.Tensor) -> torch.Tensor:
-        rates = (self.accepted + self.prior_weight * self.prior) / (self.reached + self.prior_weight)
-        return rates[torch.bucketize(confidence.float().contiguous(), self.EDGES, right=True)]
+    def __init__(self):
+        super().__init__(decay=0.98, prior_weight=2.0, prior_power=1.0)
 
     def expected(self, draft: Draft) -> torch.Tensor:
         """[batch] the tokens each row's draft is expected to get accepted: sum_i prod_{j<=i} a(conf_j)."""
@@ -54,17 +46,6 @@ class _LookupAcceptance:
         drafted = torch.arange(width)[None, :] < draft.num_drafted[:, None]
         survive = torch.where(drafted, self(draft.confidence[:, :width]), torch.zeros(()))
         return survive.cumprod(1).sum(1)
-
-    def observe(self, draft: Draft, num_accepted: torch.Tensor) -> None:
-        width = draft.tokens.shape[1]
-        positions = torch.arange(width)[None, :]
-        reached = (positions < draft.num_drafted[:, None]) & (positions <= num_accepted[:, None])
-        accepted = positions < num_accepted[:, None]
-        bins = torch.bucketize(draft.confidence[:, :width].float().contiguous(), self.EDGES, right=True)
-        self.reached *= self.decay
-        self.accepted *= self.decay
-        self.reached.index_add_(0, bins[reached], torch.ones(int(reached.sum())))
-        self.accepted.index_add_(0, bins[accepted], torch.ones(int(accepted.sum())))
 
 
 class LookupFirstDrafter(Drafter):
@@ -122,7 +103,7 @@ class LookupFirstDrafter(Drafter):
         if self._last is not None:
             kind, draft = self._last
             if kind == "lookup":
-                self.acceptance.observe(draft, verdict.num_accepted)
+                self.acceptance.observe(draft.confidence[:, : draft.tokens.shape[1]], draft.num_drafted, verdict.num_accepted)
             else:
                 self.model_accepted = self.model_accepted * self.decay + float(verdict.tokens_from_draft().float().mean())
                 self.model_steps = self.model_steps * self.decay + 1
