@@ -143,8 +143,7 @@ class Eagle3Drafter(Drafter):
         if restart:
             ends = torch.full((batch,), self.slots.length, dtype=torch.long)
             ends[restart] = 0
-            self.slots.truncate(ends)
-            self.keys, self.values = self.keys[:, :, : self.slots.length], self.values[:, :, : self.slots.length]
+            self._truncate(ends)
         tokens, visible = left_pad(rows_tokens)
         width = tokens.shape[1]
         taps = torch.zeros(batch, width, self.head.in_features)
@@ -237,8 +236,11 @@ class Eagle3Drafter(Drafter):
         attended = self.head.attend(q, torch.cat([self.keys, *keys], 2), torch.cat([self.values, *values], 2), allowed)
         return self.head.finish(residual, attended)
 
-    def _truncate(self, length: int) -> None:
-        self.slots.truncate(torch.full((self.slots.batch_size,), length, dtype=torch.long))
+    def _truncate(self, ends: "torch.Tensor | int") -> None:
+        """Row b forgets its positions from slot ends[b] on (an int: every row's)."""
+        if isinstance(ends, int):
+            ends = torch.full((self.slots.batch_size,), ends, dtype=torch.long)
+        self.slots.truncate(ends)
         self.keys, self.values = self.keys[:, :, : self.slots.length], self.values[:, :, : self.slots.length]
 
     def commit(self, verdict: Verdict) -> None:
