@@ -24,6 +24,7 @@ from verispec.drafters.base import Draft, Drafter, Verdict
 from verispec.errors import VerispecError
 from verispec.grammar import Constraint, Grammar, mask_logits
 from verispec.models.base import CausalLM
+from verispec.models.kernels.threads import torch_on_one_thread
 from verispec.options import DraftLen
 from verispec.policy import DraftPolicy, make_policy, start_pays
 from verispec.prefill import PromptReader, joined, read_once
@@ -250,6 +251,10 @@ class DecodeBatch:
         """One draft -> verify -> accept -> rollback round for every row. Finished rows leave the batch."""
         if not self.rows:
             return []
+        with torch_on_one_thread():  # the logits' small PyTorch ops stay off the kernels' cores: see kernels.threads
+            return self._step()
+
+    def _step(self) -> list[TokenEvent]:
         k = self.next_draft_len()
         sampling = [row.sampling for row in self.rows]
         generators = [row.generator for row in self.rows]

@@ -25,7 +25,6 @@ speculative sampling stays exact. The output is the target's either way: the hea
 from __future__ import annotations
 
 import weakref
-from contextlib import contextmanager
 
 import torch
 
@@ -169,7 +168,10 @@ class Eagle3Drafter(Drafter):
         caught, self._caught = self._caught, None  # read this step's or never: what follows a skipped step is newer
         if draft_len == 0:  # the taps wait: read in one wider pass when drafting resumes, or never if it does not
             return empty_draft(batch)
-        with one_thread():  # a few width-1 passes: see `one_thread`
+        # A few width-1 passes, too small for a second thread to pay, and on a machine shared with busy
+        # processes an OpenMP region waits for a thread that is not running (the 1.5B's head drafted 4 tokens
+        # in ~7 ms on one thread and in 12-150 ms on two, with other processes busy).
+        with kernels.torch_on_one_thread(kernel_threads=1):
             hidden, known = caught if caught is not None else self._catch_up(sequences)
             if not bool(known.any()):
                 return empty_draft(batch)
@@ -274,23 +276,6 @@ def rounded_copy(head: ChainedHead, weights: str) -> ChainedHead:
 
 
 _ROUNDED: "weakref.WeakKeyDictionary[ChainedHead, dict]" = weakref.WeakKeyDictionary()
-
-
-@contextmanager
-def one_thread():
-    """PyTorch's own ops on one thread for the duration (verispec's kernels then take one too). A draft step is
-    a few passes of one position: too small for a second thread to pay, and on a machine shared with busy
-    processes an OpenMP region waits for a thread that is not running (the 1.5B's head drafted 4 tokens in
-    ~7 ms on one thread and in 12-150 ms on two, with other processes busy)."""
-    threads = torch.get_num_threads()
-    if threads == 1:
-        yield
-        return
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _with_floor(stop: StopRule | None, floor: float) -> StopRule:

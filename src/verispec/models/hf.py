@@ -13,6 +13,7 @@ from transformers import DynamicCache
 
 from verispec.cache import SlotCache
 from verispec.errors import VerispecError
+from verispec.models import kernels
 from verispec.models.base import CausalLM, ModelCache
 
 
@@ -128,15 +129,16 @@ class HFCausalLM(CausalLM):
         if visible is None:
             visible = torch.ones_like(tokens, dtype=torch.bool)
         attention_mask, position_ids = cache.slots.extend(visible.to(self.device))
-        out = self.model(
-            input_ids=tokens,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            past_key_values=cache.store.cache,
-            use_cache=True,
-            output_hidden_states=taps is not None,
-            **({"logits_to_keep": 1} if last_only and self._takes_logits_to_keep else {}),
-        )
+        with kernels.torch_threads():  # every op is PyTorch's: all the threads, even inside a decode step
+            out = self.model(
+                input_ids=tokens,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                past_key_values=cache.store.cache,
+                use_cache=True,
+                output_hidden_states=taps is not None,
+                **({"logits_to_keep": 1} if last_only and self._takes_logits_to_keep else {}),
+            )
         logits = out.logits[:, -1:].float() if last_only else out.logits.float()
         if self.output_ids is not None:  # a restricted output layer: every other token gets probability 0
             full = logits.new_full((*logits.shape[:-1], self.vocab_size), float("-inf"))

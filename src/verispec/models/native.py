@@ -602,8 +602,9 @@ class NativeCausalLM(CausalLM):
         if self._kernels and batch * width <= kernels.MAX_ROWS:
             hidden = self._small_pass(tokens, position_ids, cache.slots.visible, store, start, tree, layer_taps, tapped)
         else:
-            hidden = self._big_pass(tokens, position_ids, cache.slots.visible, store, start, tree, last_only, layer_taps,
-                                    tapped, every_row=final_tap)
+            with kernels.torch_threads():  # PyTorch's GEMMs, on every thread even inside a decode step
+                hidden = self._big_pass(tokens, position_ids, cache.slots.visible, store, start, tree, last_only,
+                                        layer_taps, tapped, every_row=final_tap)
         store.length = start + width
         if final_tap:
             tapped.append(hidden)  # the LM head's input, the last of the taps in layer order
@@ -614,7 +615,8 @@ class NativeCausalLM(CausalLM):
             _, head = self._linears()
             logits = head(rows.contiguous(), torch.empty(rows.shape[0], self.lm_head.shape[0]))
         else:
-            logits = self._linears_of(rows, (self.lm_head, self.lm_head_bias))[0]
+            with kernels.torch_threads():
+                logits = self._linears_of(rows, (self.lm_head, self.lm_head_bias))[0]
         if self.output_ids is not None:  # a restricted head: every other token gets probability 0
             full = logits.new_full((logits.shape[0], self.vocab_size), float("-inf"))
             logits = full.index_copy_(1, self.output_ids, logits.to(full.dtype))

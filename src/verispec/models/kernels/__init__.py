@@ -57,17 +57,16 @@ prefill gives it.
 The C source (`verispec/csrc/`) is written once against per-ISA vector mappings and compiled in
 AVX-512 and AVX2+FMA variants, picked per call by what the CPU supports (and `KernelConfig.isa`).
 It is compiled once per source hash with the system C compiler into the verispec cache and called
-through ctypes. It runs on
-`torch.get_num_threads()` threads of its own small pool, in which the caller never waits for a
-thread that has not started: on a machine shared with busy processes, OpenMP's barriers (with
-libgomp's default busy-waiting) made a pass 8x slower with 2 threads than with 1; this pool
-degrades to about 1-thread speed instead. Without a
+through ctypes. It runs on `threads()` threads (PyTorch's count; see `threads` for a decode step's
+scope) of its own small pool, in which the caller never waits for a thread that has not started: on a
+machine shared with busy processes, OpenMP's barriers (with libgomp's default busy-waiting) made a
+pass 8x slower with 2 threads than with 1; this pool degrades to about 1-thread speed instead. Without a
 compiler or a suitable CPU, `available()` is False and callers stay with PyTorch.
 This package knows nothing about models: it does arithmetic on the buffers it is handed.
 
 Modules: `config` (the switches, `KernelConfig`), `build` (compile and cache the library), `abi`
 (formats and structs shared with the C headers, function signatures), `runtime` (the loaded library
-and the ISA in use), `matrices` (weight formats), `ops` (the operations).
+and the ISA in use), `threads` (the pool's thread count), `matrices` (weight formats), `ops` (the operations).
 """
 
 from verispec.models.kernels.abi import SLOT_BLOCK, Format
@@ -78,10 +77,11 @@ from verispec.models.kernels.ops import (MAX_ROWS, LayerStack, Linear, LinearGro
                                          blocked_preferred, blocked_takes, cache_write, panels_preferred, rms_norm, rope_,
                                          rowwise_linear, silu_mul_, slot_attention)
 from verispec.models.kernels.runtime import available, isa, lanes, runtime, vnni
+from verispec.models.kernels.threads import threads, torch_on_one_thread, torch_threads
 
 __all__ = [
     "SLOT_BLOCK", "MAX_ROWS", "Format", "KernelConfig", "QuantizedMatrix", "Int8Matrix", "Int4Matrix", "ExactBlocks",
     "Q4KMatrix", "Q6KMatrix", "GGUFMatrix", "PanelMatrix", "Linear", "LinearGroup", "LayerStack", "rowwise_linear", "blocked_linear",
     "blocked_preferred", "blocked_takes", "panels_preferred", "rms_norm", "rope_", "silu_mul_", "cache_write",
-    "slot_attention", "available", "isa", "lanes", "vnni", "runtime",
+    "slot_attention", "available", "isa", "lanes", "vnni", "runtime", "threads", "torch_on_one_thread", "torch_threads",
 ]

@@ -10,6 +10,7 @@ import torch
 
 from verispec.models.kernels import abi
 from verispec.models.kernels.runtime import available, check, runtime
+from verispec.models.kernels.threads import threads
 
 class QuantizedMatrix:
     """Integer weight codes `values` and float32 `scale`s standing for a float matrix [N, K]; rows
@@ -93,7 +94,7 @@ class Int4Matrix(QuantizedMatrix):
         scale = torch.empty(n, k // cls.GROUP)
         found = runtime()
         if found.lib.int4_quantize(weight.data_ptr(), packed.data_ptr(), scale.data_ptr(), cls.SHRINKS.data_ptr(), n, k,
-                                   len(cls.SHRINKS), found.isa, torch.get_num_threads()):
+                                   len(cls.SHRINKS), found.isa, threads()):
             raise ValueError(f"int4 quantization takes 1 to {abi.I4MAXSHRINKS} candidate scales")
         return cls(packed, scale)
 
@@ -245,7 +246,7 @@ class GGUFMatrix(QuantizedMatrix):
             packed = torch.empty(groups, k // weights * group_bytes, dtype=torch.uint8)
             blocks = self.blocks.contiguous()
             if runtime().lib.gguf_q8_repack(blocks.data_ptr(), packed.data_ptr(), n, k, self.kind,
-                                            torch.get_num_threads()):
+                                            threads()):
                 raise ValueError(f"cannot repack a [{n}, {k}] {name} matrix")
             self._packed = packed
         return self._packed

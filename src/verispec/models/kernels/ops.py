@@ -14,6 +14,7 @@ from verispec.models.kernels.abi import Format
 from verispec.models.kernels.matrices import (ExactBlocks, GGUFMatrix, Int4Matrix, Int8Matrix, PanelMatrix,
                                               QuantizedMatrix)
 from verispec.models.kernels.runtime import check, isa, runtime
+from verispec.models.kernels.threads import threads
 
 # Rows one small pass may hold. Above this (prefill), a blocked GEMM is faster, and exactness
 # across widths no longer matters: the engine never compares a prefill row with a decode row.
@@ -90,7 +91,7 @@ class Linear:
         if self._format == Format.INT4:
             self._product.format = found.int4_format
         self._out[0] = out.data_ptr()
-        if found.lib.linear_product(self._product, x.data_ptr(), self._out, x.shape[0], found.isa, torch.get_num_threads()):
+        if found.lib.linear_product(self._product, x.data_ptr(), self._out, x.shape[0], found.isa, threads()):
             raise MemoryError("linear_product: out of memory for its scratch buffer")
         return out
 
@@ -145,7 +146,7 @@ class LinearGroup:
             if call.first._format == Format.INT4:
                 call.product.format = found.int4_format
             if found.lib.linear_product(call.product, x.data_ptr(), call.out_ptrs, x.shape[0], found.isa,
-                                        torch.get_num_threads()):
+                                        threads()):
                 raise MemoryError("linear_product: out of memory for its scratch buffer")
         return tuple(outs)
 
@@ -210,7 +211,7 @@ class LayerStack:
         d.kc, d.kc_stride, d.vc, d.vc_stride = keys.data_ptr(), keys.stride(0), values.data_ptr(), values.stride(0)
         d.cap, d.vis, d.vis_stride = values.shape[3], visible.data_ptr(), visible.stride(0)
         d.tree, d.start, d.scale, d.eps = None if tree is None else tree.data_ptr(), start, scale, eps
-        if found.lib.decoder_layers(d, found.isa, torch.get_num_threads()):
+        if found.lib.decoder_layers(d, found.isa, threads()):
             raise MemoryError("decoder_layers: out of memory for a scratch buffer")
 
 
@@ -272,7 +273,7 @@ def blocked_linear(x: torch.Tensor, weights, biases=None) -> list[torch.Tensor]:
             call.b[i] = None if bias is None else bias.data_ptr()
             call.kind[i] = (abi.BlockedKind.INT4 if isinstance(weight, Int4Matrix)
                             else abi.BlockedKind.PANELS if isinstance(weight, PanelMatrix) else abi.BlockedKind.F32)
-        found.lib.blocked_linear(call, torch.get_num_threads())
+        found.lib.blocked_linear(call, threads())
     elif rows.shape[0]:  # K = 0: the empty sum
         for out, bias in zip(outs, biases):
             out.copy_(torch.zeros_like(out) if bias is None else bias.expand_as(out))
@@ -339,6 +340,6 @@ def slot_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
                          tree=None if tree is None else tree.data_ptr(), out=out.data_ptr(), B=batch, T=width, H=heads,
                          KVH=k_cache.shape[1], D=head_dim, cap=v_cache.shape[2], vis_stride=visible.stride(0),
                          start=start, scale=scale)
-    if found.lib.slot_attention(call, found.isa, torch.get_num_threads()):
+    if found.lib.slot_attention(call, found.isa, threads()):
         raise MemoryError("slot_attention could not allocate its score buffer")
     return out
