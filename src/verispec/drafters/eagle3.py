@@ -168,10 +168,12 @@ class Eagle3Drafter(Drafter):
         caught, self._caught = self._caught, None  # read this step's or never: what follows a skipped step is newer
         if draft_len == 0:  # the taps wait: read in one wider pass when drafting resumes, or never if it does not
             return empty_draft(batch)
-        # A few width-1 passes, too small for a second thread to pay, and on a machine shared with busy
-        # processes an OpenMP region waits for a thread that is not running (the 1.5B's head drafted 4 tokens
-        # in ~7 ms on one thread and in 12-150 ms on two, with other processes busy).
-        with kernels.torch_on_one_thread(kernel_threads=1):
+        # PyTorch's ops on one thread: a few width-1 passes are too small for a second one to pay, and on a
+        # machine shared with busy processes an OpenMP region waits for a thread that is not running (the
+        # 1.5B's head drafted 4 tokens in ~7 ms on one thread and in 12-150 ms on two, other processes busy).
+        # The kernels keep the step's threads: their pool never waits for a late thread, and the head's int4
+        # products are most of a draft (4 tokens: ~6 ms on two threads against ~8 ms on one, quiet).
+        with kernels.torch_on_one_thread():
             hidden, known = caught if caught is not None else self._catch_up(sequences)
             if not bool(known.any()):
                 return empty_draft(batch)
