@@ -32,10 +32,12 @@ NEW_TOKENS = 32
 
 @pytest.fixture(scope="module")
 def pair():
+    threads = torch.get_num_threads()
     torch.set_num_threads(2)
     for name in ("qwen2.5-coder-0.5b", "smollm2-135m"):
         zoo.pull(name)
-    return verispec.load("qwen2.5-coder-0.5b"), verispec.load("smollm2-135m")
+    yield verispec.load("qwen2.5-coder-0.5b"), verispec.load("smollm2-135m")
+    torch.set_num_threads(threads)  # later modules' float sums (a tiny head's training) depend on it
 
 
 @pytest.fixture(scope="module")

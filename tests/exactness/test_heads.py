@@ -253,11 +253,16 @@ def trained_head(tiny_target):
     rest = torch.tensor([i for i in range(tiny_target.vocab_size) if i not in set(seen.tolist())])
     head.set_draft_vocab(torch.cat([seen, rest])[:DRAFT_VOCAB])
     optimizer = torch.optim.AdamW(head.parameters(), lr=3e-3)
-    for _ in range(80):
-        loss, _, _ = ttt_loss(head, shard, list(range(len(rows))), 3, 0.8)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the same float sums, so the same head, whatever thread count earlier tests left
+    try:
+        for _ in range(80):
+            loss, _, _ = ttt_loss(head, shard, list(range(len(rows))), 3, 0.8)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+    finally:
+        torch.set_num_threads(threads)
     return head.eval()
 
 
@@ -627,13 +632,10 @@ def test_expected_tokens_per_pass_from_per_step_agreement():
 
 def test_adaptive_policy_prices_the_heads_tree_and_stays_exact(tiny_target, trained_head):
     """With draft_len="tree" the policy prices each node of the head's tree by its measured chance and the
-    row it adds (costs of a real pair fed in): nodes are verified, and the output is the target's."""
+    row it adds (costs of a real pair fed in): nodes are verified, some taken, and the output is the target's."""
     from test_trees import _decode, _PricedLikeAPair
 
     plain = [verispec.generate(tiny_target, p, drafter="none", max_new_tokens=40).token_ids for p in PROMPTS]
     got, stats = _decode(tiny_target, Eagle3Drafter(trained_head, tiny_target), PROMPTS, _PricedLikeAPair(alternates=True), 40)
     assert got == plain
-    # nodes past the chain were priced in and verified; whether one of ~20 is the target's on a random tiny model is
-    # luck (0 after some earlier test modules), so that a tree's alternates are taken is
-    # test_eagle3_tree_takes_paths_below_alternates's to show
-    assert stats.alternates_drafted > 0
+    assert stats.alternates_drafted > 0 and stats.alternates_accepted > 0
