@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from conftest import on_path, tiny_llama, tiny_qwen2
+from verispec.models import kernels
 from verispec.models.native import NativeCausalLM
 
 TAPS = (2, 4, 5)  # EAGLE-3's (2, N/2, N-3) for 8 layers
@@ -253,16 +254,12 @@ def trained_head(tiny_target):
     rest = torch.tensor([i for i in range(tiny_target.vocab_size) if i not in set(seen.tolist())])
     head.set_draft_vocab(torch.cat([seen, rest])[:DRAFT_VOCAB])
     optimizer = torch.optim.AdamW(head.parameters(), lr=3e-3)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the same float sums, so the same head, whatever thread count earlier tests left
-    try:
+    with kernels.torch_on_one_thread():  # the same float sums, so the same head, whatever thread count earlier tests left
         for _ in range(80):
             loss, _, _ = ttt_loss(head, shard, list(range(len(rows))), 3, 0.8)
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
-    finally:
-        torch.set_num_threads(threads)
     return head.eval()
 
 

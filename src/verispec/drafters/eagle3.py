@@ -73,7 +73,6 @@ class Eagle3Drafter(Drafter):
         self.min_confidence = min_confidence
         self.top_k, self.beam = top_k, beam
         self.window = window
-        self.prompt_taps = window  # a prompt's first catch-up reads no more than its last `window` positions
         config = head.config
         self.slots = SlotCache(0)
         self.keys = torch.zeros(0, config.num_key_value_heads, 0, config.head_dim)
@@ -81,6 +80,11 @@ class Eagle3Drafter(Drafter):
         self.pending: list[list[torch.Tensor]] = []  # per row: target taps [n, len(taps) * H] not yet read
         self.skipped: list[int] = []  # per row: the target's positions the head never read (`window`)
         self._caught: tuple[torch.Tensor, torch.Tensor] | None = None  # `catch_up`'s result, for this step's `propose`
+
+    @property
+    def prompt_taps(self) -> int | None:
+        """A prompt's first catch-up reads no more than its last `window` positions."""
+        return self.window
 
     def add(self, prompts: list[list[int]]) -> None:
         """New rows: an empty head cache each; their prompt taps arrive through `observe_taps`, those of the last
