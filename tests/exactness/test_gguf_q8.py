@@ -309,6 +309,32 @@ def test_prefill_of_any_length_is_the_chunks_of_small_passes(tmp_path):
     assert torch.equal(model.forward(prompt, model.new_cache(1), last_only=True), whole[:, -1:])
 
 
+def test_a_prompts_taps_are_computed_for_the_kept_tail_only_with_the_same_numbers(tmp_path, monkeypatch):
+    """Any split of a q8 prefill gives the same numbers, so a reader that keeps the last taps only runs the tokens
+    before them untapped (a tapped pass is dearer): the same keys, values and taps as tapping every token."""
+    from verispec.prefill import read_once
+
+    _, path = tiny_gguf(tmp_path, layers=2)
+    model = verispec.load(str(path), numerics="q8")
+    assert model.prefill_chunk is None
+    prompt = [(7 * i) % VOCAB for i in range(75)]
+    tapped_rows = []
+    forward = type(model).forward
+
+    def counting(self, tokens, *args, taps=None, **kwargs):
+        tapped_rows.append(tokens.shape[1] if taps is not None else 0)
+        return forward(self, tokens, *args, taps=taps, **kwargs)
+
+    full = read_once(model, [prompt], taps=(0, 1, 2))[0]
+    monkeypatch.setattr(type(model), "forward", counting)
+    tail = read_once(model, [prompt], taps=(0, 1, 2), tap_last=9)[0]
+    monkeypatch.undo()
+    assert sum(tapped_rows) == 9  # the 66 tokens before ran without taps
+    assert torch.equal(torch.cat(tail.hidden), torch.cat(full.hidden)[-9:])
+    follow = torch.tensor([[3, 4]])
+    assert torch.equal(model.forward(follow, tail.cache), model.forward(follow, full.cache))
+
+
 @pytest.mark.parametrize("drafter", ["ngram", "self"])
 def test_greedy_speculative_decoding_equals_plain_greedy_decoding(tmp_path, drafter):
     _, path = tiny_gguf(tmp_path, head_kind=None)  # tied: the Q4_K embedding is the head too
