@@ -66,6 +66,8 @@ def test_final_tap_is_what_the_lm_head_reads(pair, path, monkeypatch):
 # --- the heads ------------------------------------------------------------------------------------------
 
 import json  # noqa: E402
+import sysconfig  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 import verispec  # noqa: E402
 from verispec.drafters.medusa import MedusaDrafter  # noqa: E402
@@ -374,9 +376,17 @@ SMOL_PROMPTS = [
 ]
 
 
+SMOL_DATA = (str(Path(sysconfig.get_paths()["stdlib"]) / "json"),)  # see smol_heads
+# Prompts whose accepted tokens show the heads learned something: ~17-23 of 200 against ~0 for untrained heads.
+ACCEPT_PROMPTS = SMOL_PROMPTS + ["class Stack:\n    def __init__(self):\n",
+                                 "def read_json(path):\n    \"\"\"Load a JSON file.\"\"\"\n"]
+
+
 @pytest.fixture(scope="module")
 def smol_heads(tmp_path_factory):
-    """Medusa heads for smollm2-135m trained for a few steps on ~4k tokens of installed Python sources."""
+    """Medusa heads for smollm2-135m trained for a few steps on ~4k tokens of the standard library's json package:
+    the same files wherever this Python is (the installed packages, the default data, differ from one environment
+    to another, and so would the heads and the tokens they get accepted)."""
     from verispec import zoo
     from verispec.heads.train_medusa import train_medusa
 
@@ -385,7 +395,7 @@ def smol_heads(tmp_path_factory):
     target = verispec.load("smollm2-135m")
     out = tmp_path_factory.mktemp("smol-medusa")
     config = TrainConfig(steps=30, checkpoint_every=15, lr=3e-3, warmup=3, eval_sequences=8)
-    head = train_medusa(target, out, max_tokens=4096, draft_vocab=2048, num_heads=3, config=config, seq_len=64,
+    head = train_medusa(target, out, data=SMOL_DATA, max_tokens=4096, draft_vocab=2048, num_heads=3, config=config, seq_len=64,
                         features=out / "features", progress=False)
     return target, head, out
 
@@ -405,7 +415,7 @@ def test_smollm_medusa_training_lowers_the_loss_and_resumes(smol_heads):
     saved = load_head(out, target)
     assert saved.config.extra["steps"] == 30 and saved.config.target == "smollm2-135m"
     config = TrainConfig(steps=32, checkpoint_every=15, lr=3e-3, warmup=3, eval_sequences=8)
-    train_medusa(target, out, max_tokens=4096, draft_vocab=2048, num_heads=3, config=config, seq_len=64,
+    train_medusa(target, out, data=SMOL_DATA, max_tokens=4096, draft_vocab=2048, num_heads=3, config=config, seq_len=64,
                  features=out / "features", progress=False)
     steps = [r["step"] for r in map(json.loads, (out / "train.jsonl").read_text().splitlines()) if "step" in r]
     assert steps[30:] == [31, 32]  # resumed from the checkpoint
@@ -417,7 +427,7 @@ def test_smollm_greedy_medusa_equals_plain(smol_heads, draft_len):
     target, _, out = smol_heads
     head = verispec.load(str(out))  # the saved heads, as a user would load them
     accepted = 0
-    for prompt in SMOL_PROMPTS:
+    for prompt in ACCEPT_PROMPTS:
         expected = verispec.generate(target, prompt, drafter="none", max_new_tokens=40).token_ids
         got = verispec.generate(target, prompt, draft=head, draft_len=draft_len, max_new_tokens=40)
         assert got.token_ids == expected, prompt
