@@ -75,6 +75,26 @@ def prefilled(model, tokens: list[int]):
     return cache
 
 
+def greedy_with_head_equals_plain(target, head, prompts: list, draft_len, drafter: str, batch_prompts: list) -> int:
+    """A saved head (a directory `verispec.load` reads) drafting for `target`: greedy output token for token plain
+    decoding's, 40 tokens per prompt alone and 24 for `batch_prompts` as one batch, drafted by `drafter` (the
+    name in the stats). Returns the tokens of the drafts accepted alone."""
+    import verispec
+
+    head = verispec.load(str(head))
+    accepted = 0
+    for prompt in prompts:
+        expected = verispec.generate(target, prompt, drafter="none", max_new_tokens=40).token_ids
+        got = verispec.generate(target, prompt, draft=head, draft_len=draft_len, max_new_tokens=40)
+        assert got.token_ids == expected, prompt
+        assert got.stats.drafter == drafter
+        accepted += got.stats.accepted_tokens
+    batch = verispec.generate(target, batch_prompts, draft=head, draft_len=draft_len, max_new_tokens=24)
+    assert [r.token_ids for r in batch] == [verispec.generate(target, p, drafter="none", max_new_tokens=24).token_ids
+                                            for p in batch_prompts]
+    return accepted
+
+
 def pytest_collection_modifyitems(config, items):
     """Everything under integration/ needs a real model from the zoo: slow."""
     for item in items:
@@ -117,6 +137,27 @@ def job(prompt: list[int], max_new_tokens: int = 12, draft=4) -> tuple["Job", Co
     collector = Collector()
     request = Request(prompt=prompt, sampling=SamplingParams(), max_new_tokens=max_new_tokens, id=next(_ids))
     return Job(request, draft, collector.items.put), collector
+
+
+def scheduler_gives_plain_tokens(target, draft, drafter: str, prompts: list[list[int]]) -> None:
+    """The server's scheduler drafting with `draft` as `drafter` (prompts read in chunks between decoding steps,
+    rows joining a running batch, settings fixed, "auto" and none side by side): every job gets plain decoding's
+    tokens. A head that reads the target's hidden states must get them along this path too."""
+    import verispec
+    from verispec.api import make_drafter
+    from verispec.server.scheduler import Scheduler
+
+    cases = [(prompts[0], 30, 3), (prompts[1], 12, "auto"), (prompts[3], 25, 2), (prompts[2], 9, None)]
+    expected = [verispec.generate(target, p, drafter="none", max_new_tokens=n).token_ids for p, n, _ in cases]
+    scheduler = Scheduler(target, lambda speculate: make_drafter(target, draft, drafter if speculate else "none"),
+                          max_batch=3, prefill_tokens=4)
+    scheduler.start()
+    try:
+        jobs = [job(prompt, max_new_tokens=n, draft=setting) for prompt, n, setting in cases]
+        scheduler.submit([j for j, _ in jobs])
+        assert [collector.result() for _, collector in jobs] == expected
+    finally:
+        scheduler.stop()
 
 
 ARCHITECTURES = {"llama": tiny_llama, "qwen2": tiny_qwen2, "gpt2": tiny_gpt2}

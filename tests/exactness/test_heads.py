@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import on_path, tiny_llama, tiny_qwen2
+from conftest import greedy_with_head_equals_plain, on_path, tiny_llama, tiny_qwen2
 from verispec.models import kernels
 from verispec.models.native import NativeCausalLM
 
@@ -499,15 +499,8 @@ def test_smollm_training_lowers_the_loss_and_resumes(smol_head):
 @pytest.mark.parametrize("draft_len", [3, "auto"])
 def test_smollm_greedy_eagle3_equals_plain(smol_head, draft_len):
     target, _, out = smol_head
-    head = verispec.load(str(out))  # the saved head, as a user would load it
-    for prompt in SMOL_PROMPTS:
-        expected = verispec.generate(target, prompt, drafter="none", max_new_tokens=40).token_ids
-        got = verispec.generate(target, prompt, draft=head, draft_len=draft_len, max_new_tokens=40)
-        assert got.token_ids == expected, prompt
-        assert got.stats.drafter == "LookupFirstDrafter"  # "auto": the head with suffix lookup beside it
-    batch = verispec.generate(target, SMOL_PROMPTS, draft=head, draft_len=draft_len, max_new_tokens=24)
-    assert [r.token_ids for r in batch] == [verispec.generate(target, p, drafter="none", max_new_tokens=24).token_ids
-                                            for p in SMOL_PROMPTS]
+    # "auto": the head with suffix lookup beside it
+    greedy_with_head_equals_plain(target, out, SMOL_PROMPTS, draft_len, "LookupFirstDrafter", SMOL_PROMPTS)
 
 
 @pytest.mark.slow

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import on_path, tiny_llama, tiny_qwen2
+from conftest import greedy_with_head_equals_plain, scheduler_gives_plain_tokens, on_path, tiny_llama, tiny_qwen2
 from verispec.models.native import NativeCausalLM
 
 LAYERS = 4
@@ -297,23 +297,8 @@ def test_greedy_medusa_with_random_heads_is_still_exact(tiny_target):
 
 
 def test_server_scheduler_drafts_with_medusa_heads(tiny_target, llama_heads):
-    """The server's scheduler (prompts read in chunks between decoding steps, rows joining a running batch)
-    hands the heads the target's final hidden states too: every job gets plain decoding's tokens."""
-    from conftest import job
-    from verispec.api import make_drafter
-    from verispec.server.scheduler import Scheduler
-
-    cases = [(PROMPTS[0], 30, 3), (PROMPTS[1], 12, "auto"), (PROMPTS[3], 25, 2), (PROMPTS[2], 9, None)]
-    expected = [verispec.generate(tiny_target, p, drafter="none", max_new_tokens=n).token_ids for p, n, _ in cases]
-    scheduler = Scheduler(tiny_target, lambda speculate: make_drafter(tiny_target, llama_heads, "medusa" if speculate else "none"),
-                          max_batch=3, prefill_tokens=4)
-    scheduler.start()
-    try:
-        jobs = [job(prompt, max_new_tokens=n, draft=setting) for prompt, n, setting in cases]
-        scheduler.submit([j for j, _ in jobs])
-        assert [collector.result() for _, collector in jobs] == expected
-    finally:
-        scheduler.stop()
+    """The server's scheduler hands the heads the target's final hidden states too (`scheduler_gives_plain_tokens`)."""
+    scheduler_gives_plain_tokens(tiny_target, llama_heads, "medusa", PROMPTS)
 
 SAMPLED = [dict(temperature=0.8, seed=11, coupled=False), dict(temperature=1.2, top_k=12, top_p=0.9, seed=5, coupled=False)]
 
@@ -417,25 +402,17 @@ def test_smollm_medusa_training_lowers_the_loss_and_resumes(smol_heads):
     config = TrainConfig(steps=32, checkpoint_every=15, lr=3e-3, warmup=3, eval_sequences=8)
     train_medusa(target, out, data=SMOL_DATA, max_tokens=4096, draft_vocab=2048, num_heads=3, config=config, seq_len=64,
                  features=out / "features", progress=False)
-    steps = [r["step"] for r in map(json.loads, (out / "train.jsonl").read_text().splitlines()) if "step" in r]
-    assert steps[30:] == [31, 32]  # resumed from the checkpoint
+    records = [json.loads(line) for line in (out / "train.jsonl").read_text().splitlines()]
+    curve = [(r["step"], r["tokens"]) for r in records if "held_out" in r]
+    assert curve[:2] == [(15, 15 * 2 * 60), (30, 30 * 2 * 60)]  # held-out agreement at each checkpoint, by tokens seen
+    assert [r["step"] for r in records if "loss" in r][30:] == [31, 32]  # resumed from the checkpoint
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("draft_len", [3, "auto"])
 def test_smollm_greedy_medusa_equals_plain(smol_heads, draft_len):
     target, _, out = smol_heads
-    head = verispec.load(str(out))  # the saved heads, as a user would load them
-    accepted = 0
-    for prompt in ACCEPT_PROMPTS:
-        expected = verispec.generate(target, prompt, drafter="none", max_new_tokens=40).token_ids
-        got = verispec.generate(target, prompt, draft=head, draft_len=draft_len, max_new_tokens=40)
-        assert got.token_ids == expected, prompt
-        assert got.stats.drafter == "MedusaDrafter"
-        accepted += got.stats.accepted_tokens
-    batch = verispec.generate(target, SMOL_PROMPTS, draft=head, draft_len=draft_len, max_new_tokens=24)
-    assert [r.token_ids for r in batch] == [verispec.generate(target, p, drafter="none", max_new_tokens=24).token_ids
-                                            for p in SMOL_PROMPTS]
+    accepted = greedy_with_head_equals_plain(target, out, ACCEPT_PROMPTS, draft_len, "MedusaDrafter", SMOL_PROMPTS)
     if draft_len == 3:
         assert accepted > 10
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import verispec
-from conftest import tiny_llama, tiny_qwen2
+from conftest import greedy_with_head_equals_plain, scheduler_gives_plain_tokens, tiny_llama, tiny_qwen2
 from test_heads import CharTokenizer
 from test_medusa import PROMPT, PROMPTS, SMOL_PROMPTS, features, sampled_shard
 from verispec.drafters.mtp import MTPDrafter
@@ -268,23 +268,8 @@ def test_rounded_module_drafts_near_the_float_module_and_leaves_it_alone(tiny_ta
 
 
 def test_server_scheduler_drafts_with_an_mtp_module(tiny_target, llama_module):
-    """The server's scheduler (prompts read in chunks between decoding steps, rows joining a running batch)
-    hands the module the target's final states too: every job gets plain decoding's tokens."""
-    from conftest import job
-    from verispec.api import make_drafter
-    from verispec.server.scheduler import Scheduler
-
-    cases = [(PROMPTS[0], 30, 3), (PROMPTS[1], 12, "auto"), (PROMPTS[3], 25, 2), (PROMPTS[2], 9, None)]
-    expected = [verispec.generate(tiny_target, p, drafter="none", max_new_tokens=n).token_ids for p, n, _ in cases]
-    scheduler = Scheduler(tiny_target, lambda speculate: make_drafter(tiny_target, llama_module, "mtp" if speculate else "none"),
-                          max_batch=3, prefill_tokens=4)
-    scheduler.start()
-    try:
-        jobs = [job(prompt, max_new_tokens=n, draft=setting) for prompt, n, setting in cases]
-        scheduler.submit([j for j, _ in jobs])
-        assert [collector.result() for _, collector in jobs] == expected
-    finally:
-        scheduler.stop()
+    """The server's scheduler hands the module the target's final hidden states too (`scheduler_gives_plain_tokens`)."""
+    scheduler_gives_plain_tokens(tiny_target, llama_module, "mtp", PROMPTS)
 
 
 SAMPLED = dict(temperature=0.8, seed=11, coupled=False)
@@ -439,12 +424,5 @@ def test_smollm_mtp_training_lowers_the_loss(smol_module):
 @pytest.mark.parametrize("draft_len", [3, "tree"])
 def test_smollm_greedy_mtp_equals_plain(smol_module, draft_len):
     target, _, out = smol_module
-    head = verispec.load(str(out))  # the saved module, as a user would load it
-    for prompt in SMOL_PROMPTS:
-        expected = verispec.generate(target, prompt, drafter="none", max_new_tokens=40).token_ids
-        got = verispec.generate(target, prompt, draft=head, draft_len=draft_len, max_new_tokens=40)
-        assert got.token_ids == expected, prompt
-        assert got.stats.drafter == "LookupFirstDrafter"  # "auto": the module with suffix lookup beside it
-    batch = verispec.generate(target, SMOL_PROMPTS, draft=head, draft_len=draft_len, max_new_tokens=24)
-    assert [r.token_ids for r in batch] == [verispec.generate(target, p, drafter="none", max_new_tokens=24).token_ids
-                                            for p in SMOL_PROMPTS]
+    # "auto": the module with suffix lookup beside it
+    greedy_with_head_equals_plain(target, out, SMOL_PROMPTS, draft_len, "LookupFirstDrafter", SMOL_PROMPTS)

@@ -18,8 +18,9 @@ the output directory; a run started again with the same output directory resumes
 (never trained on) give the top-1 agreement with the target's argmax per unrolled step: the chance that
 the k-th drafted token is accepted when the ones before were (greedy).
 
-The loop (`fit_chained_head`) and the loss (`ttt_loss`) read a head only through `eagle3.ChainedHead`'s
-steps, so `train_mtp` trains a DeepSeek-V3-style MTP module with them too.
+The loop (`fit_head`) knows a head only through its objective (`Objective`): training-time test
+(`ttt_loss`, which reads a head only through `eagle3.ChainedHead`'s steps, so `train_mtp` trains a
+DeepSeek-V3-style MTP module with it too) or Medusa's loss (`train_medusa`).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import random
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 from tqdm import tqdm
@@ -154,23 +156,36 @@ def new_head(target, shards: list[Path], draft_vocab: int, taps: tuple[int, ...]
     return head.bind(target_embedding(target))
 
 
-def evaluate(head: Eagle3Head, shards: list[Path], config: TrainConfig) -> dict:
-    """Per unrolled step, the held-out top-1 agreement with the target and the loss (over up to
+# What a head learns from: (head, shard, rows) -> (the loss to minimise, the top-1 agreement with the target per
+# draft position, the loss per position). EAGLE-3's and an MTP module's: `chained_objective`; Medusa's:
+# `train_medusa.medusa_objective`.
+Objective = Callable[[torch.nn.Module, dict, list[int]], tuple[torch.Tensor, list[float], list[float]]]
+
+
+def chained_objective(config: "TrainConfig") -> Objective:
+    """A chained head's objective: training-time test over `config.ttt_steps` unrolled steps (`ttt_loss`)."""
+    return lambda head, shard, rows: ttt_loss(head, shard, rows, config.ttt_steps, config.decay)
+
+
+def evaluate(head, shards: list[Path], config: "TrainConfig", objective: Objective) -> dict:
+    """Per draft position, the held-out top-1 agreement with the target and the loss (over up to
     config.eval_sequences sequences)."""
     head.eval()
-    sums, losses, seen = [0.0] * config.ttt_steps, [0.0] * config.ttt_steps, 0
+    sums = losses = None
+    seen = 0
     with torch.no_grad(), config.autocast(head.d2t.device):
         for path in shards:
             shard = load_shard(path)
             for row in range(shard["tokens"].shape[0]):
                 if seen >= config.eval_sequences:
                     break
-                _, accuracy, loss = ttt_loss(head, shard, [row], config.ttt_steps, config.decay)
-                sums = [a + b for a, b in zip(sums, accuracy)]
-                losses = [a + b for a, b in zip(losses, loss)]
+                _, accuracy, loss = objective(head, shard, [row])
+                sums = accuracy if sums is None else [a + b for a, b in zip(sums, accuracy)]
+                losses = loss if losses is None else [a + b for a, b in zip(losses, loss)]
                 seen += 1
     head.train()
-    seen = max(seen, 1)
+    if not seen:
+        raise VerispecError("no held-out sequence to evaluate the head on")
     return {"accuracy": [round(a / seen, 4) for a in sums], "loss": [round(x / seen, 4) for x in losses], "sequences": seen}
 
 
@@ -204,10 +219,23 @@ def train_eagle3(target, out: str | Path, *, data: tuple[str, ...] = ("site-pack
 
 def fit_chained_head(head, out: Path, spec: FeatureSpec, training: list[Path], held_out: list[Path], config: TrainConfig,
                      save, name: str, progress: bool):
-    """The training loop of a head that drafts a chain (`eagle3.ChainedHead`: EAGLE-3's, an MTP module):
-    training-time test over the training shards, checkpoints (`save` writes the head itself) and the
-    held-out curve in out/train.jsonl, the held-out agreement per draft position in the head's config.
-    Resumes from out/checkpoint.pt when present. Returns the head, in eval mode."""
+    """`fit_head` for a head that drafts a chain (`eagle3.ChainedHead`: EAGLE-3's, an MTP module), trained by
+    training-time test; its summary is the agreement per unrolled step and the tokens per pass they make."""
+    def describe(report: dict) -> str:
+        return (f"held-out top-1 agreement with the target by draft position: {report['accuracy']} (a greedy chain of "
+                f"{len(report['accuracy'])}: {expected_tokens_per_pass(report['accuracy']):.2f} tokens per target pass)")
+
+    return fit_head(head, out, spec, training, held_out, config, save, name, progress, chained_objective(config),
+                    spec.seq_len - config.ttt_steps, describe)
+
+
+def fit_head(head, out: Path, spec: FeatureSpec, training: list[Path], held_out: list[Path], config: TrainConfig, save,
+             name: str, progress: bool, objective: Objective, positions: int, describe: Callable[[dict], str]):
+    """The training loop of every head: AdamW on `objective` over random rows of the training shards,
+    checkpoints (`save` writes the head itself) and the held-out curve in out/train.jsonl, the final held-out
+    agreement per draft position in the head's config (and printed as `describe` puts it). positions: the
+    positions of a sequence a step trains on (for the curve's tokens axis). Resumes from out/checkpoint.pt when
+    present. Returns the head, in eval mode."""
     optimizer = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=config.lr,
                                   weight_decay=config.weight_decay)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: _lr_factor(step, config))
@@ -216,7 +244,7 @@ def fit_chained_head(head, out: Path, spec: FeatureSpec, training: list[Path], h
     bar = tqdm(total=config.steps, initial=start, desc=f"train {name}", unit="step", disable=not progress)
     head.train()
     started = time.perf_counter()
-    tokens_per_step = config.batch_sequences * (spec.seq_len - config.ttt_steps)  # positions trained per step
+    tokens_per_step = config.batch_sequences * positions
     shard_cache: dict[Path, dict] = {}
     for step in range(start, config.steps):
         path = rng.choice(training)
@@ -226,7 +254,7 @@ def fit_chained_head(head, out: Path, spec: FeatureSpec, training: list[Path], h
         shard = shard_cache[path]
         rows = rng.sample(range(shard["tokens"].shape[0]), min(config.batch_sequences, shard["tokens"].shape[0]))
         with config.autocast(head.d2t.device):
-            loss, accuracy, losses = ttt_loss(head, shard, rows, config.ttt_steps, config.decay)
+            loss, accuracy, _ = objective(head, shard, rows)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(head.parameters(), config.grad_clip)
@@ -241,19 +269,17 @@ def fit_chained_head(head, out: Path, spec: FeatureSpec, training: list[Path], h
         if (step + 1) % config.checkpoint_every == 0 or step + 1 == config.steps:
             _checkpoint(out, head, optimizer, schedule, step + 1, rng, config, spec, save=save)
             if held_out and step + 1 < config.steps:  # the curve of acceptance against tokens trained on
-                report = evaluate(head, held_out, config)
+                report = evaluate(head, held_out, config, objective)
                 log.write(json.dumps({"step": step + 1, "tokens": (step + 1) * tokens_per_step, "held_out": report}) + "\n")
                 log.flush()
     bar.close()
-    report = evaluate(head, held_out, config) if held_out else None
+    report = evaluate(head, held_out, config, objective) if held_out else None
     if report is not None:
         head.config.extra["held_out"] = report
         log.write(json.dumps({"step": config.steps, "tokens": config.steps * tokens_per_step, "held_out": report}) + "\n")
         save(head, out)
         if progress:
-            print(f"verispec: held-out top-1 agreement with the target by draft position: {report['accuracy']} "
-                  f"(a greedy chain of {len(report['accuracy'])}: {expected_tokens_per_pass(report['accuracy']):.2f} "
-                  "tokens per target pass)")
+            print(f"verispec: {describe(report)}")
     log.close()
     head.eval()
     return head

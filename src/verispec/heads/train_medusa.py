@@ -8,27 +8,23 @@ with self-distillation's soft labels (Cai et al. 2024, section 2.3.2) rather tha
 loss is sum_i decay^i * CE(p_target, q_head_i) (Medusa's lambda_i = 0.8^i), over positions whose target
 argmax is in the draft vocabulary, p renormalized over it (`vocab.soft_targets`, as for EAGLE-3).
 
-The draft vocabulary, the optimizer (AdamW, warmup and cosine decay, clipped gradients), bfloat16 autocast,
-checkpoints and resuming are `train`'s, the loss `medusa.medusa_loss` (shared with online learning): this
-module only knows the loop around it. Each head's LM head starts as the target's rows for the draft
+The draft vocabulary, the loop (`train.fit_head`: AdamW, warmup and cosine decay, clipped gradients, bfloat16
+autocast, checkpoints, resuming, the held-out curve) are `train`'s, the loss `medusa.medusa_loss` (shared with
+online learning): this module only knows how to start the heads and what they learn from. Each head's LM head starts as the target's rows for the draft
 vocabulary, its residual blocks as the identity (`medusa_head_from_target`, also the online cold start).
-Held-out shards (never trained on) give each head's top-1 agreement with the target's argmax at the end.
+Held-out shards (never trained on) give each head's top-1 agreement with the target's argmax at every checkpoint.
 """
 
 from __future__ import annotations
 
-import json
-import time
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from verispec.errors import VerispecError
-from verispec.heads.data import load_shard
 from verispec.heads.medusa import MedusaConfig, MedusaHead, medusa_loss, save_head
-from verispec.heads.train import (LOG, TrainConfig, _checkpoint, _lr_factor, _resume, add_common_arguments, check_positive,
-                                  choose_draft_vocab, target_output_rows, training_features)
+from verispec.heads.train import (Objective, TrainConfig, add_common_arguments, check_positive, choose_draft_vocab, fit_head,
+                                  target_output_rows, training_features)
 
 
 def final_tap(target) -> int:
@@ -60,25 +56,9 @@ def new_medusa_head(target, shards: list[Path], draft_vocab: int, num_heads: int
     return medusa_head_from_target(target, token_ids, num_heads, num_layers)
 
 
-def evaluate(head: MedusaHead, shards: list[Path], config: TrainConfig) -> dict:
-    """Per head, the held-out top-1 agreement with the target and the loss (over up to
-    config.eval_sequences sequences)."""
-    head.eval()
-    heads = head.config.num_heads
-    sums, losses, seen = [0.0] * heads, [0.0] * heads, 0
-    with torch.no_grad(), config.autocast(head.d2t.device):
-        for path in shards:
-            shard = load_shard(path)
-            for row in range(shard["tokens"].shape[0]):
-                if seen >= config.eval_sequences:
-                    break
-                _, accuracy, loss = medusa_loss(head, shard, [row], config.decay)
-                sums = [a + b for a, b in zip(sums, accuracy)]
-                losses = [a + b for a, b in zip(losses, loss)]
-                seen += 1
-    head.train()
-    seen = max(seen, 1)
-    return {"accuracy": [round(a / seen, 4) for a in sums], "loss": [round(x / seen, 4) for x in losses], "sequences": seen}
+def medusa_objective(config: TrainConfig) -> Objective:
+    """Medusa's objective: each head's loss weighted by config.decay^i (`medusa.medusa_loss`)."""
+    return lambda head, shard, rows: medusa_loss(head, shard, rows, config.decay)
 
 
 def train_medusa(target, out: str | Path, *, data: tuple[str, ...] = ("site-packages",), max_tokens: int = 200_000,
@@ -103,46 +83,13 @@ def train_medusa(target, out: str | Path, *, data: tuple[str, ...] = ("site-pack
 
     torch.manual_seed(config.seed)
     head = new_medusa_head(target, training, draft_vocab, num_heads, num_layers)
-    optimizer = torch.optim.AdamW(head.parameters(), lr=config.lr, weight_decay=config.weight_decay)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: _lr_factor(step, config))
-    start, rng = _resume(out, head, optimizer, schedule, config)
-    log = (out / LOG).open("a")
-    bar = tqdm(total=config.steps, initial=start, desc="train medusa", unit="step", disable=not progress)
-    head.train()
-    started = time.perf_counter()
-    shard_cache: dict[Path, dict] = {}
-    for step in range(start, config.steps):
-        path = rng.choice(training)
-        if path not in shard_cache:
-            shard_cache.clear()  # one shard in memory at a time
-            shard_cache[path] = load_shard(path)
-        shard = shard_cache[path]
-        rows = rng.sample(range(shard["tokens"].shape[0]), min(config.batch_sequences, shard["tokens"].shape[0]))
-        with config.autocast(head.d2t.device):
-            loss, accuracy, _ = medusa_loss(head, shard, rows, config.decay)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(head.parameters(), config.grad_clip)
-        optimizer.step()
-        schedule.step()
-        record = {"step": step + 1, "loss": round(float(loss.detach()), 4), "accuracy": [round(a, 3) for a in accuracy],
-                  "lr": schedule.get_last_lr()[0], "seconds": round(time.perf_counter() - started, 1)}
-        log.write(json.dumps(record) + "\n")
-        log.flush()
-        bar.set_postfix(loss=f"{float(loss.detach()):.3f}", acc0=f"{accuracy[0]:.2f}")
-        bar.update(1)
-        if (step + 1) % config.checkpoint_every == 0 or step + 1 == config.steps:
-            _checkpoint(out, head, optimizer, schedule, step + 1, rng, config, spec, save=save_head)
-    bar.close()
-    report = evaluate(head, held_out, config) if held_out else None
-    if report is not None:
-        head.config.extra["held_out"] = report
-        log.write(json.dumps({"held_out": report}) + "\n")
-        save_head(head, out)
-        if progress:
-            print(f"verispec: held-out top-1 agreement with the target by head (token t+2, t+3, ...): {report['accuracy']}")
-    log.close()
-    return head.eval()
+
+    def describe(report: dict) -> str:
+        return f"held-out top-1 agreement with the target by head (token t+2, t+3, ...): {report['accuracy']}"
+
+    # head i learns the token 2 + i past position t, so the last head trains num_heads + 1 fewer positions than a sequence has
+    return fit_head(head, out, spec, training, held_out, config, save_head, "medusa", progress, medusa_objective(config),
+                    spec.seq_len - num_heads - 1, describe)
 
 
 # --- the command line: `verispec train medusa` -----------------------------------------------------------
