@@ -380,8 +380,8 @@ def smol_heads(tmp_path_factory):
     target = verispec.load("smollm2-135m")
     out = tmp_path_factory.mktemp("smol-medusa")
     config = TrainConfig(steps=30, checkpoint_every=15, lr=3e-3, warmup=3, eval_sequences=8)
-    head = train_medusa(target, out, data=SMOL_DATA, max_tokens=4096, draft_vocab=2048, num_heads=3, config=config, seq_len=64,
-                        features=out / "features", progress=False)
+    head = train_medusa(target, out, data=SMOL_DATA, max_tokens=4096, draft_vocab=2048, num_heads=3, config=config,
+                        seq_len=64, features=out / "features", progress=False)
     return target, head, out
 
 
@@ -400,8 +400,8 @@ def test_smollm_medusa_training_lowers_the_loss_and_resumes(smol_heads):
     saved = load_head(out, target)
     assert saved.config.extra["steps"] == 30 and saved.config.target == "smollm2-135m"
     config = TrainConfig(steps=32, checkpoint_every=15, lr=3e-3, warmup=3, eval_sequences=8)
-    train_medusa(target, out, data=SMOL_DATA, max_tokens=4096, draft_vocab=2048, num_heads=3, config=config, seq_len=64,
-                 features=out / "features", progress=False)
+    train_medusa(target, out, data=SMOL_DATA, max_tokens=4096, draft_vocab=2048, num_heads=3, config=config,
+                 seq_len=64, features=out / "features", progress=False)
     records = [json.loads(line) for line in (out / "train.jsonl").read_text().splitlines()]
     curve = [(r["step"], r["tokens"]) for r in records if "held_out" in r]
     assert curve[:2] == [(15, 15 * 2 * 60), (30, 30 * 2 * 60)]  # held-out agreement at each checkpoint, by tokens seen

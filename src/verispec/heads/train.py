@@ -185,7 +185,8 @@ def evaluate(head, shards: list[Path], config: "TrainConfig", objective: Objecti
                 seen += 1
     head.train()
     if not seen:
-        raise VerispecError("no held-out sequence to evaluate the head on")
+        raise VerispecError("no held-out sequence to evaluate the head on: TrainConfig.eval_sequences must be at "
+                            "least 1")
     return {"accuracy": [round(a / seen, 4) for a in sums], "loss": [round(x / seen, 4) for x in losses], "sequences": seen}
 
 

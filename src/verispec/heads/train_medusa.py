@@ -8,10 +8,11 @@ with self-distillation's soft labels (Cai et al. 2024, section 2.3.2) rather tha
 loss is sum_i decay^i * CE(p_target, q_head_i) (Medusa's lambda_i = 0.8^i), over positions whose target
 argmax is in the draft vocabulary, p renormalized over it (`vocab.soft_targets`, as for EAGLE-3).
 
-The draft vocabulary, the loop (`train.fit_head`: AdamW, warmup and cosine decay, clipped gradients, bfloat16
+The draft vocabulary and the loop (`train.fit_head`: AdamW, warmup and cosine decay, clipped gradients, bfloat16
 autocast, checkpoints, resuming, the held-out curve) are `train`'s, the loss `medusa.medusa_loss` (shared with
-online learning): this module only knows how to start the heads and what they learn from. Each head's LM head starts as the target's rows for the draft
-vocabulary, its residual blocks as the identity (`medusa_head_from_target`, also the online cold start).
+online learning): this module only knows how to start the heads and what they learn from. Each head's LM head
+starts as the target's rows for the draft vocabulary, its residual blocks as the identity
+(`medusa_head_from_target`, also the online cold start).
 Held-out shards (never trained on) give each head's top-1 agreement with the target's argmax at every checkpoint.
 """
 
@@ -87,7 +88,7 @@ def train_medusa(target, out: str | Path, *, data: tuple[str, ...] = ("site-pack
     def describe(report: dict) -> str:
         return f"held-out top-1 agreement with the target by head (token t+2, t+3, ...): {report['accuracy']}"
 
-    # head i learns the token 2 + i past position t, so the last head trains num_heads + 1 fewer positions than a sequence has
+    # head i learns the token 2 + i past position t: the last head trains num_heads + 1 fewer positions than a sequence
     return fit_head(head, out, spec, training, held_out, config, save_head, "medusa", progress, medusa_objective(config),
                     spec.seq_len - num_heads - 1, describe)
 
