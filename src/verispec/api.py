@@ -221,6 +221,8 @@ DRAFTERS: dict[str, Callable[[CausalLM, CausalLM | None, float], Drafter]] = {
         DRAFTERS[head_drafter(draft)](target, draft, confidence), SuffixDrafter(suffix_index(target), target.vocab_size)),
     "ngram": lambda target, draft, confidence: NgramDrafter(),
     "suffix": lambda target, draft, confidence: SuffixDrafter(suffix_index(target), target.vocab_size),
+    "rest": lambda target, draft, confidence: SuffixDrafter(suffix_index(target), target.vocab_size,
+                                                            datastore=target_datastore(target)),
     "none": lambda target, draft, confidence: NoDrafter(),
 }
 
@@ -251,6 +253,20 @@ def suffix_index(target: CausalLM):
     if index is None:
         index = _SUFFIX_INDEXES[target] = SuffixIndex()
     return index
+
+
+# Each target's datastore for drafter="rest" (`drafters.datastore.datastore_for`), read once per process.
+_DATASTORES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def target_datastore(target: CausalLM):
+    """The datastore drafter="rest" drafts from on `target`: built on first use (cached on disk), then kept in memory."""
+    from verispec.drafters.datastore import datastore_for
+
+    store = _DATASTORES.get(target)
+    if store is None:
+        store = _DATASTORES[target] = datastore_for(target)
+    return store
 
 
 # Each native target's int4 copy for drafter="self", made once and kept while the target lives.
@@ -528,7 +544,8 @@ def generate(target, prompt, *, draft=None, drafter: str = "auto", draft_len: Dr
     else the draft model), "staged" (the draft model, or without one the target's int4 copy, drafts by
     speculating itself: suffix-decoding proposals checked in one pass of the draft model, which keeps the
     prefix it agrees with and one token of its own; the draft tokens are distributed as its own), "ngram", "suffix" (suffix decoding: the longest match of the text's end in the
-    prompt, the output so far and earlier calls' outputs on this target, most frequent continuation first), or
+    prompt, the output so far and earlier calls' outputs on this target, most frequent continuation first), "rest"
+    ("suffix", and a datastore of the installed packages' Python sources where that matches further: REST), or
     "none" (plain decoding). draft_len: "auto" (the default) drafts while the draft model's confidence
     says the next token pays for itself, up to 10, and decides from measured acceptance and costs
     whether to draft at all; "tree" does the same and also adds a second candidate beside positions

@@ -169,7 +169,7 @@ def _speculative_run(target, ids: list[int], spec_options: dict, args):
     measures that memory on purpose)."""
     from verispec.api import generate, suffix_index
 
-    if args.drafter in ("suffix", "staged"):  # staged drafting's stage 2 is suffix lookup
+    if args.drafter in ("suffix", "rest", "staged"):  # staged drafting's stage 2 is suffix lookup
         suffix_index(target).clear()
     return generate(target, ids, **spec_options)
 

@@ -20,8 +20,8 @@ T = TypeVar("T")
 
 # The drafter names `verispec.generate(drafter=...)` takes: "auto" picks one of the others (see
 # `api.resolve_drafter`), each other name is a row of `api.DRAFTERS`.
-DRAFTER_NAMES = ("auto", "model", "cross_tokenizer", "self", "hybrid", "staged", "ngram", "suffix", "eagle3", "medusa", "mtp",
-                "head+suffix", "none")
+DRAFTER_NAMES = ("auto", "model", "cross_tokenizer", "self", "hybrid", "staged", "ngram", "suffix", "rest", "eagle3", "medusa",
+                 "mtp", "head+suffix", "none")
 
 # A draft model's matrices on the native backend (`verispec.load(weight_dtype=...)`).
 WEIGHT_DTYPES = ("fp32", "bf16", "int8", "int4")

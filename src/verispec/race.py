@@ -50,7 +50,7 @@ def methods_of(target, specs: list[str]) -> list[Method]:
         kind, _, rest = spec.partition(":")
         if kind == "plain":
             continue
-        if kind in ("suffix", "ngram", "self") or spec == "staged":
+        if kind in ("suffix", "rest", "ngram", "self") or spec == "staged":
             out.append(Method(kind, dict(drafter=kind)))
         elif kind == "staged":
             name, _, dtype = rest.partition(":")
@@ -86,7 +86,7 @@ def methods_of(target, specs: list[str]) -> list[Method]:
 
 def run_method(target, ids: list[int], method: Method, max_new_tokens: int, draft_len="auto"):
     """(the generate() result, its seconds)."""
-    if method.options.get("drafter") in ("suffix", "staged", "head+suffix"):
+    if method.options.get("drafter") in ("suffix", "rest", "staged", "head+suffix"):
         verispec.api.suffix_index(target).clear()  # drafts from this call's text only, as in a first request
     started = time.perf_counter()
     result = verispec.generate(target, ids, max_new_tokens=max_new_tokens, **{"draft_len": draft_len, **method.options})

@@ -43,11 +43,14 @@ from verispec.errors import VerispecError
 from verispec.sampling import SamplingParams
 
 if TYPE_CHECKING:
+    from verispec.drafters.datastore import Datastore
     from verispec.grammar import Constraint
 
 NGRAM_SIZES = (1, 2, 3, 4, 6, 8)  # n-grams indexed per token: a lookup tries the largest first
 _STRIDE = 1 << 32  # a posting is sequence_id * _STRIDE + the index just past the n-gram
 MAX_MATCH = 32  # match lengths are measured up to this many tokens (as a suffix tree's bounded depth)
+# A request's own match (or earlier outputs') shorter than this asks the datastore, if any, for a longer one.
+DATASTORE_BELOW = 4
 
 
 class _Corpus:
@@ -222,7 +225,8 @@ class SuffixDrafter(Drafter):
     reads_grammars = True  # a row's chain ends, and its alternates go, where its grammar forbids the token
     """Drafts the most frequent continuation of the longest matching suffix (see the module docstring).
 
-    index: earlier requests' outputs (None: this drafter's own, not shared). tenant: the partition of
+    index: earlier requests' outputs (None: this drafter's own, not shared). datastore: a static corpus drafting
+    where neither the row's own text nor the index has a match (`drafters.datastore`, REST). tenant: the partition of
     the index a row reads and adds to, unless `add` names each row's own (`reads_tenants`: a server's rows
     of several tenants share one batch, and each row drafts from its tenant's outputs only). vocab_size: the target's, for the one-hot distribution
     a sampled row's alternate carries. Finished rows' outputs are added to the index when they leave
@@ -232,7 +236,7 @@ class SuffixDrafter(Drafter):
 
     def __init__(self, index: SuffixIndex | None = None, vocab_size: int | None = None, tenant: Hashable = None,
                  max_spec_factor: float = 1.0, min_token_prob: float = 0.1, max_occurrences: int = 64,
-                 lead_in: int = NGRAM_SIZES[-1]):
+                 lead_in: int = NGRAM_SIZES[-1], datastore: "Datastore | None" = None):
         if max_spec_factor <= 0 or not 0.0 <= min_token_prob < 1.0:
             raise VerispecError(f"suffix drafting needs max_spec_factor > 0 and min_token_prob in [0, 1), got "
                                 f"{max_spec_factor!r}, {min_token_prob!r}")
@@ -243,6 +247,7 @@ class SuffixDrafter(Drafter):
         self.min_token_prob = min_token_prob
         self.max_occurrences = max_occurrences
         self.lead_in = lead_in
+        self.datastore = datastore  # a static corpus (REST) drafting where the request and earlier outputs have no match
         self.rows: list[_Corpus] = []  # per row: its own prompt and output so far
         self.prompt_lengths: list[int] = []
         self.sequences: list[list[int]] = []  # per row: the sequence last seen (the engine's own list)
@@ -317,10 +322,15 @@ class SuffixDrafter(Drafter):
               tenant: Hashable) -> tuple[list[int], list[float], list[int], list[float]]:
         """The draft for one row: (chain tokens, their confidence, the second choice at each, -1 if none, its confidence)."""
         found = own.find(sequence, self.max_occurrences) + self.index.find(sequence, tenant, self.max_occurrences)
+        # The deepest match, as the paper's walk to the matched node: places matching at least that far count.
+        match = max((length for _, _, length in found), default=0)
+        if self.datastore is not None and match < DATASTORE_BELOW:  # a longer match in the datastore drafts instead
+            chain, probs, stored = self.datastore.walk(sequence, draft_len, min_match=match + 1,
+                                                       min_token_prob=self.min_token_prob, max_spec_factor=self.max_spec_factor)
+            if chain:
+                return chain, probs, [-1] * len(chain), [0.0] * len(chain)
         if not found:
             return [], [], [], []
-        # The deepest match, as the paper's walk to the matched node: places matching at least that far count.
-        match = max(length for _, _, length in found)
         places = [(seq, end) for seq, end, length in found if length >= match]
         depth = min(draft_len, math.ceil(self.max_spec_factor * match))
         chain, probs, alternates, alternate_probs = [], [], [], []
