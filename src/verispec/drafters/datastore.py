@@ -12,8 +12,9 @@ the request's own text (`SuffixDrafter` asks a datastore where its own corpora m
 
 REST drafts from The Stack on GPUs; this machine has no internet beyond PyPI, so the default corpus is what
 ships with it: the Python sources of the installed packages (`datastore_for`), a few million tokens built in
-seconds and cached on disk. Memory: 4 bytes a token for each array, read back memory-mapped. A datastore is
-deterministic given the context: its drafts are point masses, exact under every verifier.
+seconds and cached on disk. Memory: 16 bytes a token (the tokens, the suffix array, and each suffix's first two
+tokens as one key, which starts a search in C). A datastore is deterministic given the context: its drafts are
+point masses, exact under every verifier.
 """
 
 from __future__ import annotations
@@ -140,14 +141,17 @@ def suffix_array(tokens: np.ndarray, progress: bool = False) -> np.ndarray:
     return np.argsort(rank, kind="stable").astype(np.int32)
 
 
-def site_packages_documents(tokenizer, max_tokens: int, seed: int = 0) -> Iterable[list[int]]:
+def site_packages_documents(tokenizer, max_tokens: int, seed: int = 0, progress: bool = False) -> Iterable[list[int]]:
     """The installed packages' Python sources (`heads.data.site_packages_files`, tests and vendored copies left out),
     in a fixed shuffled order, tokenized, until `max_tokens`; files over 200 kB (generated tables) are skipped."""
+    from tqdm import tqdm
+
     from verispec.heads.data import site_packages_files
 
     files = site_packages_files()
     random.Random(seed).shuffle(files)
     total = 0
+    bar = tqdm(total=max_tokens, desc="datastore: tokenizing", unit="tok", disable=not progress)
     for path in files:
         try:
             if path.stat().st_size > 200_000:
@@ -158,8 +162,10 @@ def site_packages_documents(tokenizer, max_tokens: int, seed: int = 0) -> Iterab
         ids = tokenizer.encode(text)
         yield ids
         total += len(ids) + 1
+        bar.update(len(ids) + 1)
         if total >= max_tokens:
-            return
+            break
+    bar.close()
 
 
 DEFAULT_TOKENS = 5_000_000  # ~20 MB of Python source: built in ~20 s here, 40 MB on disk
@@ -184,7 +190,7 @@ def datastore_for(target, max_tokens: int = DEFAULT_TOKENS, progress: bool = Tru
               f"{target.name} (once; cached in {path})", flush=True)
     started = time.perf_counter()
     separator = min(target.eos_token_ids) if target.eos_token_ids else 0
-    store = Datastore.build(site_packages_documents(target.tokenizer, max_tokens), separator, progress)
+    store = Datastore.build(site_packages_documents(target.tokenizer, max_tokens, progress=progress), separator, progress)
     store.save(path)
     if progress:
         print(f"verispec: datastore of {len(store)} tokens built in {time.perf_counter() - started:.0f} s", flush=True)
