@@ -27,6 +27,7 @@ from typing import Iterable
 
 import numpy as np
 
+from verispec.corpus import site_packages_files
 from verispec.errors import VerispecError
 
 DEPTH = 32  # the suffix array orders suffixes by this many tokens: matches and walks go no deeper
@@ -142,11 +143,9 @@ def suffix_array(tokens: np.ndarray, progress: bool = False) -> np.ndarray:
 
 
 def site_packages_documents(tokenizer, max_tokens: int, seed: int = 0, progress: bool = False) -> Iterable[list[int]]:
-    """The installed packages' Python sources (`heads.data.site_packages_files`, tests and vendored copies left out),
+    """The installed packages' Python sources (`corpus.site_packages_files`, tests and vendored copies left out),
     in a fixed shuffled order, tokenized, until `max_tokens`; files over 200 kB (generated tables) are skipped."""
     from tqdm import tqdm
-
-    from verispec.heads.data import site_packages_files
 
     files = site_packages_files()
     random.Random(seed).shuffle(files)
@@ -175,7 +174,6 @@ def datastore_for(target, max_tokens: int = DEFAULT_TOKENS, progress: bool = Tru
     """The default datastore of `target`: its tokenizer over the installed packages' Python sources, built on first
     use (with progress) and cached under the verispec home, keyed by the tokenizer, the size and the files."""
     from verispec import zoo
-    from verispec.heads.data import site_packages_files
 
     if target.tokenizer is None:
         raise VerispecError(f"{target.name} has no tokenizer: a datastore is text tokenized with the target's tokenizer")

@@ -27,8 +27,6 @@ The module knows nothing about the head or its training.
 from __future__ import annotations
 
 import json
-import site
-import sysconfig
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -37,6 +35,7 @@ from typing import Iterator
 import torch
 from tqdm import tqdm
 
+from verispec.corpus import site_packages_files
 from verispec.errors import VerispecError
 
 MANIFEST = "manifest.json"
@@ -61,19 +60,6 @@ class FeatureSpec:
         data = asdict(self)
         data["taps"], data["sources"] = list(self.taps), list(self.sources)
         return data
-
-
-def site_packages_files() -> list[Path]:
-    """Python source files of the installed packages, in a fixed order (tests and vendored copies left out)."""
-    roots = {Path(p) for p in site.getsitepackages() + [sysconfig.get_paths()["purelib"]] if Path(p).is_dir()}
-    files = []
-    for root in sorted(roots):
-        for path in sorted(root.rglob("*.py")):
-            parts = set(path.relative_to(root).parts)
-            if parts & {"tests", "test", "_vendor", "vendored", "__pycache__"} or path.name.startswith("test_"):
-                continue
-            files.append(path)
-    return files
 
 
 TEXT, CODE_PROMPT, CHAT_PROMPT = "text", "code", "chat"  # what a document is, for how it is tokenized
