@@ -225,8 +225,9 @@ class SuffixDrafter(Drafter):
     reads_grammars = True  # a row's chain ends, and its alternates go, where its grammar forbids the token
     """Drafts the most frequent continuation of the longest matching suffix (see the module docstring).
 
-    index: earlier requests' outputs (None: this drafter's own, not shared). datastore: a static corpus drafting
-    where neither the row's own text nor the index has a match (`drafters.datastore`, REST). tenant: the partition of
+    index: earlier requests' outputs (None: this drafter's own, not shared). datastore: a static corpus (REST,
+    `drafters.datastore`) that drafts where the row's own text and the index match fewer than DATASTORE_BELOW
+    tokens and it matches further. tenant: the partition of
     the index a row reads and adds to, unless `add` names each row's own (`reads_tenants`: a server's rows
     of several tenants share one batch, and each row drafts from its tenant's outputs only). vocab_size: the target's, for the one-hot distribution
     a sampled row's alternate carries. Finished rows' outputs are added to the index when they leave
@@ -247,7 +248,7 @@ class SuffixDrafter(Drafter):
         self.min_token_prob = min_token_prob
         self.max_occurrences = max_occurrences
         self.lead_in = lead_in
-        self.datastore = datastore  # a static corpus (REST) drafting where the request and earlier outputs have no match
+        self.datastore = datastore  # a static corpus (REST) for where the request and earlier outputs match little
         self.rows: list[_Corpus] = []  # per row: its own prompt and output so far
         self.prompt_lengths: list[int] = []
         self.sequences: list[list[int]] = []  # per row: the sequence last seen (the engine's own list)
@@ -325,8 +326,8 @@ class SuffixDrafter(Drafter):
         # The deepest match, as the paper's walk to the matched node: places matching at least that far count.
         match = max((length for _, _, length in found), default=0)
         if self.datastore is not None and match < DATASTORE_BELOW:  # a longer match in the datastore drafts instead
-            chain, probs, stored = self.datastore.walk(sequence, draft_len, min_match=match + 1,
-                                                       min_token_prob=self.min_token_prob, max_spec_factor=self.max_spec_factor)
+            chain, probs, _ = self.datastore.walk(sequence, draft_len, min_match=match + 1,
+                                                  min_token_prob=self.min_token_prob, max_spec_factor=self.max_spec_factor)
             if chain:
                 return chain, probs, [-1] * len(chain), [0.0] * len(chain)
         if not found:
