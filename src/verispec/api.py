@@ -242,6 +242,9 @@ def head_drafter(draft) -> str | None:
 
 # Each target's index of earlier outputs for drafter="suffix": every call (and every lane of a server) on
 # that target drafts from the outputs of the ones before it. Token ids mean something only to one vocabulary.
+# The drafters that read it (a benchmark clears it before each timed call, or a prompt's later rounds would draft
+# their answer from its first).
+SUFFIX_INDEX_DRAFTERS = ("suffix", "rest", "staged", "head+suffix")
 _SUFFIX_INDEXES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 

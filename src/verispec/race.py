@@ -86,7 +86,7 @@ def methods_of(target, specs: list[str]) -> list[Method]:
 
 def run_method(target, ids: list[int], method: Method, max_new_tokens: int, draft_len="auto"):
     """(the generate() result, its seconds)."""
-    if method.options.get("drafter") in ("suffix", "rest", "staged", "head+suffix"):
+    if method.options.get("drafter") in verispec.api.SUFFIX_INDEX_DRAFTERS:
         verispec.api.suffix_index(target).clear()  # drafts from this call's text only, as in a first request
     started = time.perf_counter()
     result = verispec.generate(target, ids, max_new_tokens=max_new_tokens, **{"draft_len": draft_len, **method.options})

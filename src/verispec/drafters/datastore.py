@@ -142,12 +142,13 @@ def suffix_array(tokens: np.ndarray, progress: bool = False) -> np.ndarray:
     return np.argsort(rank, kind="stable").astype(np.int32)
 
 
-def site_packages_documents(tokenizer, max_tokens: int, seed: int = 0, progress: bool = False) -> Iterable[list[int]]:
-    """The installed packages' Python sources (`corpus.site_packages_files`, tests and vendored copies left out),
-    in a fixed shuffled order, tokenized, until `max_tokens`; files over 200 kB (generated tables) are skipped."""
+def site_packages_documents(tokenizer, files: list[Path], max_tokens: int, seed: int = 0,
+                            progress: bool = False) -> Iterable[list[int]]:
+    """The installed packages' Python sources (`files`: `corpus.site_packages_files`, tests and vendored copies left
+    out), in a fixed shuffled order, tokenized, until `max_tokens`; files over 200 kB (generated tables) are skipped."""
     from tqdm import tqdm
 
-    files = site_packages_files()
+    files = list(files)
     random.Random(seed).shuffle(files)
     total = 0
     bar = tqdm(total=max_tokens, desc="datastore: tokenizing", unit="tok", disable=not progress)
@@ -188,7 +189,8 @@ def datastore_for(target, max_tokens: int = DEFAULT_TOKENS, progress: bool = Tru
               f"{target.name} (once; cached in {path})", flush=True)
     started = time.perf_counter()
     separator = min(target.eos_token_ids) if target.eos_token_ids else 0
-    store = Datastore.build(site_packages_documents(target.tokenizer, max_tokens, progress=progress), separator, progress)
+    store = Datastore.build(site_packages_documents(target.tokenizer, files, max_tokens, progress=progress), separator,
+                            progress)
     store.save(path)
     if progress:
         print(f"verispec: datastore of {len(store)} tokens built in {time.perf_counter() - started:.0f} s", flush=True)

@@ -306,7 +306,7 @@ class Endpoint:
 
 
 DRAFT_DTYPES = WEIGHT_DTYPES
-# Tokens of earlier outputs kept per tenant for suffix drafting (drafter "suffix" or "staged"), oldest out first.
+# Tokens of earlier outputs kept per tenant for suffix drafting (`api.SUFFIX_INDEX_DRAFTERS`), oldest out first.
 SUFFIX_TOKENS_PER_TENANT = 1 << 16
 
 
@@ -361,7 +361,7 @@ def build_app(target, draft=None, drafter: str = "auto", draft_len: DraftLen | i
     draft / drafter / draft_len: as for `verispec.generate` (drafter "none" serves plain decoding);
     draft_len is an int >= 1, "auto" or "tree". api_key: a key, or a list of keys (one per tenant): when set,
     /v1/* needs `Authorization: Bearer KEY` with one of them. Each key, and within it each OpenAI `user`, is a
-    tenant: suffix drafting ("suffix", "staged") drafts a request only from its own tenant's earlier outputs,
+    tenant: suffix drafting (`api.SUFFIX_INDEX_DRAFTERS`) drafts a request only from its own tenant's earlier outputs,
     at most `suffix_tokens_per_tenant` tokens of them (its oldest evicted first).
     max_batch: most sequences decoded at once; max_queue: most sequences waiting for a row (a request
     beyond it gets a 503). draft_dtype: "fp32", "bf16", "int8" or "int4" (weight-only), the draft model's
