@@ -63,17 +63,17 @@ def methods_of(target, specs: list[str]) -> list[Method]:
         elif kind in ("eagle3", "eagle3-tree", "mtp", "mtp-tree"):
             directory, _, weights = rest.partition(":")
             head = verispec.load_head(directory, target)
-            if weights:  # else the drafter's default (int8 on a CPU)
+            if weights:  # else the drafter's default (q4_0 on a CPU)
                 head = rounded_copy(head, weights)
             drafter, _, tree = kind.partition("-")
-            out.append(Method(f"{kind} {Path(directory).name} {weights or 'int8'}",
+            out.append(Method(f"{kind} {Path(directory).name} {weights or 'q4_0'}",
                               dict(draft=head, drafter=drafter, **({"draft_len": "tree"} if tree else {}))))
         elif kind == "head+suffix":
             directory, _, weights = rest.partition(":")
             head = verispec.load_head(directory, target)
             if weights:
                 head = rounded_copy(head, weights)
-            out.append(Method(f"head+suffix {Path(directory).name} {weights or 'int8'}", dict(draft=head, drafter="head+suffix")))
+            out.append(Method(f"head+suffix {Path(directory).name} {weights or 'q4_0'}", dict(draft=head, drafter="head+suffix")))
         elif kind in ("medusa", "medusa-tree"):
             head = verispec.load_head(rest, target)
             out.append(Method(f"{kind} {Path(rest).name}",

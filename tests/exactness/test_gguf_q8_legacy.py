@@ -179,6 +179,29 @@ def test_embedding_rows_are_ggml_dequantize_bit_for_bit(kind):
         matrix.rows(torch.tensor([9]))
 
 
+@pytest.mark.parametrize("kind", ["Q4_0", "Q8_0"])
+def test_quantize_writes_the_bytes_gguf_py_writes(kind):
+    """`GGUFMatrix.quantize` (a draft's matrices rounded for the q8 kernels) is ggml's reference recipe: the
+    bytes of gguf-py's quantize, ties (first of equal magnitudes, Q4_0's sign kept), an all-zero block and a
+    block of one sign included."""
+    from gguf.quants import quantize
+
+    torch.manual_seed(KIND[kind])
+    w = torch.randn(7, 160) * 0.03
+    w[0, :32] = 0                                      # all zero: d = 0
+    w[1, 3], w[1, 9] = 0.5, -0.5                       # a tie of magnitudes: the first decides Q4_0's sign
+    w[2, 32:64] = torch.linspace(0.01, 0.4, 32)        # one sign
+    w[3, 64:96] = torch.linspace(-1, 1, 32)            # codes at both ends
+    ours = kernels.GGUFMatrix.quantize(w, KIND[kind])
+    want = quantize(w.numpy(), getattr(GGMLQuantizationType, kind)).reshape(7, -1)
+    assert np.array_equal(ours.blocks.numpy(), want)
+    dense = ours.dequantize()
+    step = 1 / 8 if kind == "Q4_0" else 1 / 127
+    assert float((dense - w).abs().max()) <= float(w.abs().max()) * step * 1.01
+    with pytest.raises(ValueError, match="32"):
+        kernels.GGUFMatrix.quantize(torch.randn(2, 48), KIND[kind])
+
+
 # ---- a whole model from a GGUF file of 32-weight blocks -----------------------------------------------
 
 MIX = {"attn_q": "Q5_0", "attn_k": "Q5_0", "attn_v": "Q8_0", "attn_output": "Q4_0", "ffn_gate": "Q4_1",

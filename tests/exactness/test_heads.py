@@ -147,7 +147,7 @@ def test_unroll_is_what_the_drafter_computes(tiny_target):
                     hidden = drafter._layer(next_token, hidden[:, None], torch.ones(1, 1, dtype=torch.bool))[:, 0]
 
 
-@pytest.mark.parametrize("weights", ["int8", "int4", "bfloat16"])
+@pytest.mark.parametrize("weights", ["int8", "int4", "bfloat16", "q4_0", "q8_0"])
 def test_rounded_head_drafts_near_the_float_head_and_leaves_it_alone(tiny_target, weights):
     """A drafter's head rounded for the CPU kernels scores tokens close to the float head (rounding
     only moves proposals, never the output), and the caller's head keeps its float32 weights."""
@@ -165,7 +165,7 @@ def test_rounded_head_drafts_near_the_float_head_and_leaves_it_alone(tiny_target
             logits[name] = drafter.head.logits(hidden)
     assert not torch.equal(logits["float"], logits["rounded"])  # it did round
     cosine = torch.nn.functional.cosine_similarity(logits["float"], logits["rounded"], dim=-1)
-    assert float(cosine.min()) > (0.98 if weights == "int4" else 0.995)
+    assert float(cosine.min()) > (0.98 if weights in ("int4", "q4_0") else 0.995)
     assert all(torch.equal(v, head.state_dict()[k]) for k, v in before.items())
 
 

@@ -239,7 +239,7 @@ def test_greedy_mtp_alternates_stay_exact(tiny_target, llama_module, k):
     assert stats.alternates_drafted > 0 and stats.alternates_accepted > 0
 
 
-@pytest.mark.parametrize("weights", ["int8", "int4"])
+@pytest.mark.parametrize("weights", ["int8", "int4", "q4_0"])
 def test_rounded_module_drafts_near_the_float_module_and_leaves_it_alone(tiny_target, weights):
     """A drafter's copy rounded for the CPU kernels (its output rows too) scores tokens close to the float
     module, the caller's module keeps its float32 weights, and the output is still plain decoding's."""
@@ -262,7 +262,7 @@ def test_rounded_module_drafts_near_the_float_module_and_leaves_it_alone(tiny_ta
     assert type(drafter.head.shared_head.head).__name__ == "KernelLinear"
     assert not torch.equal(logits["float"], logits["rounded"])  # it did round
     cosine = torch.nn.functional.cosine_similarity(logits["float"], logits["rounded"], dim=-1)
-    assert float(cosine.min()) > (0.98 if weights == "int4" else 0.995)
+    assert float(cosine.min()) > (0.98 if weights in ("int4", "q4_0") else 0.995)
     assert all(torch.equal(v, head.state_dict()[k]) for k, v in before.items()) and head.rounded is None
     assert MTPDrafter(head, tiny_target, weights=weights).head is drafter.head  # rounded once per module and format
 

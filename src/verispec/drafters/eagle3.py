@@ -50,9 +50,11 @@ class Eagle3Drafter(Drafter):
 
     def __init__(self, head: Eagle3Head, target, min_confidence: float = 0.0, weights: str | None = "auto",
                  top_k: int = 4, beam: int = 4, window: int | None = CONTEXT_WINDOW):
-        """weights: how the head's matrices are stored while drafting: "int8", "int4" or "bfloat16" (a copy
-        of the head rounded for verispec's CPU kernels: a quarter of float32's bytes per draft token at
-        int8), None (the head as given), or "auto" (int8 on a CPU with the kernels, else as given). A head
+        """weights: how the head's matrices are stored while drafting: "q4_0", "q8_0" (ggml's blocks, multiplied
+        by the q8 kernels), "int8", "int4" or "bfloat16" (a copy of the head rounded for verispec's CPU kernels),
+        None (the head as given), or "auto" (q4_0 on a CPU with the kernels, else as given: about a seventh
+        of float32's bytes, and the q8 kernels multiply those blocks about twice as fast as int4's or int8's
+        at the one to eight rows a draft step has, for the same proposals within the noise). A head
         already rounded (`Eagle3Head.quantize`) drafts as it is. top_k, beam: the dynamic tree's shape where
         the step asks for a tree: candidates per expanded node, and nodes expanded per depth (how many of
         them are verified is priced by the step's branch rule). window: the most positions a catch-up reads
@@ -62,7 +64,7 @@ class Eagle3Drafter(Drafter):
         if head.config.vocab_size != target.vocab_size:
             raise ValueError(f"the head scores a {head.config.vocab_size}-token vocabulary, the target has {target.vocab_size}")
         if weights == "auto":
-            weights = "int8" if kernels.available() and head.d2t.device.type == "cpu" else None
+            weights = "q4_0" if kernels.available() and head.d2t.device.type == "cpu" else None
         if not head.bound:
             head.bind_to(target)
         if weights is not None and head.rounded is None:

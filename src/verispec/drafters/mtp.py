@@ -30,7 +30,7 @@ class MTPDrafter(Eagle3Drafter):
     it the target's hidden states."""
 
     def __init__(self, head: MTPHead, target, min_confidence: float = 0.0, weights: str | None = "auto"):
-        """weights: the module's matrices while drafting: "int8", "int4", "bfloat16", None (as given) or "auto"
-        (int8 on a CPU with the kernels, else as given), as for `Eagle3Drafter`."""
+        """weights: the module's matrices while drafting: "q4_0", "q8_0", "int8", "int4", "bfloat16", None (as
+        given) or "auto" (q4_0 on a CPU with the kernels, else as given), as for `Eagle3Drafter`."""
         check_target(head, target)
         super().__init__(head, target, min_confidence=min_confidence, weights=weights)

@@ -139,12 +139,12 @@ def _rope_theta(config) -> float:
 
 
 class KernelLinear(nn.Module):
-    """A drafting-time stand-in for a bias-free `nn.Linear`: its weight rounded to int8 or int4 (or
-    narrowed to bfloat16) and multiplied by verispec's CPU kernels, a quarter to a seventh of float32's
+    """A drafting-time stand-in for a bias-free `nn.Linear`: its weight rounded to ggml's Q4_0 / Q8_0 blocks, int8
+    or int4 (or narrowed to bfloat16) and multiplied by verispec's CPU kernels, a quarter to a seventh of float32's
     bytes. A head's weights only shape its proposals, never the output, so rounding them is safe: it
     can only change how many proposals the target accepts. Inference only (no gradients)."""
 
-    FORMATS = ("bfloat16", "int8", "int4")
+    FORMATS = ("bfloat16", "int8", "int4", "q4_0", "q8_0")
 
     def __init__(self, linear: nn.Linear, weights: str):
         from verispec.models import kernels
@@ -153,10 +153,12 @@ class KernelLinear(nn.Module):
         if weights not in self.FORMATS:
             raise VerispecError(f"a head's weights can be {', '.join(self.FORMATS)}, not {weights!r}")
         dense = linear.weight.detach().float().contiguous()
-        if weights == "int4" and dense.shape[1] % kernels.Int4Matrix.GROUP:
-            weights = "int8"  # int4 groups must tile the rows
+        if weights == "int4" and dense.shape[1] % kernels.Int4Matrix.GROUP or weights in ("q4_0", "q8_0") and dense.shape[1] % 32:
+            weights = "int8"  # int4 groups and ggml's blocks must tile the rows
         self.matrix = {"bfloat16": lambda w: w.to(torch.bfloat16).contiguous(), "int8": kernels.Int8Matrix.quantize,
-                       "int4": kernels.Int4Matrix.quantize}[weights](dense)
+                       "int4": kernels.Int4Matrix.quantize,
+                       "q4_0": lambda w: kernels.GGUFMatrix.quantize(w, kernels.GGUFMatrix.MADE["q4_0"]),
+                       "q8_0": lambda w: kernels.GGUFMatrix.quantize(w, kernels.GGUFMatrix.MADE["q8_0"])}[weights](dense)
         self.in_features, self.out_features = dense.shape[1], dense.shape[0]
         self.format = weights
 
@@ -353,8 +355,9 @@ class Eagle3Head(DraftVocab, ChainedHead, nn.Module):
         return () if self.embed is None else (self.embed,)
 
     def quantize(self, weights: str) -> "Eagle3Head":
-        """Round every matrix to `weights` ("int8", "int4" or "bfloat16") for drafting on a CPU with
-        verispec's kernels (`KernelLinear`): a draft token then reads a quarter (int8) of float32's bytes.
+        """Round every matrix to `weights` ("q4_0", "q8_0", "int8", "int4" or "bfloat16") for drafting on a CPU with
+        verispec's kernels (`KernelLinear`): a draft token then reads a seventh (q4_0, int4) to a quarter (int8) of
+        float32's bytes.
         For inference only; a saved head keeps its float32 weights. Returns self."""
         self._round_matrices([self, self.midlayer.self_attn, self.midlayer.mlp], weights)
         return self.eval()

@@ -201,7 +201,7 @@ class MTPHead(DraftVocab, ChainedHead, nn.Module):
         return () if self.embed is None else (self.embed, self.shared_head.head.weight)
 
     def quantize(self, weights: str) -> "MTPHead":
-        """Round every matrix, the bound output rows included, to `weights` ("int8", "int4" or "bfloat16") for
+        """Round every matrix, the bound output rows included, to `weights` ("q4_0", "q8_0", "int8", "int4" or "bfloat16") for
         drafting on a CPU with verispec's kernels (`KernelLinear`). Inference only. Returns self."""
         if self.shared_head.head is None:
             raise VerispecError("bind the MTP module to its target before quantizing it (its output layer is the target's)")
