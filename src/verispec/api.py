@@ -48,8 +48,9 @@ def load(name_or_path: Any, dtype: torch.dtype | str | None = None, device: str 
 
     weight_dtype (native backend only): keep the matrices as "bf16" (half the bytes per token),
     "int8" (weight-only, one scale per output row: a quarter) or "int4" (weight-only, one scale per
-    64 weights: about a seventh). Activations stay float32, but the logits move: meant for *draft*
-    models, whose output the target checks, never for a target.
+    64 weights: about a seventh), or "q4_0" (ggml's Q4_0 blocks, about a seventh, run as a Q4_0 GGUF file
+    runs under numerics="q8": activations rounded to 8 bits per 32; the fastest draft on verispec's
+    kernels). The logits move: meant for *draft* models, whose output the target checks, never for a target.
 
     gguf_blocks (native backend, float32 matrices): a model converted from a GGUF file (every zoo
     model) keeps the matrices stored there as Q4_K / Q6_K blocks in that form and the kernels rebuild
@@ -157,15 +158,17 @@ def _wrap(model: HFCausalLM, backend: str, weight_dtype: torch.dtype | None = No
     return native
 
 
-def _parse_weight_dtype(dtype) -> torch.dtype | None:
+def _parse_weight_dtype(dtype) -> torch.dtype | str | None:
     if dtype is None or dtype in ("fp32", "float32", torch.float32):
         return None
+    if dtype == "q4_0":
+        return dtype  # ggml's Q4_0 blocks, multiplied with llama.cpp's numerics (NativeCausalLM)
     if dtype in ("int8", torch.int8):
         return torch.int8
     if dtype in ("int4", torch.quint4x2):
         return torch.quint4x2  # the tag of verispec's grouped int4 matrices
     if dtype not in ("bf16", "bfloat16", torch.bfloat16):
-        raise VerispecError(f"weight_dtype must be fp32, bf16, int8 or int4, got {dtype!r}")
+        raise VerispecError(f"weight_dtype must be fp32, bf16, int8, int4 or q4_0, got {dtype!r}")
     return torch.bfloat16
 
 

@@ -5,8 +5,9 @@ prompt by prompt.
 Per prompt every method runs `--rounds` times, the methods' order rotating each round (so a noisy
 neighbour hits them alike), and its median time counts; the speedups are medians over prompts of
 per-prompt tokens/s ratios. Greedy: every drafter's text must equal plain decoding (it is checked and
-reported). A method is `plain`, `suffix`, `ngram`, `self`, `model:DRAFT` (a draft model, int4 unless
-`model:DRAFT:fp32|bf16|int8`), `eagle3:DIR[:int8|int4|bfloat16]` (a trained head, chain; int8 unless given) or
+reported). A method is `plain`, `suffix`, `ngram`, `self`, `model:DRAFT` (a draft model, ggml's Q4_0 blocks
+unless `model:DRAFT:fp32|bf16|int8|int4`), `eagle3:DIR[:q4_0|q8_0|int8|int4|bfloat16]` (a trained head, chain; q4_0
+unless given) or
 `eagle3-tree:DIR[:...]` (an EAGLE-2 dynamic tree grown around the head's chain, priced node by node), `mtp:DIR[:...]`
 or `mtp-tree:DIR[:...]` (an MTP module, `verispec train mtp`, likewise), `medusa:DIR` or `medusa-tree:DIR`
 (Medusa-1 heads, `verispec train medusa`; float32), `staged:DRAFT[:DTYPE]` (staged drafting: the draft model
@@ -54,12 +55,12 @@ def methods_of(target, specs: list[str]) -> list[Method]:
             out.append(Method(kind, dict(drafter=kind)))
         elif kind == "staged":
             name, _, dtype = rest.partition(":")
-            draft = verispec.load(name, weight_dtype=dtype or "int4")
-            out.append(Method(f"staged {Path(name).name} {dtype or 'int4'}", dict(draft=draft, drafter="staged")))
+            draft = verispec.load(name, weight_dtype=dtype or "q4_0")
+            out.append(Method(f"staged {Path(name).name} {dtype or 'q4_0'}", dict(draft=draft, drafter="staged")))
         elif kind == "model":
             name, _, dtype = rest.partition(":")
-            draft = verispec.load(name, weight_dtype=dtype or "int4")
-            out.append(Method(f"model {Path(name).name} {dtype or 'int4'}", dict(draft=draft, drafter="model")))
+            draft = verispec.load(name, weight_dtype=dtype or "q4_0")
+            out.append(Method(f"model {Path(name).name} {dtype or 'q4_0'}", dict(draft=draft, drafter="model")))
         elif kind in ("eagle3", "eagle3-tree", "mtp", "mtp-tree"):
             directory, _, weights = rest.partition(":")
             head = verispec.load_head(directory, target)

@@ -328,15 +328,20 @@ def test_int4_draft_prefills_in_small_passes(pair, batch, monkeypatch):
         assert torch.equal(draft.forward(torch.tensor([[5]]), alone)[0, -1], step[b])
 
 
-@pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.int8, torch.quint4x2])
+@pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.int8, torch.quint4x2, "q4_0"])
 @pytest.mark.parametrize("vocab", [None, 48])
 def test_cheap_native_drafts_keep_the_targets_output(pair, native, weight_dtype, vocab):
-    """int8 / bf16 matrices and a restricted head make cheaper drafts: the target's greedy tokens do not move,
-    and a restricted draft scores (so proposes) only its own tokens."""
+    """int8 / bf16 / int4 matrices, ggml's Q4_0 blocks and a restricted head make cheaper drafts: the target's
+    greedy tokens do not move, and a restricted draft scores (so proposes) only its own tokens."""
     from verispec.models.draft_variants import restrict_vocabulary
 
     hf, _ = pair
+    if weight_dtype == "q4_0" and not kernels.available():
+        pytest.skip("Q4_0 blocks run on verispec's q8 kernels, unavailable here")
     draft = NativeCausalLM.from_hf(hf, weight_dtype=weight_dtype)
+    if weight_dtype == "q4_0":  # llama.cpp's numerics on blocks rounded from the float weights
+        assert draft.numerics == "q8" and draft._kernels and draft.name.endswith("-q4_0")
+        assert all(getattr(layer, f).kind == 2 for layer in draft.layers for f in ("q", "down")) and draft.lm_head.kind == 2
     if vocab:
         draft = restrict_vocabulary(draft, vocab)
         cache = draft.new_cache(1)

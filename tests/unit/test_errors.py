@@ -68,6 +68,17 @@ def test_int4_draft_needs_widths_in_groups_of_64():
         verispec.load(narrow, weight_dtype="int3")
 
 
+def test_q4_0_draft_needs_widths_in_blocks_of_32():
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    narrow = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=48, intermediate_size=80, num_hidden_layers=1,
+                                          num_attention_heads=2, num_key_value_heads=1))
+    with pytest.raises(VerispecError, match="blocks of 32"):
+        verispec.load(narrow, weight_dtype="q4_0")
+
+
 def test_prompt_longer_than_context(target):
     expect_error("context window", target=target, prompt=[1] * 600)
 

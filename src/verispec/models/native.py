@@ -58,6 +58,9 @@ STATIC_ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn"})
 # blocked GEMM (see NativeCausalLM._prefills_in_chunks).
 CHUNKED_PREFILL_ROWS = 256
 
+# weight_dtype's tag for ggml's Q4_0 blocks (a draft run with llama.cpp's numerics; see `_store_matrices_as_q4_0`)
+Q4_0 = "q4_0"
+
 # Most prompt tokens per prefill chunk of the float32 model (`CausalLM.prefill_chunk`). Its big passes run on
 # PyTorch's GEMM or the blocked one, whose rounding of a row may change with the pass width, so a prompt is
 # always read in chunks its tokens fix (`prefill.Chunking`: C tokens from the last end, or up to a chat-turn
@@ -345,7 +348,10 @@ class NativeCausalLM(CausalLM):
         """The part of construction that needs only the weights gathered above (also run by
         `models.gguf_q8`, which gathers them from a GGUF file instead of a transformers model)."""
         self.output_ids: torch.Tensor | None = None  # set when the LM head scores only these token ids
-        if weight_dtype is not None and weight_dtype != self.dtype:
+        if weight_dtype == Q4_0:
+            self._store_matrices_as_q4_0()
+            panels = False
+        elif weight_dtype is not None and weight_dtype != self.dtype:
             self._store_matrices_as(weight_dtype)
         self.weight_dtype = self.lm_head.dtype
 
@@ -394,6 +400,9 @@ class NativeCausalLM(CausalLM):
         quarter of the bytes, the logits move further (~1e-1), still a draft only.
         weight_dtype=torch.quint4x2 (the tag of `kernels.Int4Matrix`) keeps 4-bit copies with one
         scale per 64 weights: 0.5625 bytes per weight; needs matrix widths divisible by 64.
+        weight_dtype="q4_0" keeps ggml's Q4_0 blocks (4 bits and a half-float scale per 32 weights, 0.5625 bytes
+        per weight; widths divisible by 32) and runs them as a Q4_0 GGUF file runs under numerics="q8": the
+        fastest draft format on verispec's kernels.
         Float32 matrices are kept as `kernels.PanelMatrix` copies (16-row panels, the order the AVX2
         kernels stream them) where `kernels.panels_preferred()`, or as `panels` says: the same numbers,
         a copy beside the transformers model's (which stays for its own forward).
@@ -412,6 +421,15 @@ class NativeCausalLM(CausalLM):
             raise ValueError(f"matrices can be stored as bfloat16, int8 or int4 (torch.quint4x2), not {dtype}")
         self._convert_matrices(formats[dtype])
         self.name = f"{self.name}-{'int4' if dtype == torch.quint4x2 else str(dtype).removeprefix('torch.')}"
+
+    def _store_matrices_as_q4_0(self) -> None:
+        """Replace the borrowed matrices by ggml's Q4_0 blocks (`kernels.GGUFMatrix.quantize`): the model then runs
+        with llama.cpp's numerics, as a Q4_0 file would (`numerics="q8"`: activations rounded per 32, integer dot
+        products), a draft whose step costs ~0.75x an int4 copy's at width 1 and ~0.5x at width 8 (0.5B, Zen 5)."""
+        self._convert_matrices(lambda w: kernels.GGUFMatrix.quantize(w.dequantize() if isinstance(w, kernels.QuantizedMatrix) else w,
+                                                                     kernels.GGUFMatrix.MADE[Q4_0]))
+        self.numerics = "q8"
+        self.name = f"{self.name}-{Q4_0}"
 
     def matrices(self) -> list:
         """Every matrix the forward multiplies by (the layers', then the LM head), in whatever format it is kept."""
