@@ -347,6 +347,21 @@ def test_greedy_speculative_decoding_equals_plain_greedy_decoding(tmp_path, draf
     assert speculative.stats.target_passes < 40 or drafter == "self"
 
 
+def test_auto_drafts_a_q8_target_by_suffix_lookup_not_an_int4_copy(tmp_path):
+    """A q8 target's int4 copy reads nearly a step's bytes per drafted token (it raced below plain), so "auto"
+    gives such a target suffix decoding, for one call and for a server alike; the output is plain decoding's."""
+    from verispec.api import resolve_drafter, self_draft_possible
+
+    _, path = tiny_gguf(tmp_path, head_kind=None)
+    model = verispec.load(str(path), numerics="q8")
+    assert not self_draft_possible(model)
+    assert resolve_drafter(model, None, "auto", 1000) == "suffix" and resolve_drafter(model, None, "auto", None) == "suffix"
+    prompt = [5, 17, 33, 2, 64, 9, 41, 12, 5, 17, 33, 2, 64]
+    auto = verispec.generate(model, prompt, max_new_tokens=40)
+    assert auto.stats.drafter == "SuffixDrafter"
+    assert auto.token_ids == verispec.generate(model, prompt, drafter="none", max_new_tokens=40).token_ids
+
+
 def test_files_it_cannot_run_this_way_are_refused_clearly(tmp_path):
     with pytest.raises(VerispecError, match="zoo name .* or a .gguf file"):
         verispec.load(str(tmp_path), numerics="q8")

@@ -364,7 +364,7 @@ def build_app(target, draft=None, drafter: str = "auto", draft_len: DraftLen | i
     tenant: suffix drafting (`api.SUFFIX_INDEX_DRAFTERS`) drafts a request only from its own tenant's earlier outputs,
     at most `suffix_tokens_per_tenant` tokens of them (its oldest evicted first).
     max_batch: most sequences decoded at once; max_queue: most sequences waiting for a row (a request
-    beyond it gets a 503). draft_dtype: "fp32", "bf16", "int8" or "int4" (weight-only), the draft model's
+    beyond it gets a 503). draft_dtype: "fp32", "bf16", "int8", "int4" (weight-only) or "q4_0" (ggml's blocks), the draft model's
     matrices on the native backend. max_body_bytes: largest request body read (larger ones get a 413).
     model_name: the name clients send and see (default: the target's). max_model_len: most tokens of prompt
     plus answer a request may ask for (default and upper bound: the model's context). chat_template: a Jinja
@@ -735,7 +735,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--draft", default=None, help="draft model (any tokenizer: with another vocabulary than the target's it drafts through text); omit to draft with the target's own int4 copy (or n-gram where it cannot have one)")
     parser.add_argument("--draft-dtype", default="fp32", choices=DRAFT_DTYPES,
                         help="the draft model's matrices on the native backend: bf16 halves their bytes, int8 quarters them, int4 leaves ~1/7 (default: %(default)s)")
-    parser.add_argument("--drafter", default="auto", choices=DRAFTER_NAMES, help="auto = model with --draft, else self where the target allows (a native float32 target on verispec's CPU kernels), else ngram; self = the target's int4 copy drafting on its cache; suffix = suffix decoding over the prompt and the same tenant's earlier outputs; staged = the draft model (or the int4 copy) itself sped up by suffix proposals; none = plain decoding")
+    parser.add_argument("--drafter", default="auto", choices=DRAFTER_NAMES, help="auto = model with --draft, else self where the target allows (a native float32 target on verispec's CPU kernels), else suffix for a q8 target, else ngram; self = the target's int4 copy drafting on its cache; suffix = suffix decoding over the prompt and the same tenant's earlier outputs; staged = the draft model (or the int4 copy) itself sped up by suffix proposals; none = plain decoding")
     parser.add_argument("--draft-len", type=flag(DraftLen.parse), default=DraftLen("auto"), help="draft tokens per step, 'auto', or 'tree' (auto plus token-tree alternates) (default: %(default)s)")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s, this machine only)")
     parser.add_argument("--port", type=int, default=8000)
