@@ -379,8 +379,8 @@ def resolve_drafter(target: CausalLM, draft: CausalLM | None, drafter: str, new_
     "self" where the target can have an int4 copy (`self_draft_possible`) and the call is long enough to
     pay for making it (`new_tokens` in all rows at least SELF_COPY_MIN_TOKENS, None for a server or a
     session that will make many calls) or need not make it (it is in memory, or stored on disk and read
-    back in a fraction of a second: `models.stored`); else "suffix" for a q8 target (`numerics="q8"`, whose int4 copy
-    would cost nearly a step a token) and "ngram" for the rest.
+    back in a fraction of a second: `models.stored`); else "ngram" (so for a q8 target, `numerics="q8"`, whose int4
+    copy would cost nearly a step a token).
     """
     if drafter in ("auto", "model") and draft is not None and head_drafter(draft) is None and drafts_through_text(target, draft):
         return "cross_tokenizer"
@@ -395,9 +395,9 @@ def resolve_drafter(target: CausalLM, draft: CausalLM | None, drafter: str, new_
     if self_draft_possible(target) and (target in _SELF_DRAFTS or new_tokens is None or new_tokens >= SELF_COPY_MIN_TOKENS
                                         or stored.has_copy(target)):
         return "self"
-    # a q8 target (llama.cpp's numerics) gets suffix decoding: it also drafts from earlier calls' outputs, and it raced
-    # at 1.21-1.25x plain on HumanEval and 1.09x on Spec-Bench (the int4 copy "auto" used to pick: 0.90x and 0.86x)
-    return "suffix" if target.numerics == "q8" else "ngram"
+    # e.g. a q8 target (llama.cpp's numerics), whose int4 copy raced at 0.86-0.90x of plain: prompt lookup raced at
+    # 1.24x plain on HumanEval and 1.11x on Spec-Bench there, suffix decoding at 1.21x and 1.07x (same runs)
+    return "ngram"
 
 
 def make_drafter(target: CausalLM, draft: CausalLM | None, drafter: str, draft_confidence: float = 0.0) -> Drafter:
@@ -549,8 +549,8 @@ def generate(target, prompt, *, draft=None, drafter: str = "auto", draft_len: Dr
     draft_len, a draft model whose prompt prefill could not pay for itself over max_new_tokens, by the
     costs this process measured, gives way to n-gram for that call. Without one, "self" for a native
     float32 target on a CPU with verispec's kernels when the call asks for at least SELF_COPY_MIN_TOKENS
-    new tokens or the copy exists (in memory or stored on disk), else suffix for a q8 target and n-gram for the rest:
-    see `resolve_drafter`),
+    new tokens or the copy exists (in memory or stored on disk), else n-gram (a q8 target: always): see
+    `resolve_drafter`),
     "model", "cross_tokenizer" (a draft model with another tokenizer drafts in its own vocabulary, its text
     re-encoded with the target's: what "auto" and "model" pick when the vocabularies differ), "self" (the
     target's own int4 copy drafts on the target's cache; native float32 targets; `draft`

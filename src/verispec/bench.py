@@ -38,7 +38,7 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
                         "Spec-Bench ({category, turns}) or HumanEval ({task_id, prompt}) form")
     p.add_argument("--target", default=zoo.DEFAULT_TARGET)
     p.add_argument("--draft", default=zoo.DEFAULT_DRAFT, help="draft model; 'none' for n-gram only")
-    p.add_argument("--drafter", default="auto", choices=DRAFTER_NAMES, help="auto (model with a draft; with --draft none, self where the target allows, else suffix for a q8 target, else ngram) | model | self (the target's int4 copy on its cache; use with --draft none) | hybrid | staged (the draft, or with --draft none the int4 copy, sped up by suffix proposals) | ngram | suffix")
+    p.add_argument("--drafter", default="auto", choices=DRAFTER_NAMES, help="auto (model with a draft; with --draft none, self where the target allows (not a q8 target), else ngram) | model | self (the target's int4 copy on its cache; use with --draft none) | hybrid | staged (the draft, or with --draft none the int4 copy, sped up by suffix proposals) | ngram | suffix")
     p.add_argument("--draft-len", type=flag(DraftLen.parse), default=DraftLen("auto"), help="int, 'auto' (adaptive) or 'tree' (auto plus token-tree alternates)")
     p.add_argument("--draft-dtype", default="int4", help="matrix dtype of a native-backend draft: fp32, bf16 (half the bytes), int8 (weight-only, a quarter), int4 (grouped, ~1/7) or q4_0 (ggml's blocks, ~1/7, llama.cpp's numerics: the fastest) (default: %(default)s)")
     p.add_argument("--gguf-blocks", action="store_true",

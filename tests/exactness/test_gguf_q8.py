@@ -347,18 +347,18 @@ def test_greedy_speculative_decoding_equals_plain_greedy_decoding(tmp_path, draf
     assert speculative.stats.target_passes < 40 or drafter == "self"
 
 
-def test_auto_drafts_a_q8_target_by_suffix_lookup_not_an_int4_copy(tmp_path):
+def test_auto_drafts_a_q8_target_by_prompt_lookup_not_an_int4_copy(tmp_path):
     """A q8 target's int4 copy reads nearly a step's bytes per drafted token (it raced below plain), so "auto"
-    gives such a target suffix decoding, for one call and for a server alike; the output is plain decoding's."""
+    gives such a target prompt lookup, for one call and for a server alike; the output is plain decoding's."""
     from verispec.api import resolve_drafter, self_draft_possible
 
     _, path = tiny_gguf(tmp_path, head_kind=None)
     model = verispec.load(str(path), numerics="q8")
     assert not self_draft_possible(model)
-    assert resolve_drafter(model, None, "auto", 1000) == "suffix" and resolve_drafter(model, None, "auto", None) == "suffix"
+    assert resolve_drafter(model, None, "auto", 1000) == "ngram" and resolve_drafter(model, None, "auto", None) == "ngram"
     prompt = [5, 17, 33, 2, 64, 9, 41, 12, 5, 17, 33, 2, 64]
     auto = verispec.generate(model, prompt, max_new_tokens=40)
-    assert auto.stats.drafter == "SuffixDrafter"
+    assert auto.stats.drafter == "NgramDrafter"
     assert auto.token_ids == verispec.generate(model, prompt, drafter="none", max_new_tokens=40).token_ids
 
 
