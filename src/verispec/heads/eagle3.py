@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import math
+import weakref
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -175,6 +176,46 @@ class KernelLinear(nn.Module):
         return kernels.rowwise_linear(rows, self.matrix).view(*x.shape[:-1], self.out_features)
 
 
+class KernelGroup:
+    """`KernelLinear`s that read the same input (q, k, v; gate, up) multiplied in one kernel call per weight format
+    (`kernels.LinearGroup`): one wake of the thread pool and one rounding of x instead of one per matrix, each
+    output bitwise what its own call gives. At a draft step's one to three rows those fixed costs are a third of
+    a head's products."""
+
+    def __init__(self, linears: list["KernelLinear"]):
+        from verispec.models import kernels
+
+        self.group = kernels.LinearGroup([kernels.Linear(linear.matrix) for linear in linears])
+        self.in_features, self.widths = linears[0].in_features, [linear.out_features for linear in linears]
+
+    @classmethod
+    def of(cls, linears: list) -> "KernelGroup | None":
+        """A group of `linears`, or None unless they are all `KernelLinear`s of one input width."""
+        if not all(isinstance(linear, KernelLinear) for linear in linears) or len({l.in_features for l in linears}) != 1:
+            return None
+        return cls(linears)
+
+    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
+        rows = x.reshape(-1, self.in_features).float().contiguous()
+        outs = tuple(torch.empty(rows.shape[0], width) for width in self.widths)
+        self.group(rows, outs)
+        return [out.view(*x.shape[:-1], width) for out, width in zip(outs, self.widths)]
+
+
+def _fused(module: nn.Module, names: tuple[str, ...]) -> "KernelGroup | None":
+    """The `KernelGroup` of `module`'s children `names`, made on first use and kept while they stay (None while
+    they are plain `nn.Linear`s, e.g. in training: those run one by one)."""
+    children = tuple(getattr(module, name) for name in names)
+    cached = _FUSED.get(module)
+    if cached is None or any(a is not b for a, b in zip(cached[0], children)):
+        cached = _FUSED[module] = (children, KernelGroup.of(list(children)))
+    return cached[1]
+
+
+# Each module's `KernelGroup` (kept outside the module, so copying or pickling a head never meets its C pointers)
+_FUSED: "weakref.WeakKeyDictionary[nn.Module, tuple]" = weakref.WeakKeyDictionary()
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float):
         super().__init__()
@@ -208,7 +249,9 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        fused = _fused(self, ("gate_proj", "up_proj"))
+        gate, up = fused(x) if fused is not None else (self.gate_proj(x), self.up_proj(x))
+        return self.down_proj(F.silu(gate) * up)
 
 
 class MidLayer(nn.Module):
@@ -243,20 +286,28 @@ class ChainedHead:
             return F.embedding(tokens, self.embed).float()
         return self.embed.rows(tokens.cpu()).to(tokens.device)
 
-    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x [B, heads, T, D] rotated by positions [B, T] (transformers' half-split layout)."""
+    def _rotation(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) [B, 1, T, D] of positions [B, T] (transformers' half-split layout)."""
         angles = positions[:, None, :, None].float() * self.inv_freq
-        cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+        angles = torch.cat([angles, angles], -1)
+        return angles.cos(), angles.sin()
+
+    @staticmethod
+    def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [B, heads, T, D] rotated by `_rotation`'s cos and sin."""
         half = x.shape[-1] // 2
         return x * cos + torch.cat([-x[..., half:], x[..., :half]], -1) * sin
 
     def _attention_inputs(self, attn: "Attention", x: torch.Tensor, positions: torch.Tensor):
         """q [B, heads, T, D] and k, v [B, kv_heads, T, D] of `attn` for its input x [B, T, width], rotated."""
         batch, width, _ = x.shape
-        q = attn.q_proj(x).view(batch, width, attn.heads, attn.head_dim).transpose(1, 2)
-        k = attn.k_proj(x).view(batch, width, attn.kv_heads, attn.head_dim).transpose(1, 2)
-        v = attn.v_proj(x).view(batch, width, attn.kv_heads, attn.head_dim).transpose(1, 2)
-        return self._rope(q, positions), self._rope(k, positions), v
+        fused = _fused(attn, ("q_proj", "k_proj", "v_proj"))
+        q, k, v = fused(x) if fused is not None else (attn.q_proj(x), attn.k_proj(x), attn.v_proj(x))
+        q = q.view(batch, width, attn.heads, attn.head_dim).transpose(1, 2)
+        k = k.view(batch, width, attn.kv_heads, attn.head_dim).transpose(1, 2)
+        v = v.view(batch, width, attn.kv_heads, attn.head_dim).transpose(1, 2)
+        cos, sin = self._rotation(positions)
+        return self._rope(q, cos, sin), self._rope(k, cos, sin), v
 
     def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
         """Plain masked attention: q [B, heads, T, D] over keys/values [B, kv_heads, S, D], allowed [B, T, S] bool."""
