@@ -55,28 +55,27 @@ def test_draft_with_a_different_tokenizer():
     assert result.stats.drafter == "CrossTokenizerDrafter"
 
 
-def test_int4_draft_needs_widths_in_groups_of_64():
+def _narrow_llama(hidden: int, intermediate: int):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    narrow = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                          num_attention_heads=2, num_key_value_heads=1))
-    with pytest.raises(VerispecError, match="divisible by 64.*int8"):
-        verispec.load(narrow, weight_dtype="int4")
-    with pytest.raises(VerispecError, match="int4"):  # the message lists the formats
-        verispec.load(narrow, weight_dtype="int3")
+    return LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=intermediate,
+                                        num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1))
 
 
-def test_q4_0_draft_needs_widths_in_blocks_of_32():
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+@pytest.mark.parametrize("weight_dtype, hidden, intermediate, message", [
+    ("int4", 32, 64, "divisible by 64.*int8"),  # int4 groups of 64
+    ("q4_0", 48, 80, "blocks of 32"),           # ggml's blocks of 32
+])
+def test_rounded_draft_needs_widths_in_whole_groups(weight_dtype, hidden, intermediate, message):
+    with pytest.raises(VerispecError, match=message):
+        verispec.load(_narrow_llama(hidden, intermediate), weight_dtype=weight_dtype)
 
-    torch.manual_seed(0)
-    narrow = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=48, intermediate_size=80, num_hidden_layers=1,
-                                          num_attention_heads=2, num_key_value_heads=1))
-    with pytest.raises(VerispecError, match="blocks of 32"):
-        verispec.load(narrow, weight_dtype="q4_0")
+
+def test_unknown_weight_dtype_lists_the_formats():
+    with pytest.raises(VerispecError, match="int4"):
+        verispec.load(_narrow_llama(32, 64), weight_dtype="int3")
 
 
 def test_prompt_longer_than_context(target):

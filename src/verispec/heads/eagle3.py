@@ -20,6 +20,7 @@ tokens and a key/value history, the next hidden state and draft logits.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import weakref
@@ -154,12 +155,12 @@ class KernelLinear(nn.Module):
         if weights not in self.FORMATS:
             raise VerispecError(f"a head's weights can be {', '.join(self.FORMATS)}, not {weights!r}")
         dense = linear.weight.detach().float().contiguous()
-        if weights == "int4" and dense.shape[1] % kernels.Int4Matrix.GROUP or weights in ("q4_0", "q8_0") and dense.shape[1] % 32:
+        if weights == "int4" and dense.shape[1] % kernels.Int4Matrix.GROUP or weights in kernels.GGUFMatrix.MADE and dense.shape[1] % 32:
             weights = "int8"  # int4 groups and ggml's blocks must tile the rows
         self.matrix = {"bfloat16": lambda w: w.to(torch.bfloat16).contiguous(), "int8": kernels.Int8Matrix.quantize,
                        "int4": kernels.Int4Matrix.quantize,
-                       "q4_0": lambda w: kernels.GGUFMatrix.quantize(w, kernels.GGUFMatrix.MADE["q4_0"]),
-                       "q8_0": lambda w: kernels.GGUFMatrix.quantize(w, kernels.GGUFMatrix.MADE["q8_0"])}[weights](dense)
+                       **{name: functools.partial(kernels.GGUFMatrix.quantize, kind=kind)
+                          for name, kind in kernels.GGUFMatrix.MADE.items()}}[weights](dense)
         self.in_features, self.out_features = dense.shape[1], dense.shape[0]
         self.format = weights
 
@@ -188,13 +189,6 @@ class KernelGroup:
         self.group = kernels.LinearGroup([kernels.Linear(linear.matrix) for linear in linears])
         self.in_features, self.widths = linears[0].in_features, [linear.out_features for linear in linears]
 
-    @classmethod
-    def of(cls, linears: list) -> "KernelGroup | None":
-        """A group of `linears`, or None unless they are all `KernelLinear`s of one input width."""
-        if not all(isinstance(linear, KernelLinear) for linear in linears) or len({l.in_features for l in linears}) != 1:
-            return None
-        return cls(linears)
-
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
         rows = x.reshape(-1, self.in_features).float().contiguous()
         outs = tuple(torch.empty(rows.shape[0], width) for width in self.widths)
@@ -202,18 +196,10 @@ class KernelGroup:
         return [out.view(*x.shape[:-1], width) for out, width in zip(outs, self.widths)]
 
 
-def _fused(module: nn.Module, names: tuple[str, ...]) -> "KernelGroup | None":
-    """The `KernelGroup` of `module`'s children `names`, made on first use and kept while they stay (None while
-    they are plain `nn.Linear`s, e.g. in training: those run one by one)."""
-    children = tuple(getattr(module, name) for name in names)
-    cached = _FUSED.get(module)
-    if cached is None or any(a is not b for a, b in zip(cached[0], children)):
-        cached = _FUSED[module] = (children, KernelGroup.of(list(children)))
-    return cached[1]
-
-
-# Each module's `KernelGroup` (kept outside the module, so copying or pickling a head never meets its C pointers)
-_FUSED: "weakref.WeakKeyDictionary[nn.Module, tuple]" = weakref.WeakKeyDictionary()
+# The `KernelGroup` of a module whose `FUSED` children `ChainedHead._round_matrices` rounded (absent while they are
+# nn.Linears, e.g. in training: those run one by one). Kept outside the module, so copying or pickling a head never
+# meets its C pointers.
+_FUSED: "weakref.WeakKeyDictionary[nn.Module, KernelGroup]" = weakref.WeakKeyDictionary()
 
 
 class RMSNorm(nn.Module):
@@ -231,6 +217,8 @@ class Attention(nn.Module):
     """Grouped-query attention whose q/k/v read `in_features` numbers per position (EAGLE-3's: the 2H-wide
     [embedding, hidden] input; an MTP module's: its H-wide projection)."""
 
+    FUSED = ("q_proj", "k_proj", "v_proj")  # one input: one kernel call once rounded (`KernelGroup`)
+
     def __init__(self, config: Eagle3Config, in_features: int | None = None):
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
@@ -242,6 +230,8 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    FUSED = ("gate_proj", "up_proj")  # one input: one kernel call once rounded (`KernelGroup`)
+
     def __init__(self, config: Eagle3Config):
         super().__init__()
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
@@ -249,7 +239,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        fused = _fused(self, ("gate_proj", "up_proj"))
+        fused = _FUSED.get(self)
         gate, up = fused(x) if fused is not None else (self.gate_proj(x), self.up_proj(x))
         return self.down_proj(F.silu(gate) * up)
 
@@ -301,7 +291,7 @@ class ChainedHead:
     def _attention_inputs(self, attn: "Attention", x: torch.Tensor, positions: torch.Tensor):
         """q [B, heads, T, D] and k, v [B, kv_heads, T, D] of `attn` for its input x [B, T, width], rotated."""
         batch, width, _ = x.shape
-        fused = _fused(attn, ("q_proj", "k_proj", "v_proj"))
+        fused = _FUSED.get(attn)
         q, k, v = fused(x) if fused is not None else (attn.q_proj(x), attn.k_proj(x), attn.v_proj(x))
         q = q.view(batch, width, attn.heads, attn.head_dim).transpose(1, 2)
         k = k.view(batch, width, attn.kv_heads, attn.head_dim).transpose(1, 2)
@@ -316,7 +306,8 @@ class ChainedHead:
                                               enable_gqa=keys.shape[1] != q.shape[1])
 
     def _round_matrices(self, parents: list[nn.Module], weights: str, kinds: tuple[type, ...] = (nn.Linear,)) -> None:
-        """`quantize`'s work: every child of `parents` of one of `kinds` replaced by a `KernelLinear`."""
+        """`quantize`'s work: every child of `parents` of one of `kinds` replaced by a `KernelLinear`, and a parent's
+        `FUSED` children (those reading one input) grouped into one kernel call (`KernelGroup`)."""
         from verispec.models import kernels
 
         if not kernels.available():
@@ -328,6 +319,8 @@ class ChainedHead:
             for name, child in list(parent.named_children()):
                 if isinstance(child, kinds):
                     setattr(parent, name, KernelLinear(child, weights))
+            if hasattr(parent, "FUSED"):
+                _FUSED[parent] = KernelGroup([getattr(parent, name) for name in parent.FUSED])
         self.rounded = weights
 
     def unroll(self, taps: torch.Tensor, tokens: torch.Tensor, steps: int, visible: torch.Tensor | None = None) -> list[torch.Tensor]:

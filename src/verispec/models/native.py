@@ -426,8 +426,7 @@ class NativeCausalLM(CausalLM):
         """Replace the borrowed matrices by ggml's Q4_0 blocks (`kernels.GGUFMatrix.quantize`): the model then runs
         with llama.cpp's numerics, as a Q4_0 file would (`numerics="q8"`: activations rounded per 32, integer dot
         products), a draft whose step costs ~0.75x an int4 copy's at width 1 and ~0.5x at width 8 (0.5B, Zen 5)."""
-        self._convert_matrices(lambda w: kernels.GGUFMatrix.quantize(w.dequantize() if isinstance(w, kernels.QuantizedMatrix) else w,
-                                                                     kernels.GGUFMatrix.MADE[Q4_0]))
+        self._convert_matrices(lambda w: kernels.GGUFMatrix.quantize(w, kernels.GGUFMatrix.MADE[Q4_0]))
         self.numerics = "q8"
         self.name = f"{self.name}-{Q4_0}"
 
