@@ -9,6 +9,10 @@ What text. This machine has no internet beyond PyPI, so the data is what ships w
   of Spec-Bench and HumanEval in ../shared/data; `turns` are read through the chat template, as the bench
   and the server read instructions), or plain text / source files, or directories of them.
   Training on the prompts one later benchmarks overstates acceptance there; the extraction says so;
+- `site-packages-prompts[:N]`: N prompts (default 1000) shaped like HumanEval's, cut from the same sources (a
+  module's imports, one of its functions' signature and docstring: `corpus.function_prompts`); read as code
+  prompts, so with self-distillation each is followed by the target's own answer: what the target writes when
+  asked for code, which the benchmark's coding prompts ask of a head;
 - self-distillation (`self_distill=True`, for prompt sets): the target's own greedy answers to the
   prompts are appended to them, so the head learns what the target says rather than what a human wrote
   (EAGLE and SpecForge regenerate their data this way). It costs one greedy generation per prompt.
@@ -35,10 +39,11 @@ from typing import Iterator
 import torch
 from tqdm import tqdm
 
-from verispec.corpus import site_packages_files
+from verispec.corpus import function_prompts, site_packages_files
 from verispec.errors import VerispecError
 
 MANIFEST = "manifest.json"
+PROMPTS_SOURCE = "site-packages-prompts"  # function prompts cut from the installed sources (see the module doc)
 ANSWERS = "answers.jsonl"  # self-distilled answers, kept for resumed runs
 
 
@@ -81,8 +86,9 @@ def _prompt_texts(path: Path) -> list[tuple[str, str]]:
 
 
 def documents(sources: tuple[str, ...]) -> Iterator[tuple[str, str]]:
-    """(text, kind) for each document of the sources, in a fixed order. A source is "site-packages", a
-    .jsonl prompt file, a text file, or a directory of them; kind is TEXT, CODE_PROMPT or CHAT_PROMPT."""
+    """(text, kind) for each document of the sources, in a fixed order. A source is "site-packages",
+    "site-packages-prompts[:N]", a .jsonl prompt file, a text file, or a directory of them; kind is TEXT,
+    CODE_PROMPT or CHAT_PROMPT."""
     for source in sources:
         if source == "site-packages":
             for path in site_packages_files():
@@ -90,6 +96,12 @@ def documents(sources: tuple[str, ...]) -> Iterator[tuple[str, str]]:
                     yield path.read_text(errors="ignore"), TEXT
                 except OSError:
                     continue
+            continue
+        if source.split(":")[0] == PROMPTS_SOURCE:
+            count = source.partition(":")[2]
+            if count and not count.isdigit():
+                raise VerispecError(f"training data {source!r}: give {PROMPTS_SOURCE} or {PROMPTS_SOURCE}:N (a count)")
+            yield from ((text, CODE_PROMPT) for text in function_prompts(int(count or 1000)))
             continue
         path = Path(source).expanduser()
         if not path.exists():

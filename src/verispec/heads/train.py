@@ -352,8 +352,9 @@ def add_common_arguments(parser) -> None:
     parser.add_argument("--out", required=True, help="directory for the head (config.json, model.safetensors), its "
                                                     "checkpoint and train.jsonl; a run with the same --out resumes")
     parser.add_argument("--data", action="append", default=None, metavar="SOURCE",
-                        help="training text (repeatable): site-packages (the default: installed Python sources), a "
-                             ".jsonl prompt file, a text file or a directory")
+                        help="training text (repeatable): site-packages (the default: installed Python sources), "
+                             "site-packages-prompts[:N] (N function signature + docstring prompts cut from them, answered "
+                             "by the target with --self-distill), a .jsonl prompt file, a text file or a directory")
     parser.add_argument("--self-distill", action="store_true",
                         help="append the target's own greedy answers to .jsonl prompts (slower; learns what it says)")
     parser.add_argument("--max-tokens", type=int, default=200_000, help="tokens of training features (default: %(default)s)")
