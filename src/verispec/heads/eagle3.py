@@ -173,8 +173,11 @@ class KernelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from verispec.models import kernels
 
+        linear = _LINEARS.get(self)
+        if linear is None:  # made once: building the C product each call cost ~50 us, a tenth of the product itself
+            linear = _LINEARS[self] = kernels.Linear(self.matrix)
         rows = x.reshape(-1, self.in_features).float().contiguous()
-        return kernels.rowwise_linear(rows, self.matrix).view(*x.shape[:-1], self.out_features)
+        return linear(rows, torch.empty(rows.shape[0], self.out_features)).view(*x.shape[:-1], self.out_features)
 
 
 class KernelGroup:
@@ -195,6 +198,10 @@ class KernelGroup:
         self.group(rows, outs)
         return [out.view(*x.shape[:-1], width) for out, width in zip(outs, self.widths)]
 
+
+# The kernel call (`kernels.Linear`) of each `KernelLinear`, made on its first forward and kept outside the module,
+# so copying or pickling a head never meets its C pointers.
+_LINEARS: "weakref.WeakKeyDictionary[KernelLinear, object]" = weakref.WeakKeyDictionary()
 
 # The `KernelGroup` of a module whose `FUSED` children `ChainedHead._round_matrices` rounded (absent while they are
 # nn.Linears, e.g. in training: those run one by one). Kept outside the module, so copying or pickling a head never
