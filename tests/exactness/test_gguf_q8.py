@@ -362,6 +362,26 @@ def test_auto_drafts_a_q8_target_by_prompt_lookup_not_an_int4_copy(tmp_path):
     assert auto.token_ids == verispec.generate(model, prompt, drafter="none", max_new_tokens=40).token_ids
 
 
+def test_auto_with_a_q4_0_draft_model_drafts_staged_on_a_q8_target(tmp_path):
+    """Target and draft both in llama.cpp's numerics (a q8 target, a draft in ggml's Q4_0 blocks): "auto" gives
+    staged drafting, which raced ahead of the draft model alone there; an int4 draft keeps "model". The output is
+    plain decoding's."""
+    from conftest import tiny_qwen2
+    from verispec.api import resolve_drafter
+    from verispec.models.native import NativeCausalLM
+
+    _, path = tiny_gguf(tmp_path, head_kind=None)
+    target = verispec.load(str(path), numerics="q8")
+    small = tiny_qwen2(seed=1)
+    q4_0 = NativeCausalLM.from_hf(small, weight_dtype="q4_0")
+    assert resolve_drafter(target, q4_0, "auto") == "staged"
+    assert resolve_drafter(target, NativeCausalLM.from_hf(small, weight_dtype=torch.quint4x2), "auto") == "model"
+    prompt = [5, 17, 33, 2, 64, 9, 41, 12, 5, 17, 33, 2, 64]
+    auto = verispec.generate(target, prompt, draft=q4_0, max_new_tokens=40)
+    assert auto.stats.drafter == "StagedDrafter"
+    assert auto.token_ids == verispec.generate(target, prompt, drafter="none", max_new_tokens=40).token_ids
+
+
 def test_files_it_cannot_run_this_way_are_refused_clearly(tmp_path):
     with pytest.raises(VerispecError, match="zoo name .* or a .gguf file"):
         verispec.load(str(tmp_path), numerics="q8")
