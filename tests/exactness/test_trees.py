@@ -177,9 +177,11 @@ class _PricedLikeAPair(AdaptiveDraftLen):
     """The adaptive policy fed the costs of a real pair (a draft token 0.1 of a step, a verify row 0.02),
     not the tiny models' own: their draft costs as much as their target, so speculation would not pay."""
 
+    ROW = 0.002  # seconds a verify row adds to a 0.1 s pass
+
     def observe(self, step):
         rows = step.batch_size * (step.width + step.extra_rows)
-        super().observe(replace(step, draft_seconds=0.01 * (step.width - 1), target_seconds=0.1 + 0.002 * rows))
+        super().observe(replace(step, draft_seconds=0.01 * (step.width - 1), target_seconds=0.1 + self.ROW * rows))
 
 
 def test_adaptive_policy_places_alternates_and_stays_exact(pair):
