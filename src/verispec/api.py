@@ -396,7 +396,7 @@ def resolve_drafter(target: CausalLM, draft: CausalLM | None, drafter: str, new_
         # Both in llama.cpp's numerics (the 1.5B q8 target, the 0.5B in Q4_0 blocks), staged drafting raced ahead of the
         # draft model alone: HumanEval 1.67x against 1.50x plain, Spec-Bench 1.09x against 1.03x (AMD Zen 5, 2026-11-26).
         # With an int4 draft its wider draft passes cost too much (0.47x plain on a loaded machine), so "model" there.
-        both_q8 = target.numerics == "q8" and getattr(draft, "numerics", None) == "q8"
+        both_q8 = target.numerics == "q8" and draft.numerics == "q8"
         return "staged" if both_q8 else "model"
     if self_draft_possible(target) and (target in _SELF_DRAFTS or new_tokens is None or new_tokens >= SELF_COPY_MIN_TOKENS
                                         or stored.has_copy(target)):
