@@ -160,9 +160,9 @@ def kv(cache, begin: int, end: int):
 @torch.inference_mode()
 def test_negative_controls_what_the_float32_cache_must_not_reuse():
     """On the float32 model, keys and values of the same tokens at the same positions differ in their last bits
-    when computed in a pass of another width (a one-shot prefill, a partial tail) or by decode steps: reusing
-    them would give another prefix than a fresh read, and so possibly another answer. The aligned chunks
-    are the computation that stays the same."""
+    when computed by decode steps instead of the prompt's chunk (and, on some CPUs, in a pass of another width: a
+    one-shot prefill, a partial tail): reusing them would give another prefix than a fresh read, and so possibly
+    another answer. The aligned chunks are the computation that stays the same."""
     torch.set_num_threads(1)
     target = verispec.load(MODEL)
     chunk = target.prefill_chunk
@@ -172,11 +172,9 @@ def test_negative_controls_what_the_float32_cache_must_not_reuse():
     answer = torch.randint(100, 20000, (20,), generator=g).tolist()
     chunked = PromptReader(target, prompt + answer)
     chunked.advance()
-    # one pass of 2 C + 64 rows against chunks of C, C and 64 (the first chunk's rows may agree; later ones do not)
-    one_shot = target.new_cache(1)
-    target.forward(torch.tensor([prompt + answer]), one_shot, last_only=True)
-    end = len(prompt) + len(answer)
-    assert any(not torch.equal(a, b) for a, b in zip(kv(one_shot, chunk, end), kv(chunked.cache, chunk, end)))
+    # A one-shot pass of 2 C + 64 rows against chunks of C, C and 64 differed in its later chunks' last bits on AMD
+    # Zen 5, and agreed bitwise on an Intel Xeon with AMX (its big passes ran the same row tiles at both widths):
+    # not asserted, since the cache reuses aligned chunks only, which agree everywhere (checked below).
     # the answer's tokens written by 20 decode steps against the same tokens read in the tail chunk
     decoded = PromptReader(target, prompt)
     decoded.advance()
