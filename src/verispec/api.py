@@ -394,7 +394,8 @@ def resolve_drafter(target: CausalLM, draft: CausalLM | None, drafter: str, new_
         return "head+suffix" if head_drafter(draft) in LOOKUP_FIRST_HEADS else head_drafter(draft)
     if draft is not None:
         # Both in llama.cpp's numerics (the 1.5B q8 target, the 0.5B in Q4_0 blocks), staged drafting raced ahead of the
-        # draft model alone: HumanEval 1.67x against 1.50x plain, Spec-Bench 1.09x against 1.03x (AMD Zen 5, 2026-11-26).
+        # draft model alone: HumanEval 1.67x against 1.50x plain, Spec-Bench 1.09x against 1.03x (AMD Zen 5), HumanEval
+        # 1.55x against 1.41x (an Intel Xeon, Emerald Rapids), 2026-11-26.
         # With an int4 draft its wider draft passes cost too much (0.47x plain on a loaded machine), so "model" there.
         both_q8 = target.numerics == "q8" and draft.numerics == "q8"
         return "staged" if both_q8 else "model"
