@@ -366,10 +366,10 @@ def test_stop_sequence(server):
 
 
 def test_concurrent_streams_are_not_mixed_and_memory_is_stable(server):
-    """16 concurrent streaming clients, 4 rounds: every response equals its prompt's single-request output."""
+    """16 concurrent streaming clients, 6 rounds: every response equals its prompt's single-request output."""
     client = server.client()
     rss = []
-    for _ in range(4):
+    for _ in range(6):
         results: dict[str, str] = {}
         errors: list[BaseException] = []
 
@@ -392,11 +392,12 @@ def test_concurrent_streams_are_not_mixed_and_memory_is_stable(server):
         rss.append(server.rss_kb())
     # The first rounds warm up allocators and the native KV store, whose capacity doubles as the batch
     # fills; after them, memory must not keep growing. The allocator may hand memory back between rounds
-    # (one run read 1359, 1306, 1392, 1392 MB), so the last round is held to the earlier rounds' high-water
-    # mark, not to one round's reading: a leak of even 3 MB per request would add ~50 MB a round.
-    assert rss[3] - max(rss[:3]) < 50 * 1024, f"server RSS grew across rounds: {[r // 1024 for r in rss]} MB"
+    # (one run read 1359, 1306, 1392, 1392 MB) or take one more step late (in the full suite on an Intel Xeon,
+    # twice +80-86 MB in round 4: 1382, 1422, 1433, 1519 MB), so the last two rounds are held to the first four's
+    # high-water mark, not to one round's reading: a leak of even 2 MB per request would add ~64 MB over them.
+    assert max(rss[4:]) - max(rss[:4]) < 64 * 1024, f"server RSS grew across rounds: {[r // 1024 for r in rss]} MB"
     metrics = server.metrics()
-    assert metrics["verispec_time_to_first_token_seconds_count{endpoint=\"/v1/completions\"}"] >= 4 * len(LOAD_PROMPTS)
+    assert metrics["verispec_time_to_first_token_seconds_count{endpoint=\"/v1/completions\"}"] >= 6 * len(LOAD_PROMPTS)
 
 
 def test_disconnect_mid_stream_frees_the_slot(server):
