@@ -97,8 +97,8 @@ def documents(sources: tuple[str, ...]) -> Iterator[tuple[str, str]]:
                 except OSError:
                     continue
             continue
-        if source.split(":")[0] == PROMPTS_SOURCE:
-            count = source.partition(":")[2]
+        name, _, count = source.partition(":")
+        if name == PROMPTS_SOURCE:
             if count and not count.isdigit():
                 raise VerispecError(f"training data {source!r}: give {PROMPTS_SOURCE} or {PROMPTS_SOURCE}:N (a count)")
             yield from ((text, CODE_PROMPT) for text in function_prompts(int(count or 1000)))
