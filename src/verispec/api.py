@@ -94,6 +94,21 @@ def load(name_or_path: Any, dtype: torch.dtype | str | None = None, device: str 
     return _wrap(_LOADED[key], backend, weight_dtype, gguf_blocks)
 
 
+def load_draft(name_or_path: Any, target: CausalLM, weight_dtype: torch.dtype | str | None = None, **load_options):
+    """A draft model (or head) for `target`. A draft named by path or zoo name takes `weight_dtype`, by default
+    the target's kind of numbers: ggml's Q4_0 blocks beside a `numerics="q8"` target (a float32 0.5B draft reads
+    ~2 GB a token there, several of that target's steps), float32 beside a float32 one. A loaded model is used
+    as it is. load_options: `load`'s other keywords (dtype, ...)."""
+    if not isinstance(name_or_path, str):
+        if weight_dtype is not None:
+            raise VerispecError("a draft's weight_dtype applies to a draft named by path or zoo name; "
+                                "load this one with verispec.load(..., weight_dtype=...) instead")
+        return load(name_or_path)
+    if weight_dtype is None and target.numerics == "q8":
+        weight_dtype = "q4_0"
+    return load(name_or_path, weight_dtype=weight_dtype, **load_options)
+
+
 def _load_q8(name_or_path, tokenizer, backend: str, weight_dtype, dtype, device) -> CausalLM:
     """`load(..., numerics="q8")`: a GGUF file's own blocks with llama.cpp's numerics (models.gguf_q8)."""
     from pathlib import Path
@@ -510,7 +525,7 @@ class Session:
             if draft is not None:
                 raise VerispecError("give either draft= or head=, not both")
             draft = head if isinstance(head, HEAD_TYPES) else load_head(head)
-        draft_model = load(draft) if draft is not None else None
+        draft_model = load_draft(draft, self.target) if draft is not None else None
         prompts, self.batched = _normalize_prompts(prompt)
         self.prompt_ids = _tokenize(self.target, prompts, chat, system)
         self.stop = normalize_stop(stop)
@@ -553,7 +568,7 @@ def generate(target, prompt, *, draft=None, drafter: str = "auto", draft_len: Dr
 
     target / draft: zoo name, path, hub id or loaded model. prompt: text, token ids, or a list of
     either (a batch: returns a list). drafter: "auto" ("model" if a draft model is given; with an adaptive
-    draft_len, a draft model whose prompt prefill could not pay for itself over max_new_tokens, by the
+    draft_len, a draft model whose prompt prefill could not pay for itself over a quarter of max_new_tokens, by the
     costs this process measured, gives way to n-gram for that call. Without one, "self" for a native
     float32 target on a CPU with verispec's kernels when the call asks for at least SELF_COPY_MIN_TOKENS
     new tokens or the copy exists (in memory or stored on disk), else n-gram (a q8 target: always): see

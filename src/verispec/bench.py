@@ -166,11 +166,11 @@ def _paired_runs(plain, speculative, rounds: int):
 def _speculative_run(target, ids: list[int], spec_options: dict, args):
     """One timed speculative call. A drafter that drafts from earlier calls' outputs (`api.SUFFIX_INDEX_DRAFTERS`)
     starts each run with none, or a prompt's later rounds would draft their answer from its first
-    (bench/suffix_repeat.py measures that memory on purpose)."""
-    from verispec.api import SUFFIX_INDEX_DRAFTERS, generate, suffix_index
+    (bench/suffix_repeat.py measures that memory on purpose). Cleared whatever --drafter says, since "auto" may
+    resolve to one of them."""
+    from verispec.api import generate, suffix_index
 
-    if args.drafter in SUFFIX_INDEX_DRAFTERS:
-        suffix_index(target).clear()
+    suffix_index(target).clear()
     return generate(target, ids, **spec_options)
 
 

@@ -37,7 +37,9 @@ def _add_generation_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter", default="auto", choices=DRAFTER_NAMES, help="auto (the draft model when one is given; else self for a native float32 target on verispec's CPU kernels and at least 32 new tokens or a copy made before, never for a q8 target; else ngram) | model | cross_tokenizer (a draft model with another tokenizer, through text; what auto and model pick for one) | self (the target's own int4 copy, drafting on its cache) | hybrid (prompt lookup, else the draft model) | staged (the draft model, or the int4 copy, itself sped up by suffix proposals) | ngram | suffix (suffix decoding: the prompt and earlier outputs of this process) | rest (suffix, and a datastore of the installed packages' Python sources where those match less: REST) | eagle3, medusa, mtp (a trained head given with --draft DIR; auto picks it) | head+suffix (suffix lookup where it is expected to do as well as the head given with --draft DIR, else the head) | none (plain decoding)")
     p.add_argument("--draft-len", type=flag(DraftLen.parse), default=DraftLen("auto"),
                    help="draft tokens per step, 'auto' (the default: adaptive), or 'tree' (auto plus token-tree alternates)")
-    p.add_argument("--draft-dtype", default="fp32", choices=WEIGHT_DTYPES, help="the draft's matrices on the native backend (cheaper drafts; output unchanged)")
+    p.add_argument("--draft-dtype", default=None, choices=WEIGHT_DTYPES,
+                   help="the draft's matrices on the native backend (cheaper drafts; output unchanged; default: q4_0 with "
+                        "--numerics q8, else fp32)")
     p.add_argument("--max-new-tokens", type=flag(options.max_new_tokens), default=128)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-k", type=int, default=0)
@@ -78,7 +80,7 @@ def _generation_options(args, chat: bool) -> dict:
 
     if args.system is not None and not chat:
         raise VerispecError("--system is a system prompt for the chat template: add --chat, or drop --system")
-    if args.draft is None and args.draft_dtype != "fp32":
+    if args.draft is None and args.draft_dtype is not None:
         raise VerispecError("--draft-dtype applies to a draft model: give one with --draft, or drop --draft-dtype")
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                               coupled=(default_coupled(args.seed, args.temperature, args.typical_acceptance, args.cascade)
@@ -93,7 +95,7 @@ def _load_models(args):
     """(target, draft model or None), as the flags name them."""
     target = verispec.load(args.target, dtype=args.dtype, gguf_blocks=True if args.gguf_blocks else None,
                            numerics=args.numerics)
-    draft = verispec.load(args.draft, dtype=args.dtype, weight_dtype=args.draft_dtype) if args.draft else None
+    draft = verispec.api.load_draft(args.draft, target, args.draft_dtype, dtype=args.dtype) if args.draft else None
     return target, draft
 
 

@@ -11,7 +11,9 @@ unless given) or
 `eagle3-tree:DIR[:...]` (an EAGLE-2 dynamic tree grown around the head's chain, priced node by node), `mtp:DIR[:...]`
 or `mtp-tree:DIR[:...]` (an MTP module, `verispec train mtp`, likewise), `medusa:DIR` or `medusa-tree:DIR`
 (Medusa-1 heads, `verispec train medusa`; float32), `staged:DRAFT[:DTYPE]` (staged drafting: the draft model
-itself sped up by suffix proposals; `staged` alone: the target's int4 copy, float32 targets). For staged
+itself sped up by suffix proposals; `staged` alone: the target's int4 copy, float32 targets), `auto:DRAFT[:DTYPE]`
+(the default mode given a draft model: the drafter `resolve_drafter` picks, or prompt lookup where the draft's
+prompt prefill would not pay; each row names the drafter that ran). For staged
 methods the report adds stage 2's figures: draft tokens per draft-model pass.
 
     verispec bench humaneval --target qwen2.5-coder-1.5b --numerics q8 --rows odd --method eagle3:HEAD \
@@ -57,6 +59,10 @@ def methods_of(target, specs: list[str]) -> list[Method]:
             name, _, dtype = rest.partition(":")
             draft = verispec.load(name, weight_dtype=dtype or "q4_0")
             out.append(Method(f"staged {Path(name).name} {dtype or 'q4_0'}", dict(draft=draft, drafter="staged")))
+        elif kind == "auto" and rest:  # the default mode with a draft model: what `resolve_drafter` and the start rule pick
+            name, _, dtype = rest.partition(":")
+            draft = verispec.load(name, weight_dtype=dtype or "q4_0")
+            out.append(Method(f"auto {Path(name).name} {dtype or 'q4_0'}", dict(draft=draft, drafter="auto")))
         elif kind == "model":
             name, _, dtype = rest.partition(":")
             draft = verispec.load(name, weight_dtype=dtype or "q4_0")
@@ -80,15 +86,16 @@ def methods_of(target, specs: list[str]) -> list[Method]:
             out.append(Method(f"{kind} {Path(rest).name}",
                               dict(draft=head, drafter="medusa", **({"draft_len": "tree"} if kind == "medusa-tree" else {}))))
         else:
-            raise VerispecError(f"unknown --method {spec!r}: plain, suffix, ngram, self, model:DRAFT[:DTYPE], eagle3:DIR, "
+            raise VerispecError(f"unknown --method {spec!r}: plain, suffix, ngram, self, model:DRAFT[:DTYPE], auto:DRAFT[:DTYPE], eagle3:DIR, "
                              "eagle3-tree:DIR, mtp:DIR, mtp-tree:DIR, head+suffix:DIR[:WEIGHTS], medusa:DIR, medusa-tree:DIR, staged, staged:DRAFT[:DTYPE]")
     return out
 
 
 def run_method(target, ids: list[int], method: Method, max_new_tokens: int, draft_len="auto"):
     """(the generate() result, its seconds)."""
-    if method.options.get("drafter") in verispec.api.SUFFIX_INDEX_DRAFTERS:
-        verispec.api.suffix_index(target).clear()  # drafts from this call's text only, as in a first request
+    # Drafts from this call's text only, as in a first request. Cleared whatever the method: "auto" may resolve to a
+    # drafter that reads it (`api.SUFFIX_INDEX_DRAFTERS`), and would then draft a prompt's answer from its other runs.
+    verispec.api.suffix_index(target).clear()
     started = time.perf_counter()
     result = verispec.generate(target, ids, max_new_tokens=max_new_tokens, **{"draft_len": draft_len, **method.options})
     return result, time.perf_counter() - started
@@ -139,7 +146,8 @@ def run_race(args) -> dict:
                 "draft_seconds_per_token": result.stats.draft_seconds / max(1, result.stats.drafted_tokens),
                 "target_seconds_per_pass": result.stats.target_seconds / max(1, result.stats.target_passes),
                 "draft_seconds_per_pass": result.stats.draft_seconds / max(1, result.stats.target_passes),
-                "prefill_seconds": result.stats.prefill_seconds}  # the target's, and a draft model's own, prompt prefill
+                "prefill_seconds": result.stats.prefill_seconds,  # the target's, and a draft model's own, prompt prefill
+                "drafter": result.stats.drafter}
             stage2 = result.stats.drafter_figures
             if "lookup_steps" in stage2:  # head+suffix: how many drafting steps each of its two drafters took
                 row["methods"][method.name]["steps_by_drafter"] = {k: stage2[k] for k in ("lookup_steps", "model_steps")}

@@ -382,6 +382,28 @@ def test_auto_with_a_q4_0_draft_model_drafts_staged_on_a_q8_target(tmp_path):
     assert auto.token_ids == verispec.generate(target, prompt, drafter="none", max_new_tokens=40).token_ids
 
 
+def test_a_draft_named_beside_a_q8_target_loads_in_q4_0_blocks(tmp_path):
+    """A draft given by name or path takes the target's kind of numbers unless told otherwise: Q4_0 blocks beside a
+    q8 target (so "auto" drafts staged, as with a draft loaded that way), float32 beside a float32 one; an explicit
+    weight_dtype wins, and one given for an already loaded draft is refused rather than ignored."""
+    from verispec.api import load_draft, resolve_drafter
+
+    _, path = tiny_gguf(tmp_path, head_kind=None)
+    target = verispec.load(str(path), numerics="q8")
+    draft = load_draft(str(path), target)
+    assert draft.numerics == "q8" and draft is verispec.load(str(path), weight_dtype="q4_0")
+    assert resolve_drafter(target, draft, "auto") == "staged"
+    assert load_draft(str(path), target, "int4").numerics == "float32"
+    assert load_draft(str(path), verispec.load(str(path))).numerics == "float32"
+    assert load_draft(draft, target) is draft
+    with pytest.raises(VerispecError, match="weight_dtype"):
+        load_draft(draft, target, "int4")
+    prompt = [5, 17, 33, 2, 64, 9, 41, 12, 5, 17, 33, 2, 64]
+    auto = verispec.generate(target, prompt, draft=str(path), max_new_tokens=40)
+    assert auto.stats.drafter == "StagedDrafter"
+    assert auto.token_ids == verispec.generate(target, prompt, drafter="none", max_new_tokens=40).token_ids
+
+
 def test_files_it_cannot_run_this_way_are_refused_clearly(tmp_path):
     with pytest.raises(VerispecError, match="zoo name .* or a .gguf file"):
         verispec.load(str(tmp_path), numerics="q8")

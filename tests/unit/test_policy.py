@@ -276,11 +276,12 @@ def test_a_heads_catch_up_does_not_keep_it_off_after_a_slow_stretch():
 
 
 def test_a_draft_starts_only_when_its_prefill_can_pay():
-    # 64 tokens of 0.1 s plain steps at 2x save 3.2 s: a 2 s prefill pays, a 4 s one does not.
-    assert start_pays(2.0, 0.1, 64)
-    assert not start_pays(4.0, 0.1, 64)
-    assert start_pays(4.0, 0.1, 64, speedup=3.0)  # saves 4.27 s
-    assert not start_pays(0.5, 0.1, 64, speedup=1.0)  # a draft that speeds nothing up saves nothing
+    # A quarter of 64 tokens, 16 plain steps of 0.1 s at 2x, saves 0.8 s: a 0.5 s prefill pays, a 1 s one does not.
+    assert start_pays(0.5, 0.1, 64)
+    assert not start_pays(1.0, 0.1, 64)
+    assert start_pays(1.0, 0.1, 64, speedup=3.0)  # saves 1.07 s
+    assert start_pays(2.0, 0.1, 64, share=1.0)  # the whole budget: saves 3.2 s
+    assert not start_pays(0.1, 0.1, 64, speedup=1.0)  # a draft that speeds nothing up saves nothing
     assert start_pays(None, 0.1, 64) and start_pays(4.0, None, 64)  # unmeasured: start, and measure
 
 

@@ -33,7 +33,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import verispec
 from verispec import zoo
-from verispec.api import load, make_drafter, resolve_drafter, suffix_index
+from verispec.api import load, load_draft, make_drafter, resolve_drafter, suffix_index
 from verispec.engine import Request as EngineRequest
 from verispec.errors import VerispecError
 from verispec.grammar import ll_tokenizer
@@ -352,7 +352,7 @@ def read_key_file(path: str) -> list[str]:
 
 
 def build_app(target, draft=None, drafter: str = "auto", draft_len: DraftLen | int | str = "auto",
-              api_key: str | list[str] | None = None, max_batch: int = 8, max_queue: int = 256, draft_dtype: str = "fp32",
+              api_key: str | list[str] | None = None, max_batch: int = 8, max_queue: int = 256, draft_dtype: str | None = None,
               model_name: str | None = None, max_body_bytes: int = MAX_BODY_BYTES, max_model_len: int | None = None,
               chat_template: str | None = None, numerics: str = "float32", prefix_cache_bytes: int = PREFIX_CACHE_BYTES,
               suffix_tokens_per_tenant: int = SUFFIX_TOKENS_PER_TENANT, online: OnlineConfig | None = None):
@@ -365,7 +365,7 @@ def build_app(target, draft=None, drafter: str = "auto", draft_len: DraftLen | i
     at most `suffix_tokens_per_tenant` tokens of them (its oldest evicted first).
     max_batch: most sequences decoded at once; max_queue: most sequences waiting for a row (a request
     beyond it gets a 503). draft_dtype: "fp32", "bf16", "int8", "int4" (weight-only) or "q4_0" (ggml's blocks), the draft model's
-    matrices on the native backend. max_body_bytes: largest request body read (larger ones get a 413).
+    matrices on the native backend (default: q4_0 beside a q8 target, else fp32: `api.load_draft`). max_body_bytes: largest request body read (larger ones get a 413).
     model_name: the name clients send and see (default: the target's). max_model_len: most tokens of prompt
     plus answer a request may ask for (default and upper bound: the model's context). chat_template: a Jinja
     chat template (text, or a path to a file holding it) in place of the tokenizer's. numerics: the target's,
@@ -381,13 +381,13 @@ def build_app(target, draft=None, drafter: str = "auto", draft_len: DraftLen | i
                                ("max_model_len", 2 if max_model_len is None else max_model_len, 2)):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise VerispecError(f"{option} must be an integer >= {low}, got {value!r}")
-    if draft_dtype not in DRAFT_DTYPES:
+    if draft_dtype is not None and draft_dtype not in DRAFT_DTYPES:
         raise VerispecError(f"draft_dtype must be one of {', '.join(DRAFT_DTYPES)}, got {draft_dtype!r}")
-    if draft is None and draft_dtype != "fp32":
+    if draft is None and draft_dtype is not None:
         raise VerispecError("draft_dtype applies to a draft model: give one with --draft, or drop --draft-dtype")
     draft_len = DraftLen.parse(draft_len)
     target_model = load(target, numerics=numerics) if isinstance(target, str) else load(target)
-    draft_model = load(draft, weight_dtype=draft_dtype) if draft is not None else None
+    draft_model = load_draft(draft, target_model, draft_dtype) if draft is not None else None
     if online is not None:
         if drafter not in ("auto", "medusa"):
             raise VerispecError(f"--online learns Medusa heads, which draft with drafter 'medusa', not {drafter!r}: drop --drafter")
@@ -733,8 +733,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="verispec serve", description="OpenAI-compatible server with speculative decoding.")
     parser.add_argument("--target", default=zoo.DEFAULT_TARGET, help="zoo name, local directory, .gguf file or hub id (default: %(default)s)")
     parser.add_argument("--draft", default=None, help="draft model (any tokenizer: with another vocabulary than the target's it drafts through text); omit to draft with the target's own int4 copy (or n-gram where it cannot have one)")
-    parser.add_argument("--draft-dtype", default="fp32", choices=DRAFT_DTYPES,
-                        help="the draft model's matrices on the native backend: bf16 halves their bytes, int8 quarters them, int4 leaves ~1/7 (default: %(default)s)")
+    parser.add_argument("--draft-dtype", default=None, choices=DRAFT_DTYPES,
+                        help="the draft model's matrices on the native backend: bf16 halves their bytes, int8 quarters them, int4 and q4_0 "
+                             "leave ~1/7 (default: q4_0 with --numerics q8, else fp32)")
     parser.add_argument("--drafter", default="auto", choices=DRAFTER_NAMES, help="auto = model with --draft, else self where the target allows (a native float32 target on verispec's CPU kernels), else ngram; self = the target's int4 copy drafting on its cache; suffix = suffix decoding over the prompt and the same tenant's earlier outputs; staged = the draft model (or the int4 copy) itself sped up by suffix proposals; none = plain decoding")
     parser.add_argument("--draft-len", type=flag(DraftLen.parse), default=DraftLen("auto"), help="draft tokens per step, 'auto', or 'tree' (auto plus token-tree alternates) (default: %(default)s)")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s, this machine only)")
