@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import statistics
 import threading
 import time
 from dataclasses import dataclass
@@ -366,10 +367,10 @@ def test_stop_sequence(server):
 
 
 def test_concurrent_streams_are_not_mixed_and_memory_is_stable(server):
-    """16 concurrent streaming clients, 6 rounds: every response equals its prompt's single-request output."""
+    """16 concurrent streaming clients, 10 rounds: every response equals its prompt's single-request output."""
     client = server.client()
     rss = []
-    for _ in range(6):
+    for _ in range(10):
         results: dict[str, str] = {}
         errors: list[BaseException] = []
 
@@ -390,14 +391,15 @@ def test_concurrent_streams_are_not_mixed_and_memory_is_stable(server):
             assert results[prompt] == server.plain[(prompt, LOAD_TOKENS, False)], prompt
         server.wait_idle()
         rss.append(server.rss_kb())
-    # The first rounds warm up allocators and the native KV store, whose capacity doubles as the batch
-    # fills; after them, memory must not keep growing. The allocator may hand memory back between rounds
-    # (one run read 1359, 1306, 1392, 1392 MB) or take one more step late (in the full suite on an Intel Xeon,
-    # twice +80-86 MB in round 4: 1382, 1422, 1433, 1519 MB), so the last two rounds are held to the first four's
-    # high-water mark, not to one round's reading: a leak of even 2 MB per request would add ~64 MB over them.
-    assert max(rss[4:]) - max(rss[:4]) < 64 * 1024, f"server RSS grew across rounds: {[r // 1024 for r in rss]} MB"
+    # The first rounds warm up allocators and the native KV store, whose capacity doubles as the batch fills.
+    # After them the allocator still moves RSS up and down from round to round (16 rounds on an Intel Xeon:
+    # 1394-1526 MB in no order, e.g. +80 MB in round 4 then back), so one round's reading says little. A leak
+    # is a trend: the median of rounds 7-10 is held to that of rounds 3-6, 64 MB apart at most, where a leak of
+    # 2 MB per request would put ~128 MB between them.
+    early, late = statistics.median(rss[2:6]), statistics.median(rss[6:10])
+    assert late - early < 64 * 1024, f"server RSS grew across rounds: {[r // 1024 for r in rss]} MB"
     metrics = server.metrics()
-    assert metrics["verispec_time_to_first_token_seconds_count{endpoint=\"/v1/completions\"}"] >= 6 * len(LOAD_PROMPTS)
+    assert metrics["verispec_time_to_first_token_seconds_count{endpoint=\"/v1/completions\"}"] >= 10 * len(LOAD_PROMPTS)
 
 
 def test_disconnect_mid_stream_frees_the_slot(server):
