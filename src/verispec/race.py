@@ -1,6 +1,7 @@
 """`verispec bench --method M [--method M ...]`: drafters side by side on one target, in one run: plain
-decoding, each drafter given, and llama.cpp's plain decoding of the same GGUF file (`--peer llama.cpp`),
-prompt by prompt.
+decoding, each drafter given, and llama.cpp's plain decoding of the same GGUF file (`--peer llama.cpp`; with
+`--peer-draft DRAFT` also its own speculative decoding with that draft GGUF, `llama-speculative-simple`), prompt
+by prompt.
 
 Per prompt every method runs `--rounds` times, the methods' order rotating each round (so a noisy
 neighbour hits them alike), and its median time counts; the speedups are medians over prompts of
@@ -114,11 +115,15 @@ def run_race(args) -> dict:
     prompts = [p for group in by_category.values() for p in group[: args.per_category]]
     target = verispec.load(args.target, numerics=args.numerics)
     methods = methods_of(target, args.method)
-    peer = gguf = None
+    peer = gguf = peer_draft = None
+    if args.peer_draft and not args.peer:
+        raise VerispecError("--peer-draft times llama.cpp's speculative decoding beside its plain decoding: add --peer llama.cpp")
     if args.peer:
         from verispec.peers import LlamaCpp
 
         peer, gguf = LlamaCpp(args.peer_bin), zoo.gguf_path(args.target) if args.target in zoo.ZOO else Path(args.target)
+        if args.peer_draft:
+            peer_draft = Path(args.peer_draft) if args.peer_draft.endswith(".gguf") else zoo.gguf_path(args.peer_draft)
     warm = encode_prompt(target.tokenizer, "def f(x):\n    return x + 1\n\n" * 8, chat=False)
     for method in methods:
         run_method(target, warm, method, 32)
@@ -162,6 +167,12 @@ def run_race(args) -> dict:
             run = runs[(len(runs) - 1) // 2]
             row["methods"]["llama.cpp"] = {"seconds": run.seconds, "tokens": run.new_tokens,
                                            "same_prompt_tokens": run.prompt_tokens == len(ids)}
+            if peer_draft is not None:  # llama.cpp's own draft-model speculation (llama-speculative-simple)
+                runs = sorted((peer.speculative(gguf, peer_draft, text, args.max_new_tokens, threads) for _ in range(args.rounds)),
+                              key=lambda run: run.seconds)
+                run = runs[(len(runs) - 1) // 2]
+                row["methods"]["llama.cpp speculative"] = {"seconds": run.seconds, "tokens": run.new_tokens,
+                                                           "accepted": run.accepted, "drafted": run.drafted}
         rows.append(row)
         line = ", ".join(f"{name} {m['tokens'] / m['seconds']:.1f} tok/s" + (f" ({m['tokens_per_pass']:.2f}/pass"
                          f"{'' if m['identical'] else ', DIFFERS'})" if "tokens_per_pass" in m else "")
@@ -189,7 +200,7 @@ def _decode_rate(m: dict) -> float:
 
 
 def summarize(rows: list[dict], methods: list[Method], args, threads: int) -> dict:
-    names = [m.name for m in methods] + (["llama.cpp"] if args.peer else [])
+    names = [m.name for m in methods] + (["llama.cpp"] if args.peer else []) + (["llama.cpp speculative"] if args.peer_draft else [])
     categories = sorted({r["category"] for r in rows})
     table = {}
     for category in categories + ["all"]:

@@ -79,3 +79,21 @@ def test_llama_cpp_speculative_runs_and_reports_its_acceptance(peer):
     run = peer.speculative(gguf, gguf, PROMPTS[0], max_new_tokens=24, threads=2)
     assert run.prompt_tokens > 0 and run.new_tokens >= 24 and run.seconds > 0
     assert run.drafted > 0 and run.accepted == run.drafted
+
+
+def test_the_race_runs_llama_cpp_plain_and_speculative_beside_verispec(peer, tmp_path):
+    """`verispec bench --method ... --peer llama.cpp --peer-draft DRAFT`: llama.cpp's plain and speculative decoding of
+    the same file and prompts, in the same run, as columns of the report."""
+    import json
+
+    from verispec.cli import main
+
+    assert main(["bench", "humaneval", "--target", "smollm2-135m", "--numerics", "q8", "--method", "ngram",
+                 "--per-category", "1", "--max-new-tokens", "12", "--peer", "llama.cpp", "--peer-draft", "smollm2-135m",
+                 "--out", str(tmp_path), "--name", "race"]) == 0
+    data = json.loads((tmp_path / "race.json").read_text())
+    row = data["rows"][0]["methods"]
+    assert row["llama.cpp"]["tokens"] > 0 and row["llama.cpp speculative"]["tokens"] > 0
+    assert row["llama.cpp speculative"]["accepted"] == row["llama.cpp speculative"]["drafted"] > 0  # it drafts for itself
+    assert set(data["summary"]["table"]["all"]) == {"plain", "ngram", "llama.cpp", "llama.cpp speculative"}
+    assert "| llama.cpp speculative |" in (tmp_path / "race.md").read_text()

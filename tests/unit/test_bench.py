@@ -102,13 +102,17 @@ def test_bench_races_drafters_side_by_side(tmp_path, capsys):
     from verispec.cli import main
 
     assert main(["bench", "humaneval", "--target", "smollm2-135m", "--method", "suffix", "--method", "ngram",
-                 "--per-category", "2", "--rows", "odd", "--max-new-tokens", "12", "--rounds", "2",
-                 "--out", str(tmp_path), "--name", "race"]) == 0
+                 "--method", "auto:smollm2-135m", "--per-category", "2", "--rows", "odd", "--max-new-tokens", "12",
+                 "--rounds", "2", "--out", str(tmp_path), "--name", "race"]) == 0
     data = json.loads((tmp_path / "race.json").read_text())
     assert [r["id"] for r in data["rows"]] == ["HumanEval/2", "HumanEval/6"]  # the odd rows of the bundled set
     table = data["summary"]["table"]["all"]
-    assert set(table) == {"plain", "suffix", "ngram"}
+    assert set(table) == {"plain", "suffix", "ngram", "auto smollm2-135m q4_0"}
     assert table["suffix"]["identical"] == "2/2" and table["ngram"]["identical"] == "2/2"
+    assert table["auto smollm2-135m q4_0"]["identical"] == "2/2"
+    # each row names the drafter that ran: auto's is the draft model's (or prompt lookup's, where its start would not pay)
+    assert {r["methods"]["auto smollm2-135m q4_0"]["drafter"] for r in data["rows"]} <= {"ModelDrafter", "NgramDrafter"}
+    assert {r["methods"]["suffix"]["drafter"] for r in data["rows"]} == {"SuffixDrafter"}
     assert table["plain"]["vs_plain"] == 1.0 and table["suffix"]["tokens_per_pass"] >= 1.0
     assert "| suffix |" in (tmp_path / "race.md").read_text()
     assert main(["bench", "humaneval", "--target", "smollm2-135m", "--method", "nonsense", "--out", str(tmp_path)]) == 2
