@@ -34,7 +34,7 @@ import torch
 
 import verispec
 from verispec import zoo
-from verispec.bench import _cpu_name, read_prompts
+from verispec.bench import _cpu_name, _median_run, read_prompts
 from verispec.errors import VerispecError
 from verispec.options import DraftLen
 from verispec.drafters.eagle3 import rounded_copy
@@ -162,15 +162,11 @@ def run_race(args) -> dict:
                                                          "accepted_per_draft_pass": stage2["proposals_accepted"] / passes}
         if peer is not None:
             text = target.tokenizer.decode(ids, skip_special_tokens=False)
-            runs = sorted((peer.complete(gguf, text, args.max_new_tokens, threads) for _ in range(args.rounds)),
-                          key=lambda run: run.seconds)
-            run = runs[(len(runs) - 1) // 2]
+            run = _median_run([peer.complete(gguf, text, args.max_new_tokens, threads) for _ in range(args.rounds)])
             row["methods"]["llama.cpp"] = {"seconds": run.seconds, "tokens": run.new_tokens,
                                            "same_prompt_tokens": run.prompt_tokens == len(ids)}
             if peer_draft is not None:  # llama.cpp's own draft-model speculation (llama-speculative-simple)
-                runs = sorted((peer.speculative(gguf, peer_draft, text, args.max_new_tokens, threads) for _ in range(args.rounds)),
-                              key=lambda run: run.seconds)
-                run = runs[(len(runs) - 1) // 2]
+                run = _median_run([peer.speculative(gguf, peer_draft, text, args.max_new_tokens, threads) for _ in range(args.rounds)])
                 row["methods"]["llama.cpp speculative"] = {"seconds": run.seconds, "tokens": run.new_tokens,
                                                            "accepted": run.accepted, "drafted": run.drafted}
         rows.append(row)
