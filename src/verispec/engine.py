@@ -26,7 +26,7 @@ from verispec.grammar import Constraint, Grammar, mask_logits
 from verispec.models.base import CausalLM
 from verispec.models.kernels.threads import torch_on_one_thread
 from verispec.options import DraftLen
-from verispec.policy import DraftPolicy, make_policy, start_pays
+from verispec.policy import RETREAT_STEPS, DraftPolicy, make_policy, retreat_pays, start_pays
 from verispec.prefill import PromptReader, joined, read_once
 from verispec.prefix_cache import PrefixCache
 from verispec.sampling import SamplingParams, TokenLogprob, make_generator, process_logits, token_logprobs
@@ -134,8 +134,11 @@ class DecodeBatch:
         # keeps what finished rows decoded, so a conversation's next turn reuses the answer too.
         self.prefix_cache = prefix_cache
         self.drafter = drafter
-        # Decided at the first `add`: `drafter` if its prompt prefill can pay for itself, else this one.
+        # Decided at the first `add`: `drafter` if its prompt prefill can pay for itself, else this one. Where the
+        # drafter started, the fallback stays in reserve for one judgment of it (`_judge_start`).
         self.fallback = fallback
+        self.reserve: Drafter | None = None
+        self._trial = [0, 0.0, 0]  # since the drafter started: tokens given, seconds of steps, steps
         self.policy = policy  # how many tokens to draft each step (`policy.make_policy`)
         self.last_step: StepRecord | None = None  # what the latest step did
         # The drafter has state to read that did not come from drafting (new rows' prompts, the tokens of steps
@@ -182,8 +185,10 @@ class DecodeBatch:
         target_seconds = reading + time.perf_counter() - started
         tokens = sum(len(r.prompt) - 1 for r in requests)  # what both prefills process
         if self.fallback is not None:
-            self.drafter = self._start_or_fall_back(requests, tokens, target_seconds)
-            self.fallback = None
+            chosen = self._start_or_fall_back(requests, tokens, target_seconds)
+            judged = chosen is self.drafter and chosen.prefill_model is not None  # a draft model that started
+            self.reserve = self.fallback if judged and len(requests) == 1 and not self.rows else None
+            self.drafter, self.fallback = chosen, None
         self.stats.drafter = type(self.drafter).__name__
         drafting = time.perf_counter()
         tenants = {"tenants": [r.tenant for r in requests]} if self.drafter.reads_tenants else {}
@@ -359,6 +364,27 @@ class DecodeBatch:
         for stats, rows in self._stat_sinks():
             stats.observe(step.rows(rows))
         self.last_step = step
+        if self.reserve is not None:
+            self._judge_start(step)
+
+    def _judge_start(self, step: StepRecord) -> None:
+        """Once, after `RETREAT_STEPS` steps of the one row a call started a draft model for: if those steps gave
+        fewer tokens per second than plain steps do, the rest of the call drafts with the fallback (prompt lookup)
+        and a fresh policy. The draft's prefill is spent either way; what this saves is its later steps where
+        the text is not one it predicts (chat prose, translation). The output is the same either way."""
+        trial = self._trial
+        trial[0] += int(step.emitted.sum())
+        trial[1] += step.draft_seconds + step.target_seconds
+        trial[2] += 1
+        if trial[2] < RETREAT_STEPS or len(self.rows) != 1:
+            if len(self.rows) != 1:
+                self.reserve = None  # one row's steps are what a plain step is priced against
+            return
+        reserve, self.reserve = self.reserve, None
+        if retreat_pays(trial[0], trial[1], BOOK.step_seconds(self.target)):
+            reserve.add([list(row.sequence) for row in self.rows])
+            self.stats.drafter = f"{self.stats.drafter}, then {type(reserve).__name__}"
+            self.drafter, self.policy, self._behind = reserve, self.policy.fresh(), False
 
     def _process(self, logits: torch.Tensor, draft: Draft) -> torch.Tensor:
         """`sampling.process_logits` for every row whose settings need it, then its grammar's mask: logits [batch,

@@ -70,10 +70,17 @@ class DraftPolicy(Protocol):
         """Learn from one step of the whole batch (see `StepRecord`)."""
         ...
 
+    def fresh(self) -> "DraftPolicy":
+        """The same settings with nothing learned (for another drafter, whose costs and acceptance differ)."""
+        ...
+
 
 class FixedDraftLen:
     def __init__(self, draft_len: int):
         self.draft_len = draft_len
+
+    def fresh(self) -> "FixedDraftLen":
+        return FixedDraftLen(self.draft_len)
 
     def choose(self, batch_size: int) -> int:
         return self.draft_len
@@ -340,6 +347,8 @@ class AdaptiveDraftLen:
 
     def __init__(self, max_draft_len: int = 10, decay: float = 0.95, probe_every: int = 16, prior_acceptance: float = 0.7,
                  prior_weight: float = 2.0, first_draft_len: int = 4, idle_fade: float = 0.9, alternates: bool = False):
+        self._settings = dict(max_draft_len=max_draft_len, decay=decay, probe_every=probe_every, prior_acceptance=prior_acceptance,
+                              prior_weight=prior_weight, first_draft_len=first_draft_len, idle_fade=idle_fade, alternates=alternates)
         self.max_draft_len = max_draft_len
         self.decay = decay  # per step, on the acceptance counts: ~20 steps of memory
         self.probe_every = probe_every
@@ -365,6 +374,9 @@ class AdaptiveDraftLen:
         self.idle = False  # the last step was plain
         self.steps = 0
         self.last_rates: dict[int, float] = {}
+
+    def fresh(self) -> "AdaptiveDraftLen":
+        return AdaptiveDraftLen(**self._settings)
 
     def acceptance(self) -> torch.Tensor:
         """[max_draft_len] a_j: P(position j accepted | position j - 1 accepted)."""
@@ -501,6 +513,18 @@ class AdaptiveDraftLen:
 # What a draft model is assumed to make decoding at best when pricing its start: about what the Qwen pair
 # delivers on code here, so a start is refused only where even a draft that good could not pay.
 START_SPEEDUP = 2.0
+
+# A call that started a draft model judges it once, after this many steps of one row: where the tokens those
+# steps gave per second fell short of plain steps (`costs.BOOK`), it drafts by prompt lookup for the rest.
+RETREAT_STEPS = 16
+
+
+def retreat_pays(tokens: int, seconds: float, step_seconds: float | None) -> bool:
+    """Whether a call whose draft model gave `tokens` in `seconds` of steps (drafting and verifying) would
+    have done better with plain steps of `step_seconds`, and so better still with prompt lookup, which
+    drafts for nothing. Unmeasured plain steps (None) keep the draft model."""
+    return step_seconds is not None and seconds > 0 and tokens / seconds < 1.0 / step_seconds
+
 
 # The share of a call's new-token budget within which a draft's start must pay for itself. The budget is
 # a ceiling, and the calls whose long prompts make a draft's prefill dear are the ones that answer briefly:

@@ -378,7 +378,7 @@ def test_auto_with_a_q4_0_draft_model_drafts_staged_on_a_q8_target(tmp_path):
     assert resolve_drafter(target, NativeCausalLM.from_hf(small, weight_dtype=torch.quint4x2), "auto") == "model"
     prompt = [5, 17, 33, 2, 64, 9, 41, 12, 5, 17, 33, 2, 64]
     auto = verispec.generate(target, prompt, draft=q4_0, max_new_tokens=40)
-    assert auto.stats.drafter == "StagedDrafter"
+    assert auto.stats.drafter.startswith("StagedDrafter")  # (then perhaps prompt lookup: `DecodeBatch._judge_start`)
     assert auto.token_ids == verispec.generate(target, prompt, drafter="none", max_new_tokens=40).token_ids
 
 
@@ -400,7 +400,7 @@ def test_a_draft_named_beside_a_q8_target_loads_in_q4_0_blocks(tmp_path):
         load_draft(draft, target, "int4")
     prompt = [5, 17, 33, 2, 64, 9, 41, 12, 5, 17, 33, 2, 64]
     auto = verispec.generate(target, prompt, draft=str(path), max_new_tokens=40)
-    assert auto.stats.drafter == "StagedDrafter"
+    assert auto.stats.drafter.startswith("StagedDrafter")  # (then perhaps prompt lookup: `DecodeBatch._judge_start`)
     assert auto.token_ids == verispec.generate(target, prompt, drafter="none", max_new_tokens=40).token_ids
 
 
