@@ -56,18 +56,10 @@ def methods_of(target, specs: list[str]) -> list[Method]:
             continue
         if kind in ("suffix", "rest", "ngram", "self") or spec == "staged":
             out.append(Method(kind, dict(drafter=kind)))
-        elif kind == "staged":
+        elif kind in ("staged", "model") or (kind == "auto" and rest):  # a draft model; "auto": the default mode given one
             name, _, dtype = rest.partition(":")
             draft = verispec.load(name, weight_dtype=dtype or "q4_0")
-            out.append(Method(f"staged {Path(name).name} {dtype or 'q4_0'}", dict(draft=draft, drafter="staged")))
-        elif kind == "auto" and rest:  # the default mode with a draft model: what `resolve_drafter` and the start rule pick
-            name, _, dtype = rest.partition(":")
-            draft = verispec.load(name, weight_dtype=dtype or "q4_0")
-            out.append(Method(f"auto {Path(name).name} {dtype or 'q4_0'}", dict(draft=draft, drafter="auto")))
-        elif kind == "model":
-            name, _, dtype = rest.partition(":")
-            draft = verispec.load(name, weight_dtype=dtype or "q4_0")
-            out.append(Method(f"model {Path(name).name} {dtype or 'q4_0'}", dict(draft=draft, drafter="model")))
+            out.append(Method(f"{kind} {Path(name).name} {dtype or 'q4_0'}", dict(draft=draft, drafter=kind)))
         elif kind in ("eagle3", "eagle3-tree", "mtp", "mtp-tree"):
             directory, _, weights = rest.partition(":")
             head = verispec.load_head(directory, target)
