@@ -138,7 +138,8 @@ class DecodeBatch:
         # drafter started, the fallback stays in reserve for one judgment of it (`_judge_start`).
         self.fallback = fallback
         self.reserve: Drafter | None = None
-        self._trial = [0, 0.0, 0]  # since the drafter started: tokens given, seconds of steps, steps
+        # since the drafter started: tokens its steps gave, and those steps' seconds and count
+        self._trial_tokens, self._trial_seconds, self._trial_steps = 0, 0.0, 0
         self.policy = policy  # how many tokens to draft each step (`policy.make_policy`)
         self.last_step: StepRecord | None = None  # what the latest step did
         # The drafter has state to read that did not come from drafting (new rows' prompts, the tokens of steps
@@ -372,16 +373,16 @@ class DecodeBatch:
         fewer tokens per second than plain steps do, the rest of the call drafts with the fallback (prompt lookup)
         and a fresh policy. The draft's prefill is spent either way; what this saves is its later steps where
         the text is not one it predicts (chat prose, translation). The output is the same either way."""
-        trial = self._trial
-        trial[0] += int(step.emitted.sum())
-        trial[1] += step.draft_seconds + step.target_seconds
-        trial[2] += 1
-        if trial[2] < RETREAT_STEPS or len(self.rows) != 1:
-            if len(self.rows) != 1:
-                self.reserve = None  # one row's steps are what a plain step is priced against
+        if len(self.rows) != 1:  # one row's steps are what a plain step is priced against
+            self.reserve = None
+            return
+        self._trial_tokens += int(step.emitted.sum())
+        self._trial_seconds += step.draft_seconds + step.target_seconds
+        self._trial_steps += 1
+        if self._trial_steps < RETREAT_STEPS:
             return
         reserve, self.reserve = self.reserve, None
-        if retreat_pays(trial[0], trial[1], BOOK.step_seconds(self.target)):
+        if retreat_pays(self._trial_tokens, self._trial_seconds, BOOK.step_seconds(self.target)):
             reserve.add([list(row.sequence) for row in self.rows])
             self.stats.drafter = f"{self.stats.drafter}, then {type(reserve).__name__}"
             self.drafter, self.policy, self._behind = reserve, self.policy.fresh(), False
