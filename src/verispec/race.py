@@ -58,8 +58,9 @@ def methods_of(target, specs: list[str]) -> list[Method]:
             out.append(Method(kind, dict(drafter=kind)))
         elif kind in ("staged", "model") or (kind == "auto" and rest):  # a draft model; "auto": the default mode given one
             name, _, dtype = rest.partition(":")
-            draft = verispec.load(name, weight_dtype=dtype or "q4_0")
-            out.append(Method(f"{kind} {Path(name).name} {dtype or 'q4_0'}", dict(draft=draft, drafter=kind)))
+            draft = verispec.api.load_draft(name, target, dtype or "q4_0")  # its head as `load_draft` sizes it
+            head = f" head {len(draft.output_ids)}+read" if getattr(draft, "output_ids", None) is not None else ""
+            out.append(Method(f"{kind} {Path(name).name} {dtype or 'q4_0'}{head}", dict(draft=draft, drafter=kind)))
         elif kind in ("eagle3", "eagle3-tree", "mtp", "mtp-tree"):
             directory, _, weights = rest.partition(":")
             head = verispec.load_head(directory, target)

@@ -404,6 +404,27 @@ def test_a_draft_named_beside_a_q8_target_loads_in_q4_0_blocks(tmp_path):
     assert auto.token_ids == verispec.generate(target, prompt, drafter="none", max_new_tokens=40).token_ids
 
 
+def test_a_named_draft_beside_a_q8_target_scores_a_smaller_head_that_reads_its_text(tmp_path):
+    """`load_draft`'s vocab: the head scores the first N ids, the specials and the text's own tokens (one copy per
+    draft and size, kept, so costs measured on it carry over); "auto" leaves a vocabulary under twice
+    DRAFT_HEAD_TOKENS whole (this tiny one); output stays the target's."""
+    from verispec.api import DRAFT_HEAD_TOKENS, load_draft
+
+    _, path = tiny_gguf(tmp_path, head_kind=None)
+    target = verispec.load(str(path), numerics="q8")
+    whole = load_draft(str(path), target)
+    assert whole.output_ids is None and whole.vocab_size < 2 * DRAFT_HEAD_TOKENS
+    small = load_draft(str(path), target, vocab=40)
+    assert small is load_draft(str(path), target, vocab=40) and small.name.endswith("-vocab40+read")
+    assert load_draft(str(path), target, vocab=None) is whole
+    with pytest.raises(VerispecError, match="vocab"):
+        load_draft(str(path), target, vocab=0)
+    prompt = [5, 17, 33, 2, 64, 9, 41, 12, 5, 17, 33, 2, 64, 90, 71, 5, 17]
+    plain = verispec.generate(target, prompt, drafter="none", max_new_tokens=40).token_ids
+    for drafter in ("staged", "model"):
+        assert verispec.generate(target, prompt, draft=small, drafter=drafter, max_new_tokens=40).token_ids == plain
+
+
 def test_files_it_cannot_run_this_way_are_refused_clearly(tmp_path):
     with pytest.raises(VerispecError, match="zoo name .* or a .gguf file"):
         verispec.load(str(tmp_path), numerics="q8")

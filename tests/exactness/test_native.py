@@ -329,7 +329,7 @@ def test_int4_draft_prefills_in_small_passes(pair, batch, monkeypatch):
 
 
 @pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.int8, torch.quint4x2, "q4_0"])
-@pytest.mark.parametrize("vocab", [None, 48])
+@pytest.mark.parametrize("vocab", [None, 48, "48+read"])
 def test_cheap_native_drafts_keep_the_targets_output(pair, native, weight_dtype, vocab):
     """int8 / bf16 / int4 matrices, ggml's Q4_0 blocks and a restricted head make cheaper drafts: the target's
     greedy tokens do not move, and a restricted draft scores (so proposes) only its own tokens."""
@@ -343,7 +343,7 @@ def test_cheap_native_drafts_keep_the_targets_output(pair, native, weight_dtype,
         assert draft.numerics == "q8" and draft._kernels and draft.name.endswith("-q4_0")
         assert all(getattr(layer, f).kind == 2 for layer in draft.layers for f in ("q", "down")) and draft.lm_head.kind == 2
     if vocab:
-        draft = restrict_vocabulary(draft, vocab)
+        draft = restrict_vocabulary(draft, 48, reads=vocab == "48+read")
         cache = draft.new_cache(1)
         logits = draft.forward(torch.tensor([[1, 5, 6, 7]]), cache)
         outside = torch.ones(draft.vocab_size, dtype=torch.bool)
@@ -357,6 +357,37 @@ def test_cheap_native_drafts_keep_the_targets_output(pair, native, weight_dtype,
         assert result.token_ids == expected
         proposed += result.stats.accepted_tokens
     assert proposed > 0  # the cheap draft still gets tokens accepted: the comparison is not vacuous
+
+
+@pytest.mark.parametrize("weight_dtype", [None, "q4_0"])
+def test_a_reading_head_scores_the_tokens_its_text_held(pair, weight_dtype):
+    """A restricted head that reads (`with_output_ids(..., reads=True)`) scores, beside its own ids, every token
+    its cache's text has held, with the full head's logits for them (to float rounding: float32 rows against
+    the kernels' products); tokens neither set holds stay at -inf; a batch joined from two caches scores both
+    texts' tokens."""
+    if weight_dtype == "q4_0" and not kernels.available():
+        pytest.skip("Q4_0 blocks run on verispec's q8 kernels, unavailable here")
+    hf, _ = pair
+    full = NativeCausalLM.from_hf(hf, weight_dtype=weight_dtype)
+    draft = full.with_output_ids(torch.arange(40), reads=True)
+    assert draft.name.endswith("-vocab40+read") and draft.lm_head.shape[0] == 40
+    text, other = [1, 5, 70, 90, 70], [2, 80, 3]
+    cache, reference = draft.new_cache(1), full.new_cache(1)
+    logits = draft.forward(torch.tensor([text]), cache)[0, -1]
+    expected = full.forward(torch.tensor([text]), reference)[0, -1]
+    held = torch.tensor([70, 90])
+    assert torch.allclose(logits[held], expected[held], rtol=1e-3, atol=1e-3 if weight_dtype is None else 5e-2)
+    plain = full.with_output_ids(torch.arange(40))  # the head's own ids: the same numbers as without reading
+    assert torch.equal(logits[:40], plain.forward(torch.tensor([text]), plain.new_cache(1))[0, -1, :40])
+    never = torch.ones(draft.vocab_size, dtype=torch.bool)
+    never[:40] = False
+    never[held] = False
+    assert torch.isinf(logits[never]).all() and torch.isfinite(logits[~never]).all()
+    second = draft.new_cache(1)
+    draft.forward(torch.tensor([other]), second)
+    cache.concat(second)
+    both = draft.forward(torch.tensor([[5], [6]]), cache)[:, -1]
+    assert torch.isfinite(both[:, [70, 80, 90]]).all() and torch.isinf(both[:, 85]).all()
 
 
 def test_restricted_head_cannot_be_restricted_again(pair):

@@ -52,16 +52,19 @@ def draft_vocabulary(model, size: int) -> torch.Tensor:
     return torch.tensor(sorted(set(range(min(size, full))) | {i for i in special if i < full}), dtype=torch.long)
 
 
-def restrict_vocabulary(model, size: int):
+def restrict_vocabulary(model, size: int, reads: bool = False):
     """A copy of `model` whose output layer scores only token ids [0, size) and the special tokens.
 
     The copy shares every weight but the (sliced) output layer; its logits still span the full
-    vocabulary, -inf outside `output_ids` [n]. Either backend.
+    vocabulary, -inf outside `output_ids` [n]. Either backend. reads (native backend): the head also
+    scores every token its cache's text has held (`NativeCausalLM.with_output_ids`).
     """
     if hasattr(model, "with_output_ids"):  # the native backend slices its own head
         if model.output_ids is not None:
             raise VerispecError(f"{model.name!r} already scores a restricted vocabulary")
-        return model.with_output_ids(draft_vocabulary(model, size))
+        return model.with_output_ids(draft_vocabulary(model, size), reads=reads)
+    if reads:
+        raise VerispecError("a head that reads its text's tokens needs the native backend: load the draft without backend='hf'")
     model = _hf(model)
     output_ids = draft_vocabulary(model, size)
     keep = output_ids.tolist()

@@ -144,6 +144,52 @@ def _borrow(linear: torch.nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]
     return linear.weight.detach(), bias
 
 
+class ReadTokens:
+    """The tokens a cache's text held outside a restricted LM head's ids, with their head rows (float32),
+    which that head scores beside its own (`NativeCausalLM.with_output_ids(..., reads=True)`): a text's own
+    rare words (its names, identifiers, terms) are the likeliest next tokens among those the head left out.
+    Grows as the text does; rows that leave a batch leave theirs behind (a draft may score extra tokens)."""
+
+    def __init__(self, ids: list[int], rows: torch.Tensor, bias: torch.Tensor | None):
+        self.ids, self.rows, self.bias = ids, rows, bias  # [n]; [n, hidden]; [n] or None
+        self._known = set(ids)
+
+    @classmethod
+    def empty(cls, hidden_size: int, with_bias: bool, device: torch.device) -> "ReadTokens":
+        return cls([], torch.empty(0, hidden_size, device=device), torch.empty(0, device=device) if with_bias else None)
+
+    def learn(self, tokens: list[int], outside: torch.Tensor, head, bias: torch.Tensor | None) -> None:
+        """Add the rows of `tokens` the head leaves out (`outside` [vocab] bool) and this set lacks, from the
+        full head (a tensor or a `kernels.QuantizedMatrix`, dequantized: the same weights)."""
+        new = [t for t in dict.fromkeys(tokens) if t not in self._known and bool(outside[t])]
+        if not new:
+            return
+        index = torch.tensor(new, dtype=torch.long, device=self.rows.device)
+        rows = head[index]
+        rows = rows.dequantize() if isinstance(rows, kernels.QuantizedMatrix) else rows.float()
+        self.rows = torch.cat([self.rows, rows.to(self.rows.device)])
+        if self.bias is not None:
+            self.bias = torch.cat([self.bias, bias[index].float()])
+        self.ids += new
+        self._known.update(new)
+
+    def merged(self, other: "ReadTokens") -> "ReadTokens":
+        keep = [i for i, t in enumerate(other.ids) if t not in self._known]
+        if not keep:
+            return self
+        index = torch.tensor(keep, dtype=torch.long, device=other.rows.device)
+        bias = None if self.bias is None else torch.cat([self.bias, other.bias[index]])
+        return ReadTokens(self.ids + [other.ids[i] for i in keep], torch.cat([self.rows, other.rows[index]]), bias)
+
+    def score(self, hidden: torch.Tensor, logits: torch.Tensor) -> None:
+        """Write the read tokens' logits for `hidden` [rows, hidden_size] into `logits` [rows, vocab]."""
+        if self.ids:
+            extra = hidden.float() @ self.rows.T
+            if self.bias is not None:
+                extra += self.bias
+            logits[:, self.ids] = extra.to(logits.dtype)
+
+
 class NativeStore:
     """Keys and values of every layer on one slot axis of `capacity` slots.
 
@@ -162,6 +208,7 @@ class NativeStore:
         self.keys = zeros(num_layers, batch_size, kv_heads, blocks, head_dim, kernels.SLOT_BLOCK)
         self.values = zeros(num_layers, batch_size, kv_heads, blocks * kernels.SLOT_BLOCK, head_dim)
         self.length = 0
+        self.read: ReadTokens | None = None  # a reading head's extra rows (`NativeCausalLM.with_output_ids`)
 
     @property
     def capacity(self) -> int:
@@ -251,6 +298,8 @@ class NativeStore:
         self.keys, self.values = self._resized(self.batch_size + other.batch_size, max(self.capacity, other.capacity, length),
                                                (self, 0), (other, self.batch_size))
         self.length = length
+        if other.read is not None:  # one set for the batch: a row may score another's words too (a draft's q, any q)
+            self.read = other.read if self.read is None else self.read.merged(other.read)
 
 
 @functools.cache
@@ -348,6 +397,7 @@ class NativeCausalLM(CausalLM):
         """The part of construction that needs only the weights gathered above (also run by
         `models.gguf_q8`, which gathers them from a GGUF file instead of a transformers model)."""
         self.output_ids: torch.Tensor | None = None  # set when the LM head scores only these token ids
+        self._outside: torch.Tensor | None = None  # [vocab] bool, the ids a reading restricted head leaves out
         if weight_dtype == Q4_0:
             self._store_matrices_as_q4_0()
             panels = False
@@ -489,11 +539,15 @@ class NativeCausalLM(CausalLM):
         self._stack = False
         return replaced, len(wanted)
 
-    def with_output_ids(self, output_ids: torch.Tensor) -> "NativeCausalLM":
+    def with_output_ids(self, output_ids: torch.Tensor, reads: bool = False) -> "NativeCausalLM":
         """A copy sharing every weight whose LM head scores only `output_ids` [n] (the rest get -inf).
 
         For a draft: a 152k-token head is a quarter of a 0.5B model's bytes per token, and most of
         those tokens are rarely the next one. Logits still span the full vocabulary.
+
+        reads: the head also scores every token the cache's text has held (its prompt, what it
+        decoded) from the full head's rows (`ReadTokens`, kept with the cache): a text's rare words are the
+        ones it repeats. Those few rows cost little; the tokens neither set holds get -inf.
         """
         output_ids = torch.as_tensor(output_ids, dtype=torch.long).to(self.device)
         if output_ids.ndim != 1 or not len(output_ids) or int(output_ids.min()) < 0 or int(output_ids.max()) >= self.vocab_size:
@@ -505,7 +559,11 @@ class NativeCausalLM(CausalLM):
         clone.lm_head = self.lm_head[output_ids] if quantized else self.lm_head[output_ids].contiguous()
         clone.lm_head_bias = None if self.lm_head_bias is None else self.lm_head_bias[output_ids].contiguous()
         clone.output_ids = output_ids
-        clone.name = f"{self.name}-vocab{len(output_ids)}"
+        clone._outside = None
+        if reads:  # the full head stays shared for the rows of the text's words (`ReadTokens`)
+            clone._outside = torch.ones(self.vocab_size, dtype=torch.bool, device=self.device).index_fill_(0, output_ids, False)
+            clone._full_head, clone._full_head_bias = self.lm_head, self.lm_head_bias
+        clone.name = f"{self.name}-vocab{len(output_ids)}{'+read' if reads else ''}"
         clone._buffers = None  # activation buffers are per model object
         clone._prepared = None
         clone._stack = False
@@ -637,6 +695,11 @@ class NativeCausalLM(CausalLM):
         if self.output_ids is not None:  # a restricted head: every other token gets probability 0
             full = logits.new_full((logits.shape[0], self.vocab_size), float("-inf"))
             logits = full.index_copy_(1, self.output_ids, logits.to(full.dtype))
+            if self._outside is not None:  # ... but those the text has held
+                if store.read is None:
+                    store.read = ReadTokens.empty(self.hidden_size, self.lm_head_bias is not None, self.device)
+                store.read.learn(tokens[visible].tolist(), self._outside, self._full_head, self._full_head_bias)
+                store.read.score(rows, logits)
         logits = logits.view(batch, -1, self.vocab_size).float()
         if taps is None:
             return logits
