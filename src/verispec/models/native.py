@@ -153,6 +153,7 @@ class ReadTokens:
     def __init__(self, ids: list[int], rows: torch.Tensor, bias: torch.Tensor | None):
         self.ids, self.rows, self.bias = ids, rows, bias  # [n]; [n, hidden]; [n] or None
         self._known = set(ids)
+        self._index = torch.tensor(ids, dtype=torch.long, device=rows.device)
 
     @classmethod
     def empty(cls, hidden_size: int, with_bias: bool, device: torch.device) -> "ReadTokens":
@@ -172,6 +173,7 @@ class ReadTokens:
             self.bias = torch.cat([self.bias, bias[index].float()])
         self.ids += new
         self._known.update(new)
+        self._index = torch.cat([self._index, index])
 
     def merged(self, other: "ReadTokens") -> "ReadTokens":
         keep = [i for i, t in enumerate(other.ids) if t not in self._known]
@@ -187,7 +189,7 @@ class ReadTokens:
             extra = hidden.float() @ self.rows.T
             if self.bias is not None:
                 extra += self.bias
-            logits[:, self.ids] = extra.to(logits.dtype)
+            logits.index_copy_(1, self._index, extra.to(logits.dtype))
 
 
 class NativeStore:
