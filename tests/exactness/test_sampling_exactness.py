@@ -225,6 +225,23 @@ def test_engine_samples_target_distribution_on_tiny_model(params, drafter):
     assert first > P_THRESHOLD and joint > P_THRESHOLD
 
 
+def test_a_draft_head_that_reads_its_text_samples_the_target_distribution():
+    """A draft whose head scores 40 token ids and its text's own (`with_output_ids(..., reads=True)`) proposes from
+    a q that is zero on the rest: the first two tokens, over 2000 seeded rows, still follow the target's joint."""
+    from conftest import perturbed_copy, tiny_llama
+    from verispec.models.native import NativeCausalLM
+
+    target = tiny_llama(seed=0)
+    draft = NativeCausalLM.from_hf(perturbed_copy(target, scale=0.3)).with_output_ids(torch.arange(40), reads=True)
+    params = SamplingParams(temperature=0.8, seed=23)
+    prompt = repeating_prompt(target)
+    results = verispec.generate(target, [prompt] * 2000, draft=draft, drafter="model", draft_len=3,
+                                temperature=params.temperature, seed=params.seed, coupled=False, max_new_tokens=3)
+    assert results[0].stats.accepted_tokens > 10
+    first, joint = first_two_tokens_pvalues(target, prompt, params, [r.token_ids for r in results])
+    assert first > P_THRESHOLD and joint > P_THRESHOLD
+
+
 class ThresholdStop:
     """A stop rule at its simplest: a row drafts while the draft's confidence is at least `threshold`."""
 
