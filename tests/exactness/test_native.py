@@ -388,6 +388,11 @@ def test_a_reading_head_scores_the_tokens_its_text_held(pair, weight_dtype):
     cache.concat(second)
     both = draft.forward(torch.tensor([[5], [6]]), cache)[:, -1]
     assert torch.isfinite(both[:, [70, 80, 90]]).all() and torch.isinf(both[:, 85]).all()
+    cache.select(torch.tensor([1]))  # the first text leaves the batch, and its words with it
+    left = draft.forward(torch.tensor([[7]]), cache)[0, -1]
+    assert torch.isfinite(left[80]) and torch.isinf(left[[70, 90]]).all()
+    assert torch.allclose(left[80], full.forward(torch.tensor([other + [6, 7]]), full.new_cache(1))[0, -1, 80],
+                          rtol=1e-3, atol=1e-3 if weight_dtype is None else 5e-2)
 
 
 def test_restricted_head_cannot_be_restricted_again(pair):

@@ -145,24 +145,33 @@ def _borrow(linear: torch.nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]
 
 
 class ReadTokens:
-    """The tokens a cache's text held outside a restricted LM head's ids, with their head rows (float32),
+    """The tokens a cache's rows have held outside a restricted LM head's ids, with their head rows (float32),
     which that head scores beside its own (`NativeCausalLM.with_output_ids(..., reads=True)`): a text's own
     rare words (its names, identifiers, terms) are the likeliest next tokens among those the head left out.
-    Grows as the text does; rows that leave a batch leave theirs behind (a draft may score extra tokens)."""
+    One set for the batch (a row may score another's words: a draft's q may be anything), kept per row too,
+    so rows that leave a long-lived batch take theirs with them."""
 
-    def __init__(self, ids: list[int], rows: torch.Tensor, bias: torch.Tensor | None):
-        self.ids, self.rows, self.bias = ids, rows, bias  # [n]; [n, hidden]; [n] or None
-        self._known = set(ids)
-        self._index = torch.tensor(ids, dtype=torch.long, device=rows.device)
+    def __init__(self, hidden_size: int, with_bias: bool, device: torch.device, batch_size: int):
+        self.ids: list[int] = []
+        self.rows = torch.empty(0, hidden_size, device=device)  # [n, hidden], the full head's rows of `ids`
+        self.bias = torch.empty(0, device=device) if with_bias else None
+        self.owners: list[set[int]] = [set() for _ in range(batch_size)]  # per batch row: the ids its text held
+        self._index()
 
-    @classmethod
-    def empty(cls, hidden_size: int, with_bias: bool, device: torch.device) -> "ReadTokens":
-        return cls([], torch.empty(0, hidden_size, device=device), torch.empty(0, device=device) if with_bias else None)
+    def _index(self) -> None:
+        self._where = {t: i for i, t in enumerate(self.ids)}
+        self._ids = torch.tensor(self.ids, dtype=torch.long, device=self.rows.device)
 
-    def learn(self, tokens: list[int], outside: torch.Tensor, head, bias: torch.Tensor | None) -> None:
-        """Add the rows of `tokens` the head leaves out (`outside` [vocab] bool) and this set lacks, from the
-        full head (a tensor or a `kernels.QuantizedMatrix`, dequantized: the same weights)."""
-        new = [t for t in dict.fromkeys(tokens) if t not in self._known and bool(outside[t])]
+    def learn(self, tokens: list[list[int]], outside: torch.Tensor, head, bias: torch.Tensor | None) -> None:
+        """Note each row's `tokens` the head leaves out (`outside` [vocab] bool), adding the rows of those the set
+        lacks from the full head (a tensor or a `kernels.QuantizedMatrix`, dequantized: the same weights)."""
+        new = []
+        for owner, row in zip(self.owners, tokens):
+            for t in row:
+                if bool(outside[t]) and t not in owner:
+                    owner.add(t)
+                    if t not in self._where and t not in new:
+                        new.append(t)
         if not new:
             return
         index = torch.tensor(new, dtype=torch.long, device=self.rows.device)
@@ -172,24 +181,38 @@ class ReadTokens:
         if self.bias is not None:
             self.bias = torch.cat([self.bias, bias[index].float()])
         self.ids += new
-        self._known.update(new)
-        self._index = torch.cat([self._index, index])
+        self._index()
 
-    def merged(self, other: "ReadTokens") -> "ReadTokens":
-        keep = [i for i, t in enumerate(other.ids) if t not in self._known]
-        if not keep:
-            return self
-        index = torch.tensor(keep, dtype=torch.long, device=other.rows.device)
-        bias = None if self.bias is None else torch.cat([self.bias, other.bias[index]])
-        return ReadTokens(self.ids + [other.ids[i] for i in keep], torch.cat([self.rows, other.rows[index]]), bias)
+    def select(self, rows: list[int]) -> None:
+        """Keep batch rows `rows`, in that order, and only the ids some kept row's text held."""
+        self.owners = [self.owners[b] for b in rows]
+        held = set().union(*self.owners)
+        if len(held) < len(self.ids):
+            keep = [i for i, t in enumerate(self.ids) if t in held]
+            index = torch.tensor(keep, dtype=torch.long, device=self.rows.device)
+            self.ids = [self.ids[i] for i in keep]
+            self.rows = self.rows[index]
+            self.bias = None if self.bias is None else self.bias[index]
+            self._index()
+
+    def concat(self, other: "ReadTokens") -> None:
+        """Append other's batch rows (and the rows of its ids this set lacks)."""
+        self.owners += [set(owner) for owner in other.owners]
+        keep = [i for i, t in enumerate(other.ids) if t not in self._where]
+        if keep:
+            index = torch.tensor(keep, dtype=torch.long, device=other.rows.device)
+            self.ids += [other.ids[i] for i in keep]
+            self.rows = torch.cat([self.rows, other.rows[index]])
+            self.bias = None if self.bias is None else torch.cat([self.bias, other.bias[index]])
+            self._index()
 
     def score(self, hidden: torch.Tensor, logits: torch.Tensor) -> None:
-        """Write the read tokens' logits for `hidden` [rows, hidden_size] into `logits` [rows, vocab]."""
+        """Write the held tokens' logits for `hidden` [rows, hidden_size] into `logits` [rows, vocab]."""
         if self.ids:
             extra = hidden.float() @ self.rows.T
             if self.bias is not None:
                 extra += self.bias
-            logits.index_copy_(1, self._index, extra.to(logits.dtype))
+            logits.index_copy_(1, self._ids, extra.to(logits.dtype))
 
 
 class NativeStore:
@@ -278,6 +301,8 @@ class NativeStore:
 
     def select(self, index: torch.Tensor) -> None:
         rows = index.tolist()
+        if self.read is not None:
+            self.read.select(rows)
         if rows == sorted(set(rows)):
             # Rows leaving (the engine's case): move the kept rows down in place, used slots only, in
             # increasing order so no source is overwritten before it is read; no new store, no copy
@@ -300,8 +325,11 @@ class NativeStore:
         self.keys, self.values = self._resized(self.batch_size + other.batch_size, max(self.capacity, other.capacity, length),
                                                (self, 0), (other, self.batch_size))
         self.length = length
-        if other.read is not None:  # one set for the batch: a row may score another's words too (a draft's q, any q)
-            self.read = other.read if self.read is None else self.read.merged(other.read)
+        if self.read is not None or other.read is not None:
+            like = self.read or other.read
+            mine = self.read or ReadTokens(like.rows.shape[1], like.bias is not None, like.rows.device, self.batch_size - other.batch_size)
+            mine.concat(other.read or ReadTokens(like.rows.shape[1], like.bias is not None, like.rows.device, other.batch_size))
+            self.read = mine
 
 
 @functools.cache
@@ -699,8 +727,9 @@ class NativeCausalLM(CausalLM):
             logits = full.index_copy_(1, self.output_ids, logits.to(full.dtype))
             if self._outside is not None:  # ... but those the text has held
                 if store.read is None:
-                    store.read = ReadTokens.empty(self.hidden_size, self.lm_head_bias is not None, self.device)
-                store.read.learn(tokens[visible].tolist(), self._outside, self._full_head, self._full_head_bias)
+                    store.read = ReadTokens(self.hidden_size, self.lm_head_bias is not None, self.device, batch)
+                store.read.learn([row[seen].tolist() for row, seen in zip(tokens, visible)], self._outside,
+                                 self._full_head, self._full_head_bias)
                 store.read.score(rows, logits)
         logits = logits.view(batch, -1, self.vocab_size).float()
         if taps is None:
