@@ -103,7 +103,7 @@ def load_draft(name_or_path: Any, target: CausalLM, weight_dtype: torch.dtype | 
     as it is. load_options: `load`'s other keywords (dtype, ...).
 
     vocab: the draft's LM head scores the first `vocab` token ids, the special tokens and every token of the
-    text it has read (`draft_variants.restrict_vocabulary(..., reads=True)`); None scores them all. "auto":
+    text it has read (`draft_variants.restrict_vocabulary(..., reads=True)`); None (or "all") scores them all. "auto":
     `DRAFT_HEAD_TOKENS` beside a q8 target where the vocabulary is at least twice that (Qwen2.5's 152k head
     is a quarter of the 0.5B Q4_0 draft's bytes), else None."""
     if not isinstance(name_or_path, str):
@@ -113,6 +113,7 @@ def load_draft(name_or_path: Any, target: CausalLM, weight_dtype: torch.dtype | 
         return load(name_or_path)
     if weight_dtype is None and target.numerics == "q8":
         weight_dtype = "q4_0"
+    vocab = options.draft_vocab(vocab)
     draft = load(name_or_path, weight_dtype=weight_dtype, **load_options)
     if vocab == "auto":
         vocab = DRAFT_HEAD_TOKENS if target.numerics == "q8" and getattr(draft, "vocab_size", 0) >= 2 * DRAFT_HEAD_TOKENS else None
@@ -120,8 +121,6 @@ def load_draft(name_or_path: Any, target: CausalLM, weight_dtype: torch.dtype | 
 
     if vocab is None or not isinstance(draft, NativeCausalLM):
         return draft
-    if isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 1:
-        raise VerispecError(f"a draft's vocab is a positive number of token ids, 'auto' or None, got {vocab!r}")
     # one restricted copy per draft and size, so the costs measured on it (`costs.BOOK`) carry over between calls
     copies = _READING_DRAFTS.setdefault(draft, {})
     if vocab not in copies:

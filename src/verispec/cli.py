@@ -40,6 +40,9 @@ def _add_generation_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-dtype", default=None, choices=WEIGHT_DTYPES,
                    help="the draft's matrices on the native backend (cheaper drafts; output unchanged; default: q4_0 with "
                         "--numerics q8, else fp32)")
+    p.add_argument("--draft-vocab", type=flag(options.draft_vocab), default="auto",
+                   help="token ids the draft model's LM head scores: auto (the first 32768, the special tokens and the "
+                        "text's own, beside a q8 target with a vocabulary of 64k or more), all, or N (the first N and the rest as auto)")
     p.add_argument("--max-new-tokens", type=flag(options.max_new_tokens), default=128)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-k", type=int, default=0)
@@ -82,6 +85,8 @@ def _generation_options(args, chat: bool) -> dict:
         raise VerispecError("--system is a system prompt for the chat template: add --chat, or drop --system")
     if args.draft is None and args.draft_dtype is not None:
         raise VerispecError("--draft-dtype applies to a draft model: give one with --draft, or drop --draft-dtype")
+    if args.draft is None and args.draft_vocab != "auto":
+        raise VerispecError("--draft-vocab applies to a draft model: give one with --draft, or drop --draft-vocab")
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                               coupled=(default_coupled(args.seed, args.temperature, args.typical_acceptance, args.cascade)
                                        if args.coupled is None else args.coupled), blockwise=not args.token_verification,
@@ -95,7 +100,7 @@ def _load_models(args):
     """(target, draft model or None), as the flags name them."""
     target = verispec.load(args.target, dtype=args.dtype, gguf_blocks=True if args.gguf_blocks else None,
                            numerics=args.numerics)
-    draft = verispec.api.load_draft(args.draft, target, args.draft_dtype, dtype=args.dtype) if args.draft else None
+    draft = verispec.api.load_draft(args.draft, target, args.draft_dtype, vocab=args.draft_vocab, dtype=args.dtype) if args.draft else None
     return target, draft
 
 

@@ -82,6 +82,18 @@ def max_new_tokens(value) -> int:
     return positive_int("max_new_tokens", value)
 
 
+def draft_vocab(value) -> int | str | None:
+    """How many token ids a draft model's LM head scores (`api.load_draft`): "auto", "all" (or None: the whole
+    head) or an int >= 1 (the first that many, the special tokens and the text's own)."""
+    if value is None or value == "all":
+        return None
+    if value == "auto":
+        return value
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise VerispecError(f"draft_vocab must be 'auto', 'all' or an integer >= 1, got {value!r}")
+    return value
+
+
 def drafter_name(value) -> str:
     """One of `DRAFTER_NAMES`."""
     if value not in DRAFTER_NAMES:

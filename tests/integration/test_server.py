@@ -507,6 +507,10 @@ def test_server_options_are_checked_before_loading():
         build_app("smollm2-135m", draft="smollm2-135m", draft_dtype="fp16")
     with pytest.raises(VerispecError, match="--draft"):
         build_app("smollm2-135m", drafter="ngram", draft_dtype="bf16")
+    with pytest.raises(VerispecError, match="draft_vocab must be"):
+        build_app("smollm2-135m", draft="smollm2-135m", draft_vocab=-3)
+    with pytest.raises(VerispecError, match="--draft-vocab"):
+        build_app("smollm2-135m", drafter="ngram", draft_vocab=4096)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -69,6 +69,7 @@ def test_version(capsys):
     (["--max-new-tokens", "0"], "max_new_tokens must be an integer >= 1"),
     (["--threads", "none"], "--threads must be an integer >= 1"),
     (["--draft-dtype", "int3"], "invalid choice: 'int3'"),
+    (["--draft-vocab", "0"], "draft_vocab must be 'auto', 'all' or an integer >= 1"),
 ])
 def test_bad_flags_fail_as_usage_errors_before_loading(fake, capsys, flags, message):
     with pytest.raises(SystemExit) as exit:
@@ -83,6 +84,7 @@ def test_bad_flags_fail_as_usage_errors_before_loading(fake, capsys, flags, mess
     (["--top-k", "-2"], "top_k"),
     (["--coupled", "--typical-acceptance", "0.1", "--temperature", "1"], "choose one"),
     (["--system", "be brief"], "add --chat"),
+    (["--draft-vocab", "all"], "--draft-vocab applies to a draft model"),
 ])
 def test_bad_values_fail_before_loading(fake, capsys, flags, message):
     assert main(["generate", "hi", *flags]) == 2

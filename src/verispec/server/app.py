@@ -40,7 +40,7 @@ from verispec.grammar import ll_tokenizer
 from verispec.heads import MedusaHead, OnlineConfig, OnlineMedusa
 from verispec.prefill import Chunking
 from verispec.prefix_cache import PrefixCache
-from verispec.options import DRAFTER_NAMES, WEIGHT_DTYPES, DraftLen, flag, positive_int
+from verispec.options import DRAFTER_NAMES, WEIGHT_DTYPES, DraftLen, draft_vocab as parse_draft_vocab, flag, positive_int
 from verispec.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, Metrics
 from verispec.server.protocol import (ApiError, ServerConfig, Spec, chat_messages, check_text_fits, parse_chat, parse_completion,
                                       render_chat, show)
@@ -353,7 +353,7 @@ def read_key_file(path: str) -> list[str]:
 
 def build_app(target, draft=None, drafter: str = "auto", draft_len: DraftLen | int | str = "auto",
               api_key: str | list[str] | None = None, max_batch: int = 8, max_queue: int = 256, draft_dtype: str | None = None,
-              model_name: str | None = None, max_body_bytes: int = MAX_BODY_BYTES, max_model_len: int | None = None,
+              draft_vocab: int | str | None = "auto", model_name: str | None = None, max_body_bytes: int = MAX_BODY_BYTES, max_model_len: int | None = None,
               chat_template: str | None = None, numerics: str = "float32", prefix_cache_bytes: int = PREFIX_CACHE_BYTES,
               suffix_tokens_per_tenant: int = SUFFIX_TOKENS_PER_TENANT, online: OnlineConfig | None = None):
     """A FastAPI app serving `target` (a zoo name, path or loaded model) with OpenAI's API.
@@ -365,7 +365,8 @@ def build_app(target, draft=None, drafter: str = "auto", draft_len: DraftLen | i
     at most `suffix_tokens_per_tenant` tokens of them (its oldest evicted first).
     max_batch: most sequences decoded at once; max_queue: most sequences waiting for a row (a request
     beyond it gets a 503). draft_dtype: "fp32", "bf16", "int8", "int4" (weight-only) or "q4_0" (ggml's blocks), the draft model's
-    matrices on the native backend (default: q4_0 beside a q8 target, else fp32: `api.load_draft`). max_body_bytes: largest request body read (larger ones get a 413).
+    matrices on the native backend (default: q4_0 beside a q8 target, else fp32: `api.load_draft`). draft_vocab: the token
+    ids the draft's LM head scores, "auto", "all" or N (`api.load_draft`'s vocab). max_body_bytes: largest request body read (larger ones get a 413).
     model_name: the name clients send and see (default: the target's). max_model_len: most tokens of prompt
     plus answer a request may ask for (default and upper bound: the model's context). chat_template: a Jinja
     chat template (text, or a path to a file holding it) in place of the tokenizer's. numerics: the target's,
@@ -385,9 +386,12 @@ def build_app(target, draft=None, drafter: str = "auto", draft_len: DraftLen | i
         raise VerispecError(f"draft_dtype must be one of {', '.join(DRAFT_DTYPES)}, got {draft_dtype!r}")
     if draft is None and draft_dtype is not None:
         raise VerispecError("draft_dtype applies to a draft model: give one with --draft, or drop --draft-dtype")
+    draft_vocab = parse_draft_vocab(draft_vocab)
+    if draft is None and draft_vocab != "auto":
+        raise VerispecError("draft_vocab applies to a draft model: give one with --draft, or drop --draft-vocab")
     draft_len = DraftLen.parse(draft_len)
     target_model = load(target, numerics=numerics) if isinstance(target, str) else load(target)
-    draft_model = load_draft(draft, target_model, draft_dtype) if draft is not None else None
+    draft_model = load_draft(draft, target_model, draft_dtype, vocab=draft_vocab) if draft is not None else None
     if online is not None:
         if drafter not in ("auto", "medusa"):
             raise VerispecError(f"--online learns Medusa heads, which draft with drafter 'medusa', not {drafter!r}: drop --drafter")
@@ -736,6 +740,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--draft-dtype", default=None, choices=DRAFT_DTYPES,
                         help="the draft model's matrices on the native backend: bf16 halves their bytes, int8 quarters them, int4 and q4_0 "
                              "leave ~1/7 (default: q4_0 with --numerics q8, else fp32)")
+    parser.add_argument("--draft-vocab", type=flag(parse_draft_vocab), default="auto",
+                        help="token ids the draft model's LM head scores: auto (the first 32768, the special tokens and the text's own, "
+                             "beside a q8 target with a vocabulary of 64k or more), all, or N")
     parser.add_argument("--drafter", default="auto", choices=DRAFTER_NAMES, help="auto = model with --draft, else self where the target allows (a native float32 target on verispec's CPU kernels), else ngram; self = the target's int4 copy drafting on its cache; suffix = suffix decoding over the prompt and the same tenant's earlier outputs; staged = the draft model (or the int4 copy) itself sped up by suffix proposals; none = plain decoding")
     parser.add_argument("--draft-len", type=flag(DraftLen.parse), default=DraftLen("auto"), help="draft tokens per step, 'auto', or 'tree' (auto plus token-tree alternates) (default: %(default)s)")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s, this machine only)")
@@ -783,7 +790,7 @@ def main(argv: list[str] | None = None) -> None:
         keys = args.api_key or ([os.environ["VERISPEC_API_KEY"]] if os.environ.get("VERISPEC_API_KEY") else [])
         if args.api_key_file:
             keys = keys + read_key_file(args.api_key_file)
-        serve(args.target, host=args.host, port=args.port, log_level=args.log_level, draft=args.draft, draft_dtype=args.draft_dtype,
+        serve(args.target, host=args.host, port=args.port, log_level=args.log_level, draft=args.draft, draft_dtype=args.draft_dtype, draft_vocab=args.draft_vocab,
               drafter=args.drafter, draft_len=args.draft_len, api_key=keys or None, max_batch=args.max_batch,
               max_queue=args.max_queue, max_body_bytes=max(1, int(args.max_body_mb * 2**20)), model_name=args.served_model_name,
               prefix_cache_bytes=max(0, int(args.prefix_cache_mb * 2**20)),
