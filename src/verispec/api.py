@@ -115,11 +115,15 @@ def load_draft(name_or_path: Any, target: CausalLM, weight_dtype: torch.dtype | 
         weight_dtype = "q4_0"
     vocab = options.draft_vocab(vocab)
     draft = load(name_or_path, weight_dtype=weight_dtype, **load_options)
-    if vocab == "auto":
-        vocab = DRAFT_HEAD_TOKENS if target.numerics == "q8" and getattr(draft, "vocab_size", 0) >= 2 * DRAFT_HEAD_TOKENS else None
     from verispec.models.native import NativeCausalLM
 
-    if vocab is None or not isinstance(draft, NativeCausalLM):
+    if not isinstance(draft, NativeCausalLM):  # a trained head, or a model on the transformers backend
+        if vocab not in ("auto", None):
+            raise VerispecError(f"a draft vocab applies to a draft model on the native backend, not {name_or_path!r}: drop it")
+        return draft
+    if vocab == "auto":
+        vocab = DRAFT_HEAD_TOKENS if target.numerics == "q8" and draft.vocab_size >= 2 * DRAFT_HEAD_TOKENS else None
+    if vocab is None:
         return draft
     # one restricted copy per draft and size, so the costs measured on it (`costs.BOOK`) carry over between calls
     copies = _READING_DRAFTS.setdefault(draft, {})
