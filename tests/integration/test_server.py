@@ -883,6 +883,34 @@ def test_cancelling_one_row_leaves_its_batch_mates_decoding(draft):
         scheduler.stop()
 
 
+def test_a_reading_draft_head_in_a_lane_whose_rows_come_and_go():
+    """A draft whose head scores 40 ids and its texts' own (`with_output_ids(..., reads=True)`) in a server lane:
+    rows join a running batch (their texts' tokens join the set), one is cancelled (its leave), and every other
+    row is plain decoding's; the draft still gets tokens accepted."""
+    from verispec.models.native import NativeCausalLM
+
+    target = NativeCausalLM.from_hf(tiny_llama(seed=0))
+    draft = NativeCausalLM.from_hf(perturbed_copy(tiny_llama(seed=0), scale=0.05)).with_output_ids(torch.arange(40), reads=True)
+    prompts = [[5, 6, 70, 5, 6], [80, 81, 90], [40, 41, 42, 93], [50, 95, 51], [60, 88, 61, 62]]
+    plain = [plain_tokens(target, prompt, max_new_tokens=40) for prompt in prompts]
+    stats = []
+    scheduler = Scheduler(target, lambda speculate: make_drafter(target, draft, "model" if speculate else "none"), max_batch=4)
+    scheduler.start()
+    try:
+        first = [job(p, max_new_tokens=40, draft=3) for p in prompts[:2]]
+        scheduler.submit([j for j, _ in first])
+        assert isinstance(first[1][1].items.get(timeout=30), TokenEvent)  # decoding: the next rows join a running batch
+        rest = [job(p, max_new_tokens=40, draft=3) for p in prompts[2:]]
+        scheduler.submit([j for j, _ in rest])
+        scheduler.cancel([first[1][0].id])
+        for i, (_, collector) in enumerate(first + rest):
+            if i != 1:
+                assert collector.result() == plain[i], prompts[i]
+        assert scheduler.step_failures == 0 and scheduler.stats.accepted_tokens > 0
+    finally:
+        scheduler.stop()
+
+
 def test_admission_bounds_the_stall(monkeypatch):
     """While rows decode, a few new prompts are read a bounded number of tokens per step, and a burst that
     outnumbers the running rows at once."""
