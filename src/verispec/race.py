@@ -14,7 +14,8 @@ or `mtp-tree:DIR[:...]` (an MTP module, `verispec train mtp`, likewise), `medusa
 (Medusa-1 heads, `verispec train medusa`; float32), `staged:DRAFT[:DTYPE]` (staged drafting: the draft model
 itself sped up by suffix proposals; `staged` alone: the target's int4 copy, float32 targets), `auto:DRAFT[:DTYPE]`
 (the default mode given a draft model: the drafter `resolve_drafter` picks, or prompt lookup where the draft's
-prompt prefill would not pay; each row names the drafter that ran). For staged
+prompt prefill would not pay; each row names the drafter that ran); a draft model's methods take a third field, the
+token ids its head scores (`auto:DRAFT:q4_0:all`: the whole head; `api.load_draft`'s vocab, "auto" by default). For staged
 methods the report adds stage 2's figures: draft tokens per draft-model pass.
 
     verispec bench humaneval --target qwen2.5-coder-1.5b --numerics q8 --rows odd --method eagle3:HEAD \
@@ -33,7 +34,7 @@ from pathlib import Path
 import torch
 
 import verispec
-from verispec import zoo
+from verispec import options, zoo
 from verispec.bench import _cpu_name, _median_run, read_prompts
 from verispec.errors import VerispecError
 from verispec.options import DraftLen
@@ -57,9 +58,11 @@ def methods_of(target, specs: list[str]) -> list[Method]:
         if kind in ("suffix", "rest", "ngram", "self") or spec == "staged":
             out.append(Method(kind, dict(drafter=kind)))
         elif kind in ("staged", "model") or (kind == "auto" and rest):  # a draft model; "auto": the default mode given one
-            name, _, dtype = rest.partition(":")
-            draft = verispec.api.load_draft(name, target, dtype or "q4_0")  # its head as `load_draft` sizes it
-            head = f" head {len(draft.output_ids)}+read" if getattr(draft, "output_ids", None) is not None else ""
+            name, _, rest = rest.partition(":")
+            dtype, _, vocab = rest.partition(":")
+            vocab = options.draft_vocab(int(vocab) if vocab.isdigit() else vocab or "auto")
+            draft = verispec.api.load_draft(name, target, dtype or "q4_0", vocab=vocab)  # its head as `load_draft` sizes it
+            head = f" head {len(draft.output_ids)}+read" if draft.output_ids is not None else ""
             out.append(Method(f"{kind} {Path(name).name} {dtype or 'q4_0'}{head}", dict(draft=draft, drafter=kind)))
         elif kind in ("eagle3", "eagle3-tree", "mtp", "mtp-tree"):
             directory, _, weights = rest.partition(":")
@@ -81,7 +84,7 @@ def methods_of(target, specs: list[str]) -> list[Method]:
                               dict(draft=head, drafter="medusa", **({"draft_len": "tree"} if kind == "medusa-tree" else {}))))
         else:
             raise VerispecError(f"unknown --method {spec!r}: plain, suffix, ngram, self, model:DRAFT[:DTYPE], auto:DRAFT[:DTYPE], eagle3:DIR, "
-                             "eagle3-tree:DIR, mtp:DIR, mtp-tree:DIR, head+suffix:DIR[:WEIGHTS], medusa:DIR, medusa-tree:DIR, staged, staged:DRAFT[:DTYPE]")
+                             "eagle3-tree:DIR, mtp:DIR, mtp-tree:DIR, head+suffix:DIR[:WEIGHTS], medusa:DIR, medusa-tree:DIR, staged, staged:DRAFT[:DTYPE[:VOCAB]]")
     return out
 
 

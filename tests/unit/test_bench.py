@@ -8,6 +8,8 @@ import json
 
 import pytest
 
+import verispec
+
 from verispec.bench import BUNDLED_PROMPTS, _paired_runs, add_bench_arguments, read_prompts, run_bench
 from verispec.cli import main
 from verispec.errors import VerispecError
@@ -118,6 +120,21 @@ def test_bench_races_drafters_side_by_side(tmp_path, capsys):
     assert "| suffix |" in (tmp_path / "race.md").read_text()
     assert main(["bench", "humaneval", "--target", "smollm2-135m", "--method", "nonsense", "--out", str(tmp_path)]) == 2
     assert "unknown --method 'nonsense'" in capsys.readouterr().err
+
+
+def test_race_methods_name_the_drafts_head():
+    """A draft model's race method takes the token ids its head scores as a third field (`api.load_draft`'s vocab)
+    and names it; bad ones fail before any run."""
+    from verispec.errors import VerispecError
+    from verispec.race import methods_of
+
+    target = verispec.load("smollm2-135m")
+    names = [m.name for m in methods_of(target, ["model:smollm2-135m:q4_0:4096", "staged:smollm2-135m:q4_0:all",
+                                                 "auto:smollm2-135m"])]
+    assert names[0] == "plain" and names[1].startswith("model smollm2-135m q4_0 head 40") and names[1].endswith("+read")
+    assert names[2:] == ["staged smollm2-135m q4_0", "auto smollm2-135m q4_0"]  # whole heads: all, and auto beside float32
+    with pytest.raises(VerispecError, match="draft_vocab"):
+        methods_of(target, ["model:smollm2-135m:q4_0:lots"])
 
 
 def test_paired_runs_alternate_the_order_and_take_medians():
