@@ -68,8 +68,38 @@ def main() -> None:
                       "geomean": statistics.geometric_mean(r[name]["vs_whole"] for r in rows),
                       "identical": f"{sum(r[name]['identical'] for r in rows)}/{len(rows)}"} for name in variants}
     print(json.dumps(summary, indent=1))
-    Path(args.out).write_text(json.dumps({"cpu": _cpu_name(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                                          "settings": vars(args), "summary": summary, "rows": rows}, indent=1))
+    report = {"cpu": _cpu_name(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+              "settings": vars(args), "summary": summary, "rows": rows}
+    Path(args.out).write_text(json.dumps(report, indent=1))
+    plot(report, Path(args.out).with_suffix(".png"))
+
+
+def plot(report: dict, path: Path) -> None:
+    """Each prompt's tokens/s against the whole head's, one bar per head variant."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = report["rows"]
+    variants = [name for name in rows[0] if name not in ("category", "id")]
+    fig, ax = plt.subplots(figsize=(10, 4))
+    width = 0.8 / len(variants)
+    for i, name in enumerate(variants):
+        ax.bar([x + i * width for x in range(len(rows))], [r[name]["vs_whole"] for r in rows], width,
+               label=f"{name} (median {report['summary'][name]['median']:.2f}x)")
+    ax.axhline(1.0, color="gray", linewidth=0.8)
+    ratios = [r[name]["vs_whole"] for r in rows for name in variants]
+    ax.set_ylim(min(0.8, min(ratios) - 0.05), max(ratios) + 0.15)
+    ax.set_xticks([x + width * (len(variants) - 1) / 2 for x in range(len(rows))])
+    ax.set_xticklabels([r["category"] for r in rows], rotation=30, ha="right")
+    ax.set_ylabel("tokens/s vs the whole head")
+    settings = report["settings"]
+    ax.set_title(f"{settings['draft']} (Q4_0) drafting for {settings['target']} (q8), {settings['drafter']}, "
+                 f"{report['cpu']}, {report['date']}", fontsize=9)
+    ax.legend(fontsize=8, loc="upper left", ncol=len(variants))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":
