@@ -163,12 +163,15 @@ class DecodeBatch:
         check_request(self.target, request)
 
     @torch.inference_mode()
-    def add(self, requests: list[Request], readers: list[PromptReader] | None = None) -> None:
-        self._behind = True
+    def add(self, requests: list[Request], readers: list[PromptReader] | None = None,
+            draft_readers: list[PromptReader] | None = None) -> None:
         """Admit requests: prefill their prompts (all but the last token) and join the batch.
 
         readers: the requests' prompts already read (`prefill.PromptReader`, done), e.g. a few chunks at a
-        time between steps by the server, perhaps from a prefix cache; else they are read now."""
+        time between steps by the server, perhaps from a prefix cache; else they are read now. draft_readers:
+        the same on the drafter's `prefill_model`, for a drafter that takes them (`Drafter.reads_prompt_readers`);
+        else the drafter reads them itself."""
+        self._behind = True
         for request in requests:
             self.check(request)
         taps = self.drafter.target_taps  # a drafter that reads the target's hidden states
@@ -193,11 +196,14 @@ class DecodeBatch:
         self.stats.drafter = type(self.drafter).__name__
         drafting = time.perf_counter()
         tenants = {"tenants": [r.tenant for r in requests]} if self.drafter.reads_tenants else {}
-        self.drafter.add([list(r.prompt) for r in requests], **tenants)
+        draft_model = self.drafter.prefill_model
+        read = draft_readers is not None and self.drafter.reads_prompt_readers and all(r.model is draft_model for r in draft_readers)
+        self.drafter.add([list(r.prompt) for r in requests], **tenants, **({"readers": draft_readers} if read else {}))
         if taps is not None:
             self.drafter.observe_taps([None] * len(self.rows) + hidden)
-        draft_model = self.drafter.prefill_model
-        if draft_model is not None and target_seconds > 0 and not any(reader.reused for reader in readers):
+        if read:  # the draft's prefill, read between steps: its time is the readers'
+            self.stats.prefill_seconds += sum(reader.seconds for reader in draft_readers)
+        elif draft_model is not None and target_seconds > 0 and not any(reader.reused for reader in readers):
             BOOK.record_relative_prefill(self.target, draft_model, tokens, (time.perf_counter() - drafting) / target_seconds)
         for r in requests:
             limit = min(r.max_new_tokens, self.target.max_context - len(r.prompt))

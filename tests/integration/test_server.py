@@ -920,10 +920,10 @@ def test_admission_bounds_the_stall(monkeypatch):
     admitted: list[int] = []
     real_add = DecodeBatch.add
 
-    def add(self, requests, readers=None):
+    def add(self, requests, readers=None, draft_readers=None):
         if threading.current_thread() is scheduler.thread:  # not the reference decoding in this thread
             admitted.append(len(requests))
-        return real_add(self, requests, readers)
+        return real_add(self, requests, readers, draft_readers)
 
     monkeypatch.setattr(DecodeBatch, "add", add)
     scheduler = Scheduler(target, lambda speculate: make_drafter(target, None, "none"), max_batch=8, prefill_tokens=4)
@@ -949,6 +949,50 @@ def test_admission_bounds_the_stall(monkeypatch):
         for j, collector in burst:
             assert collector.result() == plain_tokens(target, j.request.prompt)
         assert admitted == [4, 1, 1, 4]
+    finally:
+        scheduler.stop()
+
+
+def test_a_long_prompt_is_read_by_the_draft_model_between_steps_too(monkeypatch):
+    """While rows decode, a long prompt is read by the draft model, as by the target, at most the step's budget at
+    a time (a draft with llama.cpp's numerics reads any number of tokens per pass), and the drafter joins those
+    reads instead of reading the whole prompt in one stall; every row is plain decoding's."""
+    from verispec.drafters import ModelDrafter
+    from verispec.models import kernels
+    from verispec.models.native import NativeCausalLM
+
+    if not kernels.available():
+        pytest.skip("a Q4_0 draft runs on verispec's q8 kernels, unavailable here")
+    torch.set_num_threads(1)
+    target = NativeCausalLM.from_hf(tiny_llama(seed=0))
+    target.eos_token_ids = frozenset()  # the runners must still be decoding when the newcomer arrives
+    draft = NativeCausalLM.from_hf(perturbed_copy(tiny_llama(seed=0), scale=0.05), weight_dtype="q4_0")
+    newcomer_prompt = [(7 * i + 3) % 90 + 1 for i in range(60)]
+    plain = plain_tokens(target, newcomer_prompt, max_new_tokens=8)
+    widths, joined = [], []
+    real_forward, real_add = draft.forward, ModelDrafter.add
+    monkeypatch.setattr(draft, "forward", lambda tokens, *args, **kwargs: widths.append(tokens.shape[1]) or real_forward(tokens, *args, **kwargs))
+
+    def add(self, prompts, readers=None):
+        joined.append(readers is not None)
+        return real_add(self, prompts, readers)
+
+    monkeypatch.setattr(ModelDrafter, "add", add)
+    scheduler = Scheduler(target, lambda speculate: make_drafter(target, draft, "model" if speculate else "none"),
+                          max_batch=4, prefill_tokens=4)
+    scheduler.start()
+    try:
+        runners = [job([20 + i, 21], max_new_tokens=400) for i in range(2)]
+        scheduler.submit([j for j, _ in runners])
+        for _, collector in runners:
+            assert isinstance(collector.items.get(timeout=30), TokenEvent)
+        widths.clear()
+        newcomer, collector = job(newcomer_prompt, max_new_tokens=8)
+        scheduler.submit([newcomer])
+        assert collector.result() == plain
+        assert joined and all(joined)  # every prompt reached the drafter read
+        assert max(widths) <= 8, widths  # budget-sized reads and draft steps; never the 59-token prompt at once
+        scheduler.cancel([j.id for j, _ in runners])
     finally:
         scheduler.stop()
 

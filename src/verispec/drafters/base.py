@@ -282,6 +282,11 @@ class Drafter(Protocol):
     # row's `Request.tenant` as `tenants`, so a row drafts only from its own tenant's history.
     reads_tenants: bool = False
 
+    # `add` takes `readers`: the new rows' prompts (all but the last token) already read on `prefill_model`
+    # (`prefill.PromptReader`s, done), e.g. a few chunks at a time between the server's steps, so a long
+    # prompt's draft prefill does not stall the rows decoding meanwhile. Without them it reads the prompts itself.
+    reads_prompt_readers: bool = False
+
     def share_cache(self, cache: "ModelCache") -> None:
         """Draft on this target cache from now on (called only when `shares_cache`)."""
         raise NotImplementedError(f"{type(self).__name__} does not draft on the target's cache")

@@ -25,14 +25,15 @@ class HybridDrafter(Drafter):
 
     def __init__(self, model: ModelDrafter, lookup: NgramDrafter | None = None, max_lag: int = 16):
         self.model = model
+        self.reads_prompt_readers = model.reads_prompt_readers
         # Matches of two or more tokens only: a single repeated token says little about what follows.
         self.lookup = lookup if lookup is not None else NgramDrafter(min_ngram=2, max_ngram=4)
         self.max_lag = max_lag  # tokens the model may fall behind before it must draft (and catch up)
         self.lookup_steps = 0
         self.model_steps = 0
 
-    def add(self, prompts: list[list[int]]) -> None:
-        self.model.add(prompts)
+    def add(self, prompts: list[list[int]], readers=None) -> None:
+        self.model.add(prompts, **({} if readers is None else {"readers": readers}))
         self.lookup.add(prompts)
 
     @property

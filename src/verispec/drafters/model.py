@@ -20,13 +20,14 @@ import torch
 
 from verispec.drafters.base import BranchRule, Draft, Drafter, StopRule, Verdict, draw_alternates, empty_draft
 from verispec.models.base import CausalLM
-from verispec.prefill import left_pad, prefill
+from verispec.prefill import PromptReader, joined, left_pad, prefill
 from verispec.grammar import Constraint, mask_logits
 from verispec.sampling import SamplingParams, coupled_choice, process_logits, sample, warp_rows
 
 
 class ModelDrafter(Drafter):
     reads_grammars = True
+    reads_prompt_readers = True
 
     def __init__(self, model: CausalLM, target_vocab_size: int, min_confidence: float = 0.0):
         self.model = model
@@ -37,10 +38,17 @@ class ModelDrafter(Drafter):
         self.prompt_lens: list[int] = []  # per row: where its generated tokens begin (penalties count those)
 
     @torch.inference_mode()
-    def add(self, prompts: list[list[int]]) -> None:
+    def add(self, prompts: list[list[int]], readers: list[PromptReader] | None = None) -> None:
         # Prefill the new rows now (all but the last token, like the target), so a draft step costs
-        # what drafting costs: the adaptive draft length learns from that time.
-        new_rows = prefill(self.model, [list(p[:-1]) for p in prompts])  # grouped by length, like the target's
+        # what drafting costs: the adaptive draft length learns from that time. readers: those reads, done
+        # already (`Drafter.reads_prompt_readers`).
+        if readers is not None:
+            if len(readers) != len(prompts) or any(r.model is not self.model or not r.done or r.tokens != list(p[:-1])
+                                                   for r, p in zip(readers, prompts)):
+                raise ValueError("each reader must have read its prompt but the last token, on the draft model")
+            new_rows = joined(self.model, readers)
+        else:
+            new_rows = prefill(self.model, [list(p[:-1]) for p in prompts])  # grouped by length, like the target's
         if self.cache is None or self.cache.batch_size == 0:
             self.cache = new_rows
         else:

@@ -83,6 +83,7 @@ class StagedDrafter(Drafter):
         self.proposer = proposer
         self.shares_cache = model.shares_cache
         self.reads_tenants = proposer.reads_tenants
+        self.reads_prompt_readers = model.reads_prompt_readers
         self.policy = policy if policy is not None else AdaptiveDraftLen(max_draft_len=MAX_STAGE2_DEPTH)
         # Draft-model passes may not exceed the rows its exact small-pass kernels take (a wider pass would
         # run the big-pass path, built for prompts, for a few draft tokens).
@@ -99,8 +100,8 @@ class StagedDrafter(Drafter):
     def share_cache(self, cache) -> None:
         self.model.share_cache(cache)
 
-    def add(self, prompts: list[list[int]], tenants=None) -> None:
-        self.model.add(prompts)
+    def add(self, prompts: list[list[int]], tenants=None, readers=None) -> None:
+        self.model.add(prompts, **({} if readers is None else {"readers": readers}))
         self.proposer.add(prompts, **({} if tenants is None else {"tenants": tenants}))
 
     @torch.inference_mode()

@@ -8,8 +8,9 @@ decoding rows wait, so a prompt is read in the model's chunks (`prefill.PromptRe
 `prefill_tokens` prompt tokens between two steps (always at least one chunk), scaled up by the ratio of
 reading jobs to decoding rows where they outnumber them: a 6000-token prompt delays the running streams
 by about one chunk's pass per step, not by its whole prefill, while a burst that outnumbers the running
-rows is read at once (the few rows it delays gain more from a full batch). A job whose prompt is read
-joins its lane. With a `PrefixCache`, a prompt starts from the longest prefix of it already read (bitwise
+rows is read at once (the few rows it delays gain more from a full batch). Where the lane's drafter reads
+prompts on a draft model of its own (`Drafter.reads_prompt_readers`), the draft model reads it the same way,
+after the target, within the same budget (`PromptReads`). A job whose prompt is read joins its lane. With a `PrefixCache`, a prompt starts from the longest prefix of it already read (bitwise
 the keys and values a fresh read computes) and its chunks are stored for later requests.
 
 Jobs are grouped into *lanes* by how they are decoded: the server's draft length, a per-request
@@ -123,6 +124,32 @@ class WorkerClock:
             return dict(self.seconds), widths
 
 
+class PromptReads:
+    """A job's prompt being read between steps: by the target, then by the draft model its lane's drafter reads
+    prompts on (`Drafter.reads_prompt_readers`), so neither prefill stalls the rows decoding meanwhile."""
+
+    def __init__(self, target: PromptReader, draft: PromptReader | None = None):
+        self.target, self.draft = target, draft
+
+    @property
+    def done(self) -> bool:
+        return self.target.done and (self.draft is None or self.draft.done)
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.target.tokens
+
+    def advance(self, budget: float, at_least_one: bool) -> int:
+        """Read at most `budget` more tokens (either model's count), the target's first; with `at_least_one`,
+        one chunk even past the budget. Returns the tokens read."""
+        read = 0
+        if not self.target.done:
+            read = self.target.advance(budget, at_least_one)
+        if self.target.done and self.draft is not None and not self.draft.done and (budget > read or not read and at_least_one):
+            read += self.draft.advance(budget - read, at_least_one and not read)
+        return read
+
+
 class Scheduler:
     """Continuous batching on a worker thread: admit between steps, step every lane, route events.
 
@@ -145,9 +172,11 @@ class Scheduler:
         self.policies: dict[DraftSetting, DraftPolicy] = {}  # kept across lanes, so adaptive estimates survive
         self.inbox: queue.Queue = queue.Queue()
         self.waiting: list[Job] = []
-        self.reading: list[tuple[Job, PromptReader]] = []  # jobs with a row, their prompts being read
+        self.reading: list[tuple[Job, PromptReads]] = []  # jobs with a row, their prompts being read
         self.prefix_cache = prefix_cache  # shared by every lane: one target, one set of numbers
         self._lane_taps: dict[DraftSetting, tuple[tuple[int, ...] | None, int | None]] = {}
+        # per setting, the model its lane's drafter reads prompts on through readers (`Drafter.reads_prompt_readers`)
+        self._lane_readers: dict[DraftSetting, CausalLM | None] = {}
         self.lanes: list[Lane] = []
         self.step_failures = 0
         self.failed: dict[int, int] = defaultdict(int)  # JobFailed status -> sequences failed with it
@@ -281,8 +310,10 @@ class Scheduler:
                 continue
             try:
                 taps, tap_last = self._taps(job.draft)
-                reader = PromptReader(self.target, job.request.prompt[:-1], self.prefix_cache, taps,
-                                      salt=job.request.cache_salt, tap_last=tap_last)
+                prompt = job.request.prompt[:-1]
+                reader = PromptReader(self.target, prompt, self.prefix_cache, taps, salt=job.request.cache_salt, tap_last=tap_last)
+                draft_model = self._lane_readers[job.draft]
+                reader = PromptReads(reader, PromptReader(draft_model, prompt) if draft_model is not None else None)
             except Exception:
                 log.exception("looking up a prompt in the prefix cache failed")
                 self.step_failures += 1
@@ -299,7 +330,7 @@ class Scheduler:
         decoding = sum(len(lane.jobs) for lane in self.lanes)
         budget = self.prefill_tokens * max(1.0, len(self.reading) / decoding) if decoding else float("inf")
         started = time.perf_counter()
-        ready: dict[DraftSetting, list[tuple[Job, PromptReader]]] = defaultdict(list)
+        ready: dict[DraftSetting, list[tuple[Job, PromptReads]]] = defaultdict(list)
         still = []
         moved = False  # whether a prompt moved on this time (the first one always does)
         for job, reader in self.reading:
@@ -322,11 +353,13 @@ class Scheduler:
         for setting, pairs in ready.items():
             self._join(self._open_lane(setting), pairs)
 
-    def _join(self, lane: Lane, pairs: list[tuple[Job, PromptReader]]) -> None:
+    def _join(self, lane: Lane, pairs: list[tuple[Job, PromptReads]]) -> None:
         """Jobs whose prompts are read join `lane`'s batch."""
         started = time.perf_counter()
+        drafts = [reads.draft for _, reads in pairs]
         try:
-            lane.batch.add([job.request for job, _ in pairs], [reader for _, reader in pairs])
+            lane.batch.add([job.request for job, _ in pairs], [reads.target for _, reads in pairs],
+                           draft_readers=drafts if all(draft is not None for draft in drafts) else None)
         except Exception:
             # The batch may be half-updated: drop it with everything in it.
             log.exception("admitting %d requests failed", len(pairs))
@@ -362,6 +395,7 @@ class Scheduler:
             policy = self.policies.setdefault(setting, make_policy(setting))
         lane = Lane(setting, DecodeBatch(self.target, drafter, policy, stats=self.stats, prefix_cache=self.prefix_cache))
         self._lane_taps[setting] = drafter.target_taps, drafter.prompt_taps
+        self._lane_readers[setting] = drafter.prefill_model if drafter.reads_prompt_readers else None
         self.lanes.append(lane)
         return lane
 
