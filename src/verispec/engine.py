@@ -27,7 +27,7 @@ from verispec.models.base import CausalLM
 from verispec.models.kernels.threads import torch_on_one_thread
 from verispec.options import DraftLen
 from verispec.policy import RETREAT_STEPS, DraftPolicy, make_policy, retreat_pays, start_pays
-from verispec.prefill import PromptReader, joined, read_once
+from verispec.prefill import PromptReader, check_read, joined, read_once
 from verispec.prefix_cache import PrefixCache
 from verispec.sampling import SamplingParams, TokenLogprob, make_generator, process_logits, token_logprobs
 from verispec.stats import AlternateOutcome, SpecStats, StepRecord
@@ -177,8 +177,7 @@ class DecodeBatch:
         taps = self.drafter.target_taps  # a drafter that reads the target's hidden states
         if readers is None:
             readers = read_once(self.target, [r.prompt[:-1] for r in requests], taps=taps, tap_last=self.drafter.prompt_taps)
-        if any(not reader.done or reader.tokens != list(r.prompt[:-1]) for reader, r in zip(readers, requests)):
-            raise ValueError("each reader must have read its request's prompt but the last token")
+        check_read(self.target, readers, [r.prompt[:-1] for r in requests])
         started = time.perf_counter()
         prefilled = joined(self.target, readers, with_hidden=taps is not None)
         if taps is not None:

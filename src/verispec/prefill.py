@@ -191,6 +191,14 @@ def read_once(model: CausalLM, contexts: list[list[int]], taps: tuple[int, ...] 
     return readers
 
 
+def check_read(model: CausalLM, readers: list[PromptReader], contexts: list[list[int]]) -> None:
+    """Raise ValueError unless readers[i] has read contexts[i] whole, on `model` (readers handed in from outside:
+    the server reads prompts between steps)."""
+    if len(readers) != len(contexts) or any(reader.model is not model or not reader.done or reader.tokens != list(context)
+                                            for reader, context in zip(readers, contexts)):
+        raise ValueError(f"each reader must have read its prompt but the last token, on {model.name}")
+
+
 def joined(model: CausalLM, readers: list[PromptReader], with_hidden: bool = False):
     """The readers' one-row caches as one cache, in order (and their tapped hidden states, with_hidden). A
     reader given several times (`read_once`) is joined once and its row copied."""

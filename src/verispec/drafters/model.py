@@ -20,7 +20,7 @@ import torch
 
 from verispec.drafters.base import BranchRule, Draft, Drafter, StopRule, Verdict, draw_alternates, empty_draft
 from verispec.models.base import CausalLM
-from verispec.prefill import PromptReader, joined, left_pad, prefill
+from verispec.prefill import PromptReader, check_read, joined, left_pad, prefill
 from verispec.grammar import Constraint, mask_logits
 from verispec.sampling import SamplingParams, coupled_choice, process_logits, sample, warp_rows
 
@@ -43,9 +43,7 @@ class ModelDrafter(Drafter):
         # what drafting costs: the adaptive draft length learns from that time. readers: those reads, done
         # already (`Drafter.reads_prompt_readers`).
         if readers is not None:
-            if len(readers) != len(prompts) or any(r.model is not self.model or not r.done or r.tokens != list(p[:-1])
-                                                   for r, p in zip(readers, prompts)):
-                raise ValueError("each reader must have read its prompt but the last token, on the draft model")
+            check_read(self.model, readers, [p[:-1] for p in prompts])
             new_rows = joined(self.model, readers)
         else:
             new_rows = prefill(self.model, [list(p[:-1]) for p in prompts])  # grouped by length, like the target's

@@ -162,18 +162,22 @@ class ReadTokens:
         self._where = {t: i for i, t in enumerate(self.ids)}
         self._ids = torch.tensor(self.ids, dtype=torch.long, device=self.rows.device)
 
-    def learn(self, tokens: list[list[int]], outside: torch.Tensor, head, bias: torch.Tensor | None) -> None:
-        """Note each row's `tokens` the head leaves out (`outside` [vocab] bool), adding the rows of those the set
-        lacks from the full head (a tensor or a `kernels.QuantizedMatrix`, dequantized: the same weights)."""
-        new = []
+    def empty_like(self, batch_size: int) -> "ReadTokens":
+        return ReadTokens(self.rows.shape[1], self.bias is not None, self.rows.device, batch_size)
+
+    def learn(self, tokens: list[torch.Tensor], outside: torch.Tensor, head, bias: torch.Tensor | None) -> None:
+        """Note each row's `tokens` [n] long the head leaves out (`outside` [vocab] bool), adding the rows of those
+        the set lacks from the full head (a tensor or a `kernels.QuantizedMatrix`, dequantized: the same weights)."""
+        new: dict[int, None] = {}  # in order of first appearance
         for owner, row in zip(self.owners, tokens):
-            for t in row:
-                if bool(outside[t]) and t not in owner:
+            for t in row[outside[row]].tolist():
+                if t not in owner:
                     owner.add(t)
-                    if t not in self._where and t not in new:
-                        new.append(t)
+                    if t not in self._where:
+                        new[t] = None
         if not new:
             return
+        new = list(new)
         index = torch.tensor(new, dtype=torch.long, device=self.rows.device)
         rows = head[index]
         rows = rows.dequantize() if isinstance(rows, kernels.QuantizedMatrix) else rows.float()
@@ -327,8 +331,8 @@ class NativeStore:
         self.length = length
         if self.read is not None or other.read is not None:
             like = self.read or other.read
-            mine = self.read or ReadTokens(like.rows.shape[1], like.bias is not None, like.rows.device, self.batch_size - other.batch_size)
-            mine.concat(other.read or ReadTokens(like.rows.shape[1], like.bias is not None, like.rows.device, other.batch_size))
+            mine = self.read or like.empty_like(self.batch_size - other.batch_size)
+            mine.concat(other.read or like.empty_like(other.batch_size))
             self.read = mine
 
 
@@ -728,7 +732,7 @@ class NativeCausalLM(CausalLM):
             if self._outside is not None:  # ... but those the text has held
                 if store.read is None:
                     store.read = ReadTokens(self.hidden_size, self.lm_head_bias is not None, self.device, batch)
-                store.read.learn([row[seen].tolist() for row, seen in zip(tokens, visible)], self._outside,
+                store.read.learn([row[seen] for row, seen in zip(tokens, visible)], self._outside,
                                  self._full_head, self._full_head_bias)
                 store.read.score(rows, logits)
         logits = logits.view(batch, -1, self.vocab_size).float()
