@@ -26,7 +26,7 @@ from verispec.grammar import Constraint, Grammar, mask_logits
 from verispec.models.base import CausalLM
 from verispec.models.kernels.threads import torch_on_one_thread
 from verispec.options import DraftLen
-from verispec.policy import RETREAT_STEPS, DraftPolicy, make_policy, retreat_pays, start_pays
+from verispec.policy import RETREAT_STEPS, START_AFTER, DraftPolicy, make_policy, retreat_pays, start_pays
 from verispec.prefill import PromptReader, check_read, joined, read_once
 from verispec.prefix_cache import PrefixCache
 from verispec.sampling import SamplingParams, TokenLogprob, make_generator, process_logits, token_logprobs
@@ -104,6 +104,17 @@ def check_request(target: CausalLM, request: Request) -> None:
 
 
 @dataclass
+class _LateStart:
+    """A draft model held back until a call's answer runs long (`DecodeBatch._start_late`), with what prices its
+    prefill: the prompt tokens and the target's seconds to read them (reused: read from a prefix cache)."""
+
+    drafter: Drafter
+    tokens: int
+    target_seconds: float
+    reused: bool
+
+
+@dataclass
 class _Row:
     request: Request
     sequence: list[int]  # prompt + generated
@@ -134,9 +145,13 @@ class DecodeBatch:
         # keeps what finished rows decoded, so a conversation's next turn reuses the answer too.
         self.prefix_cache = prefix_cache
         self.drafter = drafter
-        # Decided at the first `add`: `drafter` if its prompt prefill can pay for itself, else this one. Where the
-        # drafter started, the fallback stays in reserve for one judgment of it (`_judge_start`).
+        # Decided at the first `add`: `drafter` if its prompt prefill can pay for itself, else this one. A call of
+        # one row drafts with the fallback first and starts the drafter once its answer has run `start_after`
+        # tokens (`_start_late`); where the drafter started, the fallback stays in reserve for one judgment of it
+        # (`_judge_start`).
         self.fallback = fallback
+        self.start_after = START_AFTER
+        self._late: _LateStart | None = None
         self.reserve: Drafter | None = None
         # since the drafter started: tokens its steps gave, and those steps' seconds and count
         self._trial_tokens, self._trial_seconds, self._trial_steps = 0, 0.0, 0
@@ -189,15 +204,21 @@ class DecodeBatch:
         tokens = sum(len(r.prompt) - 1 for r in requests)  # what both prefills process
         if self.fallback is not None:
             chosen = self._start_or_fall_back(requests, tokens, target_seconds)
-            judged = chosen is self.drafter and chosen.prefill_model is not None  # a draft model that started
-            self.reserve = self.fallback if judged and len(requests) == 1 and not self.rows else None
+            starts = chosen is self.drafter and chosen.prefill_model is not None  # a draft model that would start
+            one_row = len(requests) == 1 and not self.rows
+            if starts and one_row and self.start_after > 0:
+                self._late = _LateStart(chosen, tokens, target_seconds, any(reader.reused for reader in readers))
+                chosen = self.fallback
+            self.reserve = self.fallback if starts and one_row else None
+            if self.reserve is not None and self.reserve is not chosen:  # it holds the row, should the call retreat
+                self.reserve.add([list(r.prompt) for r in requests])
             self.drafter, self.fallback = chosen, None
         self.stats.drafter = type(self.drafter).__name__
         drafting = time.perf_counter()
-        tenants = {"tenants": [r.tenant for r in requests]} if self.drafter.reads_tenants else {}
         draft_model = self.drafter.prefill_model
         read = draft_readers is not None and self.drafter.reads_prompt_readers and all(r.model is draft_model for r in draft_readers)
-        self.drafter.add([list(r.prompt) for r in requests], **tenants, **({"readers": draft_readers} if read else {}))
+        self.drafter.add([list(r.prompt) for r in requests], **self._tenants(self.drafter, requests),
+                         **({"readers": draft_readers} if read else {}))
         if taps is not None:
             self.drafter.observe_taps([None] * len(self.rows) + hidden)
         if read:  # the draft's prefill, read between steps: its time is the readers'
@@ -214,6 +235,10 @@ class DecodeBatch:
                                   constraint=constraint))
         self.stats.prefill_seconds += reading + time.perf_counter() - started
         self.stats.prompt_tokens += sum(len(r.prompt) for r in requests)
+
+    @staticmethod
+    def _tenants(drafter: Drafter, requests: list[Request]) -> dict:
+        return {"tenants": [r.tenant for r in requests]} if drafter.reads_tenants else {}
 
     def _start_or_fall_back(self, requests: list[Request], tokens: int, target_seconds: float) -> Drafter:
         """The drafter if its prompt prefill is expected to pay for itself over the requests' tokens
@@ -315,6 +340,8 @@ class DecodeBatch:
                 if event.finish_reason is not None:
                     self._store_decoded(b)
         self._keep([b for b, event in enumerate(events) if event.finish_reason is None])
+        if self._late is not None:  # after the finished rows left: a row that ended needs no draft
+            self._start_late()
         return events
 
     def _store_decoded(self, b: int) -> None:
@@ -370,8 +397,32 @@ class DecodeBatch:
         for stats, rows in self._stat_sinks():
             stats.observe(step.rows(rows))
         self.last_step = step
-        if self.reserve is not None:
+        if self.reserve is not None and self._late is None:
             self._judge_start(step)
+
+    def _start_late(self) -> None:
+        """Once the one row of a call that drafts by prompt lookup has `start_after` tokens of answer: the draft
+        model reads the prompt, if its prefill still pays over the tokens the row may yet make (`policy.start_pays`),
+        and drafts from the next step; the answer so far it reads in its first draft pass (a tail, as after any
+        step). A short answer (an extraction, a translation, a yes or no) ends before and never pays the draft's
+        prefill. The output is the same either way."""
+        row = self.rows[0] if len(self.rows) == 1 else None
+        if row is not None and len(row.generated) < self.start_after:
+            return
+        late, self._late = self._late, None
+        ratio = BOOK.relative_prefill(self.target, late.drafter.prefill_model, late.tokens)
+        startup = None if ratio is None else ratio * late.target_seconds
+        if row is None or not start_pays(startup, BOOK.step_seconds(self.target), row.remaining):
+            self.reserve = None
+            return
+        started = time.perf_counter()
+        late.drafter.add([list(row.request.prompt)], **self._tenants(late.drafter, [row.request]))
+        seconds = time.perf_counter() - started
+        if late.target_seconds > 0 and not late.reused:
+            BOOK.record_relative_prefill(self.target, late.drafter.prefill_model, late.tokens, seconds / late.target_seconds)
+        self.stats.prefill_seconds += seconds
+        self.stats.drafter = f"{self.stats.drafter}, then {type(late.drafter).__name__}"
+        self.drafter, self.policy, self._behind = late.drafter, self.policy.fresh(), True
 
     def _judge_start(self, step: StepRecord) -> None:
         """Once, after `RETREAT_STEPS` steps of the one row a call started a draft model for: if those steps gave
@@ -387,8 +438,7 @@ class DecodeBatch:
         if self._trial_steps < RETREAT_STEPS:
             return
         reserve, self.reserve = self.reserve, None
-        if retreat_pays(self._trial_tokens, self._trial_seconds, BOOK.step_seconds(self.target)):
-            reserve.add([list(row.sequence) for row in self.rows])
+        if retreat_pays(self._trial_tokens, self._trial_seconds, BOOK.step_seconds(self.target)):  # the reserve holds the row
             self.stats.drafter = f"{self.stats.drafter}, then {type(reserve).__name__}"
             self.drafter, self.policy, self._behind = reserve, self.policy.fresh(), False
 

@@ -134,7 +134,7 @@ def test_a_model_on_its_gguf_blocks_decodes_exactly_as_on_float32(tmp_path):
     plain = verispec.generate(dense, prompt, drafter="none", max_new_tokens=24)
     greedy = verispec.generate(packed, prompt, drafter="none", max_new_tokens=24)
     speculative = verispec.generate(packed, prompt, draft=NativeCausalLM.from_hf(hf, weight_dtype=torch.bfloat16),
-                                    max_new_tokens=24)
+                                    drafter="model", max_new_tokens=24)
     assert greedy.token_ids == plain.token_ids == speculative.token_ids
 
 

@@ -362,7 +362,7 @@ def test_auto_drafts_a_q8_target_by_prompt_lookup_not_an_int4_copy(tmp_path):
     assert auto.token_ids == verispec.generate(model, prompt, drafter="none", max_new_tokens=40).token_ids
 
 
-def test_auto_with_a_q4_0_draft_model_drafts_staged_on_a_q8_target(tmp_path):
+def test_auto_with_a_q4_0_draft_model_drafts_staged_on_a_q8_target(tmp_path, monkeypatch):
     """Target and draft both in llama.cpp's numerics (a q8 target, a draft in ggml's Q4_0 blocks): "auto" gives
     staged drafting, which raced ahead of the draft model alone there; an int4 draft keeps "model". The output is
     plain decoding's."""
@@ -377,12 +377,13 @@ def test_auto_with_a_q4_0_draft_model_drafts_staged_on_a_q8_target(tmp_path):
     assert resolve_drafter(target, q4_0, "auto") == "staged"
     assert resolve_drafter(target, NativeCausalLM.from_hf(small, weight_dtype=torch.quint4x2), "auto") == "model"
     prompt = [5, 17, 33, 2, 64, 9, 41, 12, 5, 17, 33, 2, 64]
+    monkeypatch.setattr(verispec.engine, "START_AFTER", 0)  # the draft starts with the call, not after 32 tokens
     auto = verispec.generate(target, prompt, draft=q4_0, max_new_tokens=40)
     assert auto.stats.drafter.startswith("StagedDrafter")  # (then perhaps prompt lookup: `DecodeBatch._judge_start`)
     assert auto.token_ids == verispec.generate(target, prompt, drafter="none", max_new_tokens=40).token_ids
 
 
-def test_a_draft_named_beside_a_q8_target_loads_in_q4_0_blocks(tmp_path):
+def test_a_draft_named_beside_a_q8_target_loads_in_q4_0_blocks(tmp_path, monkeypatch):
     """A draft given by name or path takes the target's kind of numbers unless told otherwise: Q4_0 blocks beside a
     q8 target (so "auto" drafts staged, as with a draft loaded that way), float32 beside a float32 one; an explicit
     weight_dtype wins, and one given for an already loaded draft is refused rather than ignored."""
@@ -399,6 +400,7 @@ def test_a_draft_named_beside_a_q8_target_loads_in_q4_0_blocks(tmp_path):
     with pytest.raises(VerispecError, match="weight_dtype"):
         load_draft(draft, target, "int4")
     prompt = [5, 17, 33, 2, 64, 9, 41, 12, 5, 17, 33, 2, 64]
+    monkeypatch.setattr(verispec.engine, "START_AFTER", 0)  # the draft starts with the call, not after 32 tokens
     auto = verispec.generate(target, prompt, draft=str(path), max_new_tokens=40)
     assert auto.stats.drafter.startswith("StagedDrafter")  # (then perhaps prompt lookup: `DecodeBatch._judge_start`)
     assert auto.token_ids == verispec.generate(target, prompt, drafter="none", max_new_tokens=40).token_ids

@@ -311,6 +311,7 @@ def test_auto_gives_way_to_prompt_lookup_where_the_draft_prefill_would_not_pay(m
     target = tiny_llama(seed=0)
     draft = perturbed_copy(target, scale=0.05)
     prompt = [1, 5, 9, 5, 9, 5, 9, 7, 2, 5, 9] * 3
+    monkeypatch.setattr(verispec.engine, "START_AFTER", 0)  # the draft starts with the call (the late start: below)
     plain = verispec.generate(target, prompt, drafter="none", max_new_tokens=24)
     assert BOOK.step_seconds(target) is not None  # plain steps of one row are measured
     first = verispec.generate(target, prompt, draft=draft, max_new_tokens=24)
@@ -341,6 +342,7 @@ def test_a_started_draft_that_loses_to_plain_steps_gives_way_mid_call(monkeypatc
     draft = perturbed_copy(target, scale=0.05)
     prompt = [1, 5, 9, 5, 9, 5, 9, 7, 2, 5, 9] * 3
     plain = verispec.generate(target, prompt, drafter="none", max_new_tokens=80)
+    monkeypatch.setattr(verispec.engine, "START_AFTER", 0)  # the draft starts with the call (the late start: below)
     monkeypatch.setattr(BOOK, "relative_prefill", lambda target, draft, tokens: 0.0)  # the draft starts
     monkeypatch.setattr(BOOK, "step_seconds", lambda target: 1e-9)  # plain steps beat anything
     lost = verispec.generate(target, prompt, draft=draft, max_new_tokens=80)
@@ -354,3 +356,47 @@ def test_a_started_draft_that_loses_to_plain_steps_gives_way_mid_call(monkeypatc
     stats = verispec.generate(target, [prompt, prompt[1:]], draft=draft, max_new_tokens=80)
     assert [r.stats.drafter for r in stats] == ["ModelDrafter", "ModelDrafter"] and stats[0].token_ids == plain.token_ids
     assert verispec.generate(target, prompt, draft=draft, draft_len=3, max_new_tokens=80).stats.drafter == "ModelDrafter"
+
+
+def test_a_call_of_one_row_starts_its_draft_model_once_the_answer_runs_long(monkeypatch):
+    """`auto` drafts by prompt lookup for the first `START_AFTER` tokens of a one-row call, so an answer that ends
+    sooner never pays the draft's prefill; past them the draft model reads the prompt and drafts (and may still
+    give way, judged from then on). The tokens are plain decoding's in every case."""
+    from verispec.policy import RETREAT_STEPS
+
+    target = tiny_llama(seed=0)
+    draft = perturbed_copy(target, scale=0.05)
+    prompt = [1, 5, 9, 5, 9, 5, 9, 7, 2, 5, 9] * 3
+    plain = verispec.generate(target, prompt, drafter="none", max_new_tokens=120, min_tokens=120)  # no early EOS
+    monkeypatch.setattr(verispec.engine, "START_AFTER", 16)
+    monkeypatch.setattr(BOOK, "relative_prefill", lambda target, draft, tokens: 0.0)  # a start pays
+    monkeypatch.setattr(BOOK, "step_seconds", lambda target: 1e9)  # and the draft is kept once started
+
+    short = verispec.generate(target, prompt, draft=draft, max_new_tokens=16)
+    assert short.stats.drafter == "NgramDrafter" and short.token_ids == plain.token_ids[:16]
+    long = verispec.generate(target, prompt, draft=draft, max_new_tokens=120, min_tokens=120)
+    assert long.stats.drafter == "NgramDrafter, then ModelDrafter" and long.token_ids == plain.token_ids
+    for result in (short, long):  # the draft's late prefill counts as prefill, within the call's time
+        assert 0 < result.stats.prefill_seconds < result.stats.total_seconds
+
+    # Priced over the tokens the row may still make: a prefill that pays over 120 tokens may not over the rest.
+    monkeypatch.setattr(BOOK, "step_seconds", lambda target: 0.1)
+    monkeypatch.setattr(BOOK, "relative_prefill", lambda target, draft, tokens: 1.0)
+    import verispec.engine as engine
+
+    seconds = []
+    real = engine.start_pays
+    monkeypatch.setattr(engine, "start_pays", lambda startup, step, new_tokens: seconds.append(new_tokens) or real(0.0, step, new_tokens))
+    verispec.generate(target, prompt, draft=draft, max_new_tokens=120, min_tokens=120)
+    assert seconds == [120, 120 - 16]  # at the call's start, and at the late start
+    monkeypatch.setattr(engine, "start_pays", lambda startup, step, new_tokens: new_tokens == 120)
+    declined = verispec.generate(target, prompt, draft=draft, max_new_tokens=120, min_tokens=120)
+    assert declined.stats.drafter == "NgramDrafter" and declined.token_ids == plain.token_ids
+
+    # Started late, the draft is judged from then on: it gives way where plain steps beat it.
+    monkeypatch.setattr(engine, "start_pays", real)
+    monkeypatch.setattr(BOOK, "relative_prefill", lambda target, draft, tokens: 0.0)
+    monkeypatch.setattr(BOOK, "step_seconds", lambda target: 1e-9)
+    lost = verispec.generate(target, prompt, draft=draft, max_new_tokens=120, min_tokens=120)
+    assert lost.stats.drafter == "NgramDrafter, then ModelDrafter, then NgramDrafter" and lost.token_ids == plain.token_ids
+    assert lost.stats.target_passes > RETREAT_STEPS

@@ -1,0 +1,116 @@
+"""`auto` with a draft model, started with the call against started once the answer has run `START_AFTER` tokens.
+
+A one-row call of `drafter="auto"` with a draft model drafts by prompt lookup until its answer has
+`policy.START_AFTER` tokens and only then has the draft model read the prompt (`DecodeBatch._start_late`), so a
+short answer never pays the draft's prefill. This times that against starting the draft with the call (the
+behaviour before), beside plain decoding and prompt lookup alone, on every Spec-Bench dev category's first prompt
+and three HumanEval dev prompts. Each prompt runs every variant twice, in alternating order; each variant's tokens/s
+(end to end, prefill included) is divided by plain decoding's. Greedy: outputs must be identical.
+
+    python bench/late_start_ab.py --out bench/reports/late_start_ab.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import verispec
+import verispec.engine
+from verispec.api import load_draft
+from verispec.bench import _cpu_name, read_prompts
+from verispec.policy import START_AFTER
+from verispec.text import encode_prompt
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", default="qwen2.5-coder-1.5b")
+    parser.add_argument("--draft", default="qwen2.5-coder-0.5b")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--data", default="../shared/data", help="folder with humaneval_dev.jsonl and spec_bench_dev.jsonl")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+
+    target = verispec.load(args.target, numerics="q8")
+    draft = load_draft(args.draft, target)
+    variants = {"plain": (dict(drafter="none"), START_AFTER), "ngram": (dict(drafter="ngram"), START_AFTER),
+                "auto, draft at once": (dict(draft=draft), 0), f"auto, draft after {START_AFTER}": (dict(draft=draft), START_AFTER)}
+    data = Path(args.data)
+    prompts = read_prompts(str(data / "spec_bench_dev.jsonl"), 1) + read_prompts(str(data / "humaneval_dev.jsonl"), 6)[::2]
+    rows = []
+    try:
+        for prompt in prompts:
+            ids = encode_prompt(target.tokenizer, prompt.text, chat=prompt.chat)
+            runs = {name: [] for name in variants}
+            for round_ in range(args.rounds):
+                for name in (list(variants) if round_ % 2 == 0 else list(variants)[::-1]):
+                    options, start_after = variants[name]
+                    verispec.engine.START_AFTER = start_after
+                    result = verispec.generate(target, ids, max_new_tokens=args.max_new_tokens, **options)
+                    stats = result.stats
+                    runs[name].append({"tokens_per_second": len(result.token_ids) / stats.total_seconds,
+                                       "tokens_per_pass": stats.mean_accepted_tokens, "prefill_seconds": stats.prefill_seconds,
+                                       "drafter": stats.drafter, "tokens": result.token_ids})
+            plain = statistics.median(r["tokens_per_second"] for r in runs["plain"])
+            row = {"category": prompt.category, "id": prompt.id, "prompt_tokens": len(ids),
+                   "new_tokens": len(runs["plain"][0]["tokens"]), "plain_tokens_per_second": plain}
+            for name, got in runs.items():
+                row[name] = {"vs_plain": statistics.median(r["tokens_per_second"] for r in got) / plain,
+                             "tokens_per_pass": statistics.median(r["tokens_per_pass"] for r in got),
+                             "prefill_seconds": statistics.median(r["prefill_seconds"] for r in got),
+                             "drafter": got[-1]["drafter"],
+                             "identical": all(r["tokens"] == runs["plain"][0]["tokens"] for r in got)}
+            rows.append(row)
+            print(f"{prompt.category:14s} {row['prompt_tokens']:4d}+{row['new_tokens']:3d} " + " | ".join(
+                f"{name} {row[name]['vs_plain']:.2f}x" for name in variants if name != "plain")
+                + f"  ({row[list(variants)[-1]]['drafter']})", flush=True)
+    finally:
+        verispec.engine.START_AFTER = START_AFTER
+    summary = {name: {"median": statistics.median(r[name]["vs_plain"] for r in rows),
+                      "geomean": statistics.geometric_mean(r[name]["vs_plain"] for r in rows),
+                      "min": min(r[name]["vs_plain"] for r in rows),
+                      "identical": f"{sum(r[name]['identical'] for r in rows)}/{len(rows)}"} for name in variants}
+    print(json.dumps(summary, indent=1))
+    report = {"cpu": _cpu_name(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+              "settings": vars(args), "summary": summary, "rows": rows}
+    Path(args.out).write_text(json.dumps(report, indent=1))
+    plot(report, Path(args.out).with_suffix(".png"))
+
+
+def plot(report: dict, path: Path) -> None:
+    """Each prompt's tokens/s against plain decoding's, one bar per variant, prompts labelled with their lengths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = report["rows"]
+    variants = [name for name in report["summary"] if name != "plain"]
+    fig, ax = plt.subplots(figsize=(12, 4.5))
+    width = 0.8 / len(variants)
+    for i, name in enumerate(variants):
+        ax.bar([x + i * width for x in range(len(rows))], [r[name]["vs_plain"] for r in rows], width,
+               label=f"{name} (median {report['summary'][name]['median']:.2f}x, min {report['summary'][name]['min']:.2f}x)")
+    ax.axhline(1.0, color="gray", linewidth=0.8)
+    ax.axhline(0.97, color="red", linewidth=0.6, linestyle=":")
+    ratios = [r[name]["vs_plain"] for r in rows for name in variants]
+    ax.set_ylim(min(0.7, min(ratios) - 0.05), max(ratios) + 0.25)
+    ax.set_xticks([x + width * (len(variants) - 1) / 2 for x in range(len(rows))])
+    ax.set_xticklabels([f"{r['category']}\n{r['prompt_tokens']}+{r['new_tokens']}" for r in rows], rotation=30, ha="right",
+                       fontsize=7)
+    ax.set_ylabel("tokens/s vs plain (end to end)")
+    settings = report["settings"]
+    ax.set_title(f"{settings['target']} (q8) with {settings['draft']} (Q4_0): when auto starts the draft; "
+                 f"{report['cpu']}, {report['date']}", fontsize=9)
+    ax.legend(fontsize=8, loc="upper left", ncol=len(variants))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()
