@@ -997,6 +997,52 @@ def test_a_long_prompt_is_read_by_the_draft_model_between_steps_too(monkeypatch)
         scheduler.stop()
 
 
+@pytest.mark.parametrize("prefill_seconds", [0.05, None])
+def test_a_long_prompt_is_read_within_the_steps_seconds_budget(monkeypatch, prefill_seconds):
+    """The budget between two steps is also one of seconds, turned into tokens at the rate the model has read prompts:
+    on a slow target (here ~10 ms a token row, read in any split) a 59-token prompt is read ~5 tokens at a time for 0.05 s, not all
+    within the token budget (10000) at once; without a seconds budget (None) it is. Rows are plain decoding's."""
+    from verispec.models import kernels
+    from verispec.models.native import NativeCausalLM
+
+    if not kernels.available():
+        pytest.skip("a model read in any split (llama.cpp's numerics) runs on verispec's q8 kernels, unavailable here")
+    torch.set_num_threads(1)
+    target = NativeCausalLM.from_hf(tiny_llama(seed=0), weight_dtype="q4_0")  # no fixed chunks: any split is exact
+    target.eos_token_ids = frozenset()  # the runners must still be decoding when the newcomer arrives
+    newcomer_prompt = [(7 * i + 3) % 90 + 1 for i in range(60)]
+    plain = plain_tokens(target, newcomer_prompt, max_new_tokens=8)
+    widths = []
+    real_forward = target.forward
+
+    def slow_forward(tokens, *args, **kwargs):
+        if threading.current_thread() is scheduler.thread:
+            widths.append(tokens.shape[1])
+            time.sleep(0.01 * tokens.shape[1])
+        return real_forward(tokens, *args, **kwargs)
+
+    monkeypatch.setattr(target, "forward", slow_forward)
+    scheduler = Scheduler(target, lambda speculate: make_drafter(target, None, "none"), max_batch=4, prefill_tokens=10_000,
+                          prefill_seconds=prefill_seconds)
+    scheduler.start()
+    try:
+        runners = [job([20 + i, 21, 22], max_new_tokens=400, draft=None) for i in range(2)]
+        scheduler.submit([j for j, _ in runners])
+        for _, collector in runners:
+            assert isinstance(collector.items.get(timeout=30), TokenEvent)
+        widths.clear()
+        newcomer, collector = job(newcomer_prompt, max_new_tokens=8, draft=None)
+        scheduler.submit([newcomer])
+        assert collector.result() == plain
+        if prefill_seconds is None:
+            assert max(widths) == 59, widths
+        else:
+            assert widths.count(1) > 3 and max(widths) <= 12, widths  # ~5 tokens a read, decoding steps between
+        scheduler.cancel([j.id for j, _ in runners])
+    finally:
+        scheduler.stop()
+
+
 def test_a_server_without_a_draft_model_self_speculates():
     """`verispec serve` with no draft option: "auto" makes the target's int4 copy at start, and answers through
     HTTP are plain decoding's, from fewer target passes than tokens."""

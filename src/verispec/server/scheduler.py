@@ -5,7 +5,8 @@ Between steps the worker takes new jobs and cancellations from its inbox, gives 
 `TokenEvent`s through a callback. `submit` refuses jobs beyond `max_batch` running plus `max_queue`
 waiting (`QueueFull`), so a burst cannot pile up unbounded work. Reading prompts (prefill) makes the
 decoding rows wait, so a prompt is read in the model's chunks (`prefill.PromptReader`), at most
-`prefill_tokens` prompt tokens between two steps (always at least one chunk), scaled up by the ratio of
+`prefill_tokens` prompt tokens and about `prefill_seconds` of reading between two steps (always at least one
+chunk; seconds are turned into tokens at the rate each model has been reading prompts, `ReadRates`), scaled up by the ratio of
 reading jobs to decoding rows where they outnumber them: a 6000-token prompt delays the running streams
 by about one chunk's pass per step, not by its whole prefill, while a burst that outnumbers the running
 rows is read at once (the few rows it delays gain more from a full batch). Where the lane's drafter reads
@@ -31,6 +32,7 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Callable
+from weakref import WeakKeyDictionary
 
 from verispec.drafters.base import Drafter
 from verispec.engine import DecodeBatch, Request as EngineRequest, TokenEvent, check_request
@@ -46,6 +48,9 @@ log = logging.getLogger("verispec.server")
 
 MAX_WASTED_SLOTS = 256  # a lane stops admitting rows once its slot axis is this much longer than its longest row
 PREFILL_TOKENS_PER_STEP = 512  # prompt tokens admitted between two steps while rows are decoding
+# ... and at most about this many seconds of reading (at the rate each model has read prompts at): 512 tokens are
+# ~3.6 s of the q8 1.5B target on 2 CPU cores, ~4 ms on a GPU, and the stall is what a decoding stream feels.
+PREFILL_SECONDS_PER_STEP = 0.25
 
 # How a lane decodes: None = plain decoding, else its draft length (a DraftLen, or anything DraftLen.parse takes).
 DraftSetting = DraftLen | int | str | None
@@ -125,6 +130,26 @@ class WorkerClock:
             return dict(self.seconds), widths
 
 
+class ReadRates:
+    """The tokens per second each model has read prompts at, decayed, so a budget of seconds becomes one of
+    tokens per model: prefill speed differs by orders of magnitude across models, numerics and devices."""
+
+    def __init__(self, decay: float = 0.7):
+        self.decay = decay
+        self._rates: WeakKeyDictionary = WeakKeyDictionary()  # model -> tokens per second
+
+    def tokens(self, model: CausalLM, seconds: float) -> float:
+        """The tokens `model` reads in `seconds` (unbounded before it has been measured)."""
+        rate = self._rates.get(model)
+        return float("inf") if rate is None else max(0.0, seconds) * rate
+
+    def record(self, model: CausalLM, tokens: int, seconds: float) -> None:
+        if tokens <= 0 or seconds <= 0:
+            return
+        rate, old = tokens / seconds, self._rates.get(model)
+        self._rates[model] = rate if old is None else self.decay * old + (1 - self.decay) * rate
+
+
 class PromptReads:
     """A job's prompt being read between steps: by the target, then by the draft model its lane's drafter reads
     prompts on (`Drafter.reads_prompt_readers`), so neither prefill stalls the rows decoding meanwhile."""
@@ -140,33 +165,45 @@ class PromptReads:
     def tokens(self) -> list[int]:
         return self.target.tokens
 
-    def advance(self, budget: float, at_least_one: bool) -> int:
-        """Read at most `budget` more tokens (either model's count), the target's first; with `at_least_one`,
-        one chunk even past the budget. Returns the tokens read."""
-        read = 0
-        if not self.target.done:
-            read = self.target.advance(budget, at_least_one)
-        if self.target.done and self.draft is not None and not self.draft.done and (budget > read or not read and at_least_one):
-            read += self.draft.advance(budget - read, at_least_one and not read)
-        return read
+    def advance(self, tokens: float, seconds: float, rates: ReadRates, at_least_one: bool) -> tuple[int, float]:
+        """Read at most `tokens` more tokens (either model's count) in about `seconds` (at `rates`), the target's
+        first; with `at_least_one`, one chunk even past the budget. Returns the tokens read and the seconds it took."""
+        read, spent = 0, 0.0
+        for reader in (self.target, self.draft):
+            if reader is None or reader.done:
+                continue
+            first = at_least_one and not read
+            allowed = min(tokens - read, rates.tokens(reader.model, seconds - spent))
+            if allowed <= 0 and not first:
+                break
+            before = reader.seconds
+            got = reader.advance(allowed, first)
+            rates.record(reader.model, got, reader.seconds - before)
+            read, spent = read + got, spent + reader.seconds - before
+            if not reader.done:
+                break
+        return read, spent
 
 
 class Scheduler:
     """Continuous batching on a worker thread: admit between steps, step every lane, route events.
 
     submit() and cancel() may be called from any thread; everything else runs on the worker.
-    max_queue: most jobs waiting for a row beyond the `max_batch` running ones. prefill_tokens: most
-    prompt tokens admitted between two steps while rows are decoding (scaled as the module says).
+    max_queue: most jobs waiting for a row beyond the `max_batch` running ones. prefill_tokens, prefill_seconds:
+    most prompt tokens, and about the most seconds, read between two steps while rows are decoding (scaled as
+    the module says; prefill_seconds None: tokens alone).
     """
 
     def __init__(self, target: CausalLM, new_drafter: Callable[[bool], Drafter], max_batch: int, max_queue: int = 256,
                  stats: SpecStats | None = None, on_admit: Callable[[Job], None] | None = None,
-                 prefill_tokens: int = PREFILL_TOKENS_PER_STEP, prefix_cache: PrefixCache | None = None):
+                 prefill_tokens: int = PREFILL_TOKENS_PER_STEP, prefix_cache: PrefixCache | None = None,
+                 prefill_seconds: float | None = PREFILL_SECONDS_PER_STEP):
         self.target = target
         self.new_drafter = new_drafter  # speculate? -> a fresh drafter (a DecodeBatch needs its own)
         self.max_batch = max_batch
         self.max_queue = max_queue
-        self.prefill_tokens = prefill_tokens
+        self.prefill_tokens, self.prefill_seconds = prefill_tokens, prefill_seconds
+        self.read_rates = ReadRates()
         self.stats = stats if stats is not None else SpecStats()  # every lane's steps, server-wide
         self.clock = WorkerClock()
         self.on_admit = on_admit
@@ -323,22 +360,24 @@ class Scheduler:
             self.reading.append((job, reader))
 
     def _read_prompts(self) -> None:
-        """Read prompts in arrival order. While rows decode, read at most `prefill_tokens` tokens between two
-        steps (at least one chunk), scaled up by the ratio of reading jobs to decoding rows where they
-        outnumber them; with none decoding, read everything at once."""
+        """Read prompts in arrival order. While rows decode, read at most `prefill_tokens` tokens and about
+        `prefill_seconds` between two steps (at least one chunk), both scaled up by the ratio of reading jobs to
+        decoding rows where they outnumber them; with none decoding, read everything at once."""
         if not self.reading:
             return
         decoding = sum(len(lane.jobs) for lane in self.lanes)
-        budget = self.prefill_tokens * max(1.0, len(self.reading) / decoding) if decoding else float("inf")
+        scale = max(1.0, len(self.reading) / decoding) if decoding else float("inf")
+        tokens = self.prefill_tokens * scale
+        seconds = self.prefill_seconds * scale if self.prefill_seconds is not None else float("inf")
         started = time.perf_counter()
         ready: dict[DraftSetting, list[tuple[Job, PromptReads]]] = defaultdict(list)
         still = []
         moved = False  # whether a prompt moved on this time (the first one always does)
         for job, reader in self.reading:
-            if budget > 0 and not reader.done:
+            if tokens > 0 and seconds > 0 and not reader.done:
                 try:
-                    read = reader.advance(budget, at_least_one=not moved)
-                    budget -= read
+                    read, spent = reader.advance(tokens, seconds, self.read_rates, at_least_one=not moved)
+                    tokens, seconds = tokens - read, seconds - spent
                     moved = moved or read > 0
                 except Exception:
                     log.exception("reading a prompt of %d tokens failed", len(reader.tokens))
