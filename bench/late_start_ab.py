@@ -1,9 +1,10 @@
-"""`auto` with a draft model, started with the call against started once the answer has run `START_AFTER` tokens.
+"""`auto` with a draft model, started with the call against started after a wait of a few answer tokens.
 
-A one-row call of `drafter="auto"` with a draft model drafts by prompt lookup until its answer has
-`policy.START_AFTER` tokens and only then has the draft model read the prompt (`DecodeBatch._start_late`), so a
-short answer never pays the draft's prefill. This times that against starting the draft with the call (the
-behaviour before), beside plain decoding and prompt lookup alone, on every Spec-Bench dev category's first prompt
+A one-row call of `drafter="auto"` with a draft model drafts by prompt lookup until its answer has the tokens
+`policy.start_after` sets (a ski rental: until what the draft would have saved adds up to its prefill's price, at
+most `START_AFTER`) and only then has the draft model read the prompt (`DecodeBatch._start_late`), so a short
+answer never pays the draft's prefill. This times that against starting the draft with the call (the behaviour
+before, `START_AFTER` = 0), beside plain decoding and prompt lookup alone, on every Spec-Bench dev category's first prompt
 and three HumanEval dev prompts. Each prompt runs every variant twice, in alternating order; each variant's tokens/s
 (end to end, prefill included) is divided by plain decoding's. Greedy: outputs must be identical.
 
@@ -39,7 +40,7 @@ def main() -> None:
     target = verispec.load(args.target, numerics="q8")
     draft = load_draft(args.draft, target)
     variants = {"plain": (dict(drafter="none"), START_AFTER), "ngram": (dict(drafter="ngram"), START_AFTER),
-                "auto, draft at once": (dict(draft=draft), 0), f"auto, draft after {START_AFTER}": (dict(draft=draft), START_AFTER)}
+                "auto, draft at once": (dict(draft=draft), 0), "auto, draft after a wait": (dict(draft=draft), START_AFTER)}
     data = Path(args.data)
     prompts = read_prompts(str(data / "spec_bench_dev.jsonl"), 1) + read_prompts(str(data / "humaneval_dev.jsonl"), 6)[::2]
     rows = []

@@ -26,7 +26,7 @@ from verispec.grammar import Constraint, Grammar, mask_logits
 from verispec.models.base import CausalLM
 from verispec.models.kernels.threads import torch_on_one_thread
 from verispec.options import DraftLen
-from verispec.policy import RETREAT_STEPS, START_AFTER, DraftPolicy, make_policy, retreat_pays, start_pays
+from verispec.policy import RETREAT_STEPS, START_AFTER, DraftPolicy, make_policy, retreat_pays, start_after, start_pays
 from verispec.prefill import PromptReader, check_read, joined, read_once
 from verispec.prefix_cache import PrefixCache
 from verispec.sampling import SamplingParams, TokenLogprob, make_generator, process_logits, token_logprobs
@@ -109,6 +109,7 @@ class _LateStart:
     prefill: the prompt tokens and the target's seconds to read them (reused: read from a prefix cache)."""
 
     drafter: Drafter
+    after: int  # answer tokens to wait for
     tokens: int
     target_seconds: float
     reused: bool
@@ -146,11 +147,10 @@ class DecodeBatch:
         self.prefix_cache = prefix_cache
         self.drafter = drafter
         # Decided at the first `add`: `drafter` if its prompt prefill can pay for itself, else this one. A call of
-        # one row drafts with the fallback first and starts the drafter once its answer has run `start_after`
-        # tokens (`_start_late`); where the drafter started, the fallback stays in reserve for one judgment of it
-        # (`_judge_start`).
+        # one row may draft with the fallback first and start the drafter once its answer has run a few tokens
+        # (`policy.start_after`, `_start_late`); where the drafter started, the fallback stays in reserve for one
+        # judgment of it (`_judge_start`).
         self.fallback = fallback
-        self.start_after = START_AFTER
         self._late: _LateStart | None = None
         self.reserve: Drafter | None = None
         # since the drafter started: tokens its steps gave, and those steps' seconds and count
@@ -203,11 +203,12 @@ class DecodeBatch:
         target_seconds = reading + time.perf_counter() - started
         tokens = sum(len(r.prompt) - 1 for r in requests)  # what both prefills process
         if self.fallback is not None:
-            chosen = self._start_or_fall_back(requests, tokens, target_seconds)
+            chosen, startup = self._start_or_fall_back(requests, tokens, target_seconds)
             starts = chosen is self.drafter and chosen.prefill_model is not None  # a draft model that would start
             one_row = len(requests) == 1 and not self.rows
-            if starts and one_row and self.start_after > 0:
-                self._late = _LateStart(chosen, tokens, target_seconds, any(reader.reused for reader in readers))
+            wait = start_after(startup, BOOK.step_seconds(self.target), START_AFTER) if starts and one_row else 0
+            if wait > 0:
+                self._late = _LateStart(chosen, wait, tokens, target_seconds, any(reader.reused for reader in readers))
                 chosen = self.fallback
             self.reserve = self.fallback if starts and one_row else None
             if self.reserve is not None and self.reserve is not chosen:  # it holds the row, should the call retreat
@@ -240,18 +241,18 @@ class DecodeBatch:
     def _tenants(drafter: Drafter, requests: list[Request]) -> dict:
         return {"tenants": [r.tenant for r in requests]} if drafter.reads_tenants else {}
 
-    def _start_or_fall_back(self, requests: list[Request], tokens: int, target_seconds: float) -> Drafter:
+    def _start_or_fall_back(self, requests: list[Request], tokens: int, target_seconds: float) -> tuple[Drafter, float | None]:
         """The drafter if its prompt prefill is expected to pay for itself over the requests' tokens
         (`policy.start_pays`), priced as the target's prefill of these prompts (`tokens` in all), just
         measured, times what the draft's prefill has cost relative to the target's on earlier calls; else
-        the fallback."""
+        the fallback. And that price in seconds (None: not measured yet, or no draft model)."""
         draft_model = self.drafter.prefill_model
         if draft_model is None:
-            return self.drafter
+            return self.drafter, None
         ratio = BOOK.relative_prefill(self.target, draft_model, tokens)
         startup = None if ratio is None else ratio * target_seconds
         new_tokens = max(r.max_new_tokens for r in requests)
-        return self.drafter if start_pays(startup, BOOK.step_seconds(self.target), new_tokens) else self.fallback
+        return self.drafter if start_pays(startup, BOOK.step_seconds(self.target), new_tokens) else self.fallback, startup
 
     @torch.inference_mode()
     def remove(self, request_id: Hashable) -> None:
@@ -401,13 +402,13 @@ class DecodeBatch:
             self._judge_start(step)
 
     def _start_late(self) -> None:
-        """Once the one row of a call that drafts by prompt lookup has `start_after` tokens of answer: the draft
-        model reads the prompt, if its prefill still pays over the tokens the row may yet make (`policy.start_pays`),
-        and drafts from the next step; the answer so far it reads in its first draft pass (a tail, as after any
-        step). A short answer (an extraction, a translation, a yes or no) ends before and never pays the draft's
-        prefill. The output is the same either way."""
+        """Once the one row of a call that drafts by prompt lookup has the answer tokens its wait was set to
+        (`policy.start_after`): the draft model reads the prompt, if its prefill still pays over the tokens the row
+        may yet make (`policy.start_pays`), and drafts from the next step; the answer so far it reads in its first
+        draft pass (a tail, as after any step). An answer that ends sooner never pays the draft's prefill. The
+        output is the same either way."""
         row = self.rows[0] if len(self.rows) == 1 else None
-        if row is not None and len(row.generated) < self.start_after:
+        if row is not None and len(row.generated) < self._late.after:
             return
         late, self._late = self._late, None
         ratio = BOOK.relative_prefill(self.target, late.drafter.prefill_model, late.tokens)

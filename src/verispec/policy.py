@@ -42,6 +42,7 @@ Knows nothing about models or tokens: only numbers the engine reports.
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import defaultdict, deque
 from typing import Protocol
@@ -514,10 +515,7 @@ class AdaptiveDraftLen:
 # delivers on code here, so a start is refused only where even a draft that good could not pay.
 START_SPEEDUP = 2.0
 
-# A call of one row that would start a draft model drafts by prompt lookup until its answer has this many
-# tokens, and only then has the draft read the prompt: Spec-Bench's extraction, QA, RAG and translation
-# answers ended after 14-25 tokens, and there the draft's prefill had made `auto` 0.82x of plain (Intel Xeon,
-# 2026-11-27). A long answer drafts its first tokens by lookup, which on code costs ~2% of the call.
+# The most answer tokens a call of one row drafts by prompt lookup before its draft model starts (`start_after`).
 START_AFTER = 32
 
 # A call that started a draft model judges it once, after this many steps of one row: where the tokens those
@@ -549,6 +547,21 @@ def start_pays(startup_seconds: float | None, step_seconds: float | None, new_to
     if startup_seconds is None or step_seconds is None:
         return True
     return startup_seconds <= share * new_tokens * step_seconds * max(0.0, 1.0 - 1.0 / speedup)
+
+
+def start_after(startup_seconds: float | None, step_seconds: float | None, most: int = START_AFTER,
+                speedup: float = START_SPEEDUP) -> int:
+    """How many answer tokens a call of one row drafts by prompt lookup before its draft model reads the prompt:
+    a ski rental. Waiting a token forgoes what the draft would have saved on it, ~step_seconds * (1 - 1 / speedup);
+    starting costs `startup_seconds` (the draft's prefill) whether the answer then runs on or ends. Waiting until
+    the forgone savings equal that price means an answer of any length costs at most twice what the better choice
+    for that length would have: a short answer (Spec-Bench's extractions, translations and QA end after 14-25
+    tokens) skips a prefill it could not win back, a long one pays one prefill's worth of waiting. Unmeasured
+    costs (None) start at once, which measures them; at most `most` tokens (0: always at once)."""
+    if startup_seconds is None or step_seconds is None or most <= 0:
+        return 0
+    saved = step_seconds * max(0.0, 1.0 - 1.0 / speedup)  # per token, by a draft `speedup` times faster than plain
+    return most if saved <= 0 else min(most, math.ceil(startup_seconds / saved))
 
 
 def make_policy(draft_len: DraftLen | int | str | None) -> DraftPolicy:

@@ -359,8 +359,8 @@ def test_a_started_draft_that_loses_to_plain_steps_gives_way_mid_call(monkeypatc
 
 
 def test_a_call_of_one_row_starts_its_draft_model_once_the_answer_runs_long(monkeypatch):
-    """`auto` drafts by prompt lookup for the first `START_AFTER` tokens of a one-row call, so an answer that ends
-    sooner never pays the draft's prefill; past them the draft model reads the prompt and drafts (and may still
+    """`auto` drafts by prompt lookup for the first few tokens of a one-row call (`policy.start_after`), so an answer
+    that ends sooner never pays the draft's prefill; past them the draft model reads the prompt and drafts (and may still
     give way, judged from then on). The tokens are plain decoding's in every case."""
     from verispec.policy import RETREAT_STEPS
 
@@ -368,7 +368,7 @@ def test_a_call_of_one_row_starts_its_draft_model_once_the_answer_runs_long(monk
     draft = perturbed_copy(target, scale=0.05)
     prompt = [1, 5, 9, 5, 9, 5, 9, 7, 2, 5, 9] * 3
     plain = verispec.generate(target, prompt, drafter="none", max_new_tokens=120, min_tokens=120)  # no early EOS
-    monkeypatch.setattr(verispec.engine, "START_AFTER", 16)
+    monkeypatch.setattr(verispec.engine, "start_after", lambda startup, step, most: 16)  # the wait (arithmetic: below)
     monkeypatch.setattr(BOOK, "relative_prefill", lambda target, draft, tokens: 0.0)  # a start pays
     monkeypatch.setattr(BOOK, "step_seconds", lambda target: 1e9)  # and the draft is kept once started
 
@@ -388,7 +388,7 @@ def test_a_call_of_one_row_starts_its_draft_model_once_the_answer_runs_long(monk
     real = engine.start_pays
     monkeypatch.setattr(engine, "start_pays", lambda startup, step, new_tokens: seconds.append(new_tokens) or real(0.0, step, new_tokens))
     verispec.generate(target, prompt, draft=draft, max_new_tokens=120, min_tokens=120)
-    assert seconds == [120, 120 - 16]  # at the call's start, and at the late start
+    assert seconds == [120, 120 - 16]  # at the call's start, and at the late start (16 tokens in)
     monkeypatch.setattr(engine, "start_pays", lambda startup, step, new_tokens: new_tokens == 120)
     declined = verispec.generate(target, prompt, draft=draft, max_new_tokens=120, min_tokens=120)
     assert declined.stats.drafter == "NgramDrafter" and declined.token_ids == plain.token_ids
@@ -400,3 +400,17 @@ def test_a_call_of_one_row_starts_its_draft_model_once_the_answer_runs_long(monk
     lost = verispec.generate(target, prompt, draft=draft, max_new_tokens=120, min_tokens=120)
     assert lost.stats.drafter == "NgramDrafter, then ModelDrafter, then NgramDrafter" and lost.token_ids == plain.token_ids
     assert lost.stats.target_passes > RETREAT_STEPS
+
+
+def test_the_wait_before_a_draft_starts_is_a_ski_rental():
+    """Lookup drafts until the savings a draft would have made (half a plain step a token, at START_SPEEDUP 2) add up
+    to its prefill's price; at most `most` tokens; unmeasured costs start at once."""
+    from verispec.policy import start_after
+
+    assert start_after(0.3, 0.06, 32) == 10  # 0.3 s of prefill = 10 tokens' savings of 0.03 s
+    assert start_after(0.29, 0.06, 32) == 10 and start_after(0.31, 0.06, 32) == 11  # rounded up
+    assert start_after(3.0, 0.06, 32) == 32  # a dear prefill waits at most `most` tokens
+    assert start_after(0.3, 0.06, 0) == 0  # no wait allowed
+    assert start_after(0.0, 0.06, 32) == 0  # a free prefill starts at once
+    assert start_after(None, 0.06, 32) == 0 and start_after(0.3, None, 32) == 0  # unmeasured: start, and measure
+    assert start_after(0.3, 0.06, 32, speedup=4.0) == 7  # a better draft forgoes more a token: 0.045 s
