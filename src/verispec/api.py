@@ -599,7 +599,8 @@ def generate(target, prompt, *, draft=None, drafter: str = "auto", draft_len: Dr
     target / draft: zoo name, path, hub id or loaded model. prompt: text, token ids, or a list of
     either (a batch: returns a list). drafter: "auto" ("model" if a draft model is given; with an adaptive
     draft_len, a draft model whose prompt prefill could not pay for itself over a quarter of max_new_tokens, by the
-    costs this process measured, gives way to n-gram for that call. Without one, "self" for a native
+    costs this process measured, gives way to n-gram for that call; one that can starts, in a one-prompt call,
+    after a few answer tokens drafted by n-gram: `policy.start_after`. Without one, "self" for a native
     float32 target on a CPU with verispec's kernels when the call asks for at least SELF_COPY_MIN_TOKENS
     new tokens or the copy exists (in memory or stored on disk), else n-gram (a q8 target: always): see
     `resolve_drafter`),
