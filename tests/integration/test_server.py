@@ -511,6 +511,21 @@ def test_server_options_are_checked_before_loading():
         build_app("smollm2-135m", draft="smollm2-135m", draft_vocab=-3)
     with pytest.raises(VerispecError, match="--draft-vocab"):
         build_app("smollm2-135m", drafter="ngram", draft_vocab=4096)
+    for bad in (0, -1.0, "0.5", True):
+        with pytest.raises(VerispecError, match="prefill_seconds must be"):
+            build_app("smollm2-135m", prefill_seconds=bad)
+
+
+def test_serve_flags_reach_build_app(monkeypatch):
+    """`verispec serve --prefill-seconds`: a number of seconds, or 0 for the token budget alone (None)."""
+    from verispec.server import app
+
+    seen = []
+    monkeypatch.setattr(app, "serve", lambda target, **options: seen.append(options))
+    app.main(["--target", "smollm2-135m", "--prefill-seconds", "0.1"])
+    app.main(["--target", "smollm2-135m", "--prefill-seconds", "0"])
+    app.main(["--target", "smollm2-135m"])
+    assert [options["prefill_seconds"] for options in seen] == [0.1, None, 0.25]
 
 
 # ---------------------------------------------------------------------------------------------------

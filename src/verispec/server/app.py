@@ -45,7 +45,7 @@ from verispec.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, Metric
 from verispec.server.protocol import (ApiError, ServerConfig, Spec, chat_messages, check_text_fits, parse_chat, parse_completion,
                                       render_chat, show)
 from verispec.sampling import TokenLogprob
-from verispec.server.scheduler import Job, JobFailed, QueueFull, Scheduler
+from verispec.server.scheduler import PREFILL_SECONDS_PER_STEP, Job, JobFailed, QueueFull, Scheduler
 from verispec.server.tools import CallStream, ToolError, parse_calls, read_tools
 from verispec.stats import SpecStats
 from verispec.text import IncrementalText, StopSequences, final_text
@@ -355,7 +355,8 @@ def build_app(target, draft=None, drafter: str = "auto", draft_len: DraftLen | i
               api_key: str | list[str] | None = None, max_batch: int = 8, max_queue: int = 256, draft_dtype: str | None = None,
               draft_vocab: int | str | None = "auto", model_name: str | None = None, max_body_bytes: int = MAX_BODY_BYTES, max_model_len: int | None = None,
               chat_template: str | None = None, numerics: str = "float32", prefix_cache_bytes: int = PREFIX_CACHE_BYTES,
-              suffix_tokens_per_tenant: int = SUFFIX_TOKENS_PER_TENANT, online: OnlineConfig | None = None):
+              suffix_tokens_per_tenant: int = SUFFIX_TOKENS_PER_TENANT, online: OnlineConfig | None = None,
+              prefill_seconds: float | None = PREFILL_SECONDS_PER_STEP):
     """A FastAPI app serving `target` (a zoo name, path or loaded model) with OpenAI's API.
 
     draft / drafter / draft_len: as for `verispec.generate` (drafter "none" serves plain decoding);
@@ -373,8 +374,9 @@ def build_app(target, draft=None, drafter: str = "auto", draft_len: DraftLen | i
     as for `verispec.load` ("float32" or "q8"). prefix_cache_bytes: most bytes of prompt keys and values
     kept for reuse by later requests (`prefix_cache.PrefixCache`; 0 turns it off). online: Medusa heads
     keep learning from the traffic (`heads.online`), starting from `draft` (a Medusa head directory) or, with
-    no draft, from a cold start (the target's LM head copied into 4 heads); output stays exact. The models
-    load now; the worker (and the learner's) starts with the app.
+    no draft, from a cold start (the target's LM head copied into 4 heads); output stays exact. prefill_seconds:
+    about the most seconds of prompt reading between two decoding steps while rows decode (None: 512 tokens
+    alone; `server.scheduler`). The models load now; the worker (and the learner's) starts with the app.
     """
     api_keys = {key_tenant(key): key for key in read_api_keys(api_key)}
     for option, value, low in (("max_batch", max_batch, 1), ("max_queue", max_queue, 0), ("max_body_bytes", max_body_bytes, 1),
@@ -382,6 +384,10 @@ def build_app(target, draft=None, drafter: str = "auto", draft_len: DraftLen | i
                                ("max_model_len", 2 if max_model_len is None else max_model_len, 2)):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise VerispecError(f"{option} must be an integer >= {low}, got {value!r}")
+    if prefill_seconds is not None and (isinstance(prefill_seconds, bool) or not isinstance(prefill_seconds, (int, float))
+                                        or not prefill_seconds > 0):
+        raise VerispecError(f"prefill_seconds must be a number of seconds > 0, or None for a budget of tokens alone, "
+                            f"got {prefill_seconds!r}")
     if draft_dtype is not None and draft_dtype not in DRAFT_DTYPES:
         raise VerispecError(f"draft_dtype must be one of {', '.join(DRAFT_DTYPES)}, got {draft_dtype!r}")
     if draft is None and draft_dtype is not None:
@@ -424,6 +430,7 @@ def build_app(target, draft=None, drafter: str = "auto", draft_len: DraftLen | i
         stats=stats,
         on_admit=lambda job: metrics.count_admitted(len(job.request.prompt), job.request.sampling.lossy),
         prefix_cache=PrefixCache.for_model(target_model, prefix_cache_bytes),
+        prefill_seconds=prefill_seconds,
     )
     metrics = Metrics(name, stats, scheduler)  # on_admit above reaches it once the worker starts
     created = int(time.time())
@@ -763,6 +770,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prefix-cache-mb", type=float, default=PREFIX_CACHE_BYTES / 2**20,
                         help="MiB of prompt keys and values kept for reuse by later requests (a conversation's next turn, a "
                              "shared system prompt); least recently used out first; 0 turns it off (default: %(default)s)")
+    parser.add_argument("--prefill-seconds", type=float, default=PREFILL_SECONDS_PER_STEP,
+                        help="while rows decode, about the most seconds of prompt reading between two steps, so a long "
+                             "prompt stalls the running streams that long per step; 0: a budget of 512 tokens alone "
+                             "(default: %(default)s)")
     parser.add_argument("--served-model-name", default=None, help="the model name clients send and see (default: --target)")
     parser.add_argument("--max-model-len", type=flag(lambda text: positive_int("--max-model-len", text)), default=None,
                         help="most tokens of prompt plus answer per request (default: the model's context window)")
@@ -793,7 +804,7 @@ def main(argv: list[str] | None = None) -> None:
         serve(args.target, host=args.host, port=args.port, log_level=args.log_level, draft=args.draft, draft_dtype=args.draft_dtype, draft_vocab=args.draft_vocab,
               drafter=args.drafter, draft_len=args.draft_len, api_key=keys or None, max_batch=args.max_batch,
               max_queue=args.max_queue, max_body_bytes=max(1, int(args.max_body_mb * 2**20)), model_name=args.served_model_name,
-              prefix_cache_bytes=max(0, int(args.prefix_cache_mb * 2**20)),
+              prefix_cache_bytes=max(0, int(args.prefix_cache_mb * 2**20)), prefill_seconds=args.prefill_seconds or None,
               max_model_len=args.max_model_len, chat_template=args.chat_template, numerics=args.numerics,
               suffix_tokens_per_tenant=args.suffix_tokens_per_tenant,
               online=OnlineConfig(tokens_per_step=args.online_tokens_per_step, max_busy=args.online_max_busy)
