@@ -23,14 +23,18 @@ class CostBook:
     - the seconds of a plain decode step of one sequence, per target;
     - what a draft model's prompt prefill costs relative to its target's prefill of the same prompt, by
       prompt length (the draft repeats the target's prefill on a smaller model, so the target's time for
-      this very prompt, measured just before, prices the draft's better than a per-token rate would).
+      this very prompt, measured just before, prices the draft's better than a per-token rate would);
+    - how many tokens the latest answers had, per target (what the workload asks for: short answers make
+      a draft's prefill dear).
     Keyed weakly: a model that is dropped takes its entries along. Estimates are None until measured.
     """
 
-    def __init__(self, window: int = 16):
+    def __init__(self, window: int = 16, answers: int = 64):
         self.window = window
         self._step = weakref.WeakKeyDictionary()  # target -> deque of seconds
         self._relative = weakref.WeakKeyDictionary()  # target -> WeakKeyDictionary(draft -> deque of (tokens, ratio))
+        self._answers = weakref.WeakKeyDictionary()  # target -> deque of answer lengths
+        self.answer_window = answers
 
     def record_step(self, target, seconds: float) -> None:
         self._step.setdefault(target, deque(maxlen=self.window)).append(seconds)
@@ -38,6 +42,13 @@ class CostBook:
     def step_seconds(self, target) -> float | None:
         samples = self._step.get(target)
         return statistics.median(samples) if samples else None
+
+    def record_answer(self, target, tokens: int) -> None:
+        self._answers.setdefault(target, deque(maxlen=self.answer_window)).append(tokens)
+
+    def answers(self, target) -> list[int]:
+        """The token counts of the latest answers `target` finished (at most `answer_window`)."""
+        return list(self._answers.get(target, ()))
 
     def record_relative_prefill(self, target, draft, tokens: int, ratio: float) -> None:
         if tokens <= 0:

@@ -206,7 +206,7 @@ class DecodeBatch:
             chosen, startup = self._start_or_fall_back(requests, tokens, target_seconds)
             starts = chosen is self.drafter and chosen.prefill_model is not None  # a draft model that would start
             one_row = len(requests) == 1 and not self.rows
-            wait = start_after(startup, BOOK.step_seconds(self.target), START_AFTER) if starts and one_row else 0
+            wait = start_after(startup, BOOK.step_seconds(self.target), BOOK.answers(self.target), START_AFTER) if starts and one_row else 0
             if wait > 0:
                 self._late = _LateStart(chosen, wait, tokens, target_seconds, any(reader.reused for reader in readers))
                 chosen = self.fallback
@@ -336,9 +336,10 @@ class DecodeBatch:
             extra_rows=draft.tree.extra.shape[1] if trees else 0,
             alternates=AlternateOutcome.of(draft, verdict) if trees else None,
             emitted=torch.tensor([len(event.tokens) for event in events]), lossy=torch.tensor([s.lossy for s in sampling])))
-        if self.prefix_cache is not None and self.prefix_cache.granular:
-            for b, event in enumerate(events):
-                if event.finish_reason is not None:
+        for b, event in enumerate(events):
+            if event.finish_reason is not None:
+                BOOK.record_answer(self.target, len(self.rows[b].generated))  # what the workload asks for
+                if self.prefix_cache is not None and self.prefix_cache.granular:
                     self._store_decoded(b)
         self._keep([b for b, event in enumerate(events) if event.finish_reason is None])
         if self._late is not None:  # after the finished rows left: a row that ended needs no draft

@@ -516,6 +516,9 @@ class AdaptiveDraftLen:
 START_SPEEDUP = 2.0
 
 # The most answer tokens a call of one row drafts by prompt lookup before its draft model starts (`start_after`).
+# Measured (bench/README.md, 2026-11-27): a fixed wait of 32 protected Spec-Bench's 14-24-token answers (0.83-0.91x
+# plain -> 1.00-1.07x) but cost HumanEval's code 10-20%, and a ski rental without history (a wait worth the prefill
+# on every call) ~one prefill per call on code; hence a wait fitted to the answers the process sees.
 START_AFTER = 32
 
 # A call that started a draft model judges it once, after this many steps of one row: where the tokens those
@@ -549,19 +552,24 @@ def start_pays(startup_seconds: float | None, step_seconds: float | None, new_to
     return startup_seconds <= share * new_tokens * step_seconds * max(0.0, 1.0 - 1.0 / speedup)
 
 
-def start_after(startup_seconds: float | None, step_seconds: float | None, most: int = START_AFTER,
+def start_after(startup_seconds: float | None, step_seconds: float | None, answers: list[int], most: int = START_AFTER,
                 speedup: float = START_SPEEDUP) -> int:
-    """How many answer tokens a call of one row drafts by prompt lookup before its draft model reads the prompt:
-    a ski rental. Waiting a token forgoes what the draft would have saved on it, ~step_seconds * (1 - 1 / speedup);
-    starting costs `startup_seconds` (the draft's prefill) whether the answer then runs on or ends. Waiting until
-    the forgone savings equal that price means an answer of any length costs at most twice what the better choice
-    for that length would have: a short answer (Spec-Bench's extractions, translations and QA end after 14-25
-    tokens) skips a prefill it could not win back, a long one pays one prefill's worth of waiting. Unmeasured
-    costs (None) start at once, which measures them; at most `most` tokens (0: always at once)."""
-    if startup_seconds is None or step_seconds is None or most <= 0:
+    """How many answer tokens a call of one row drafts by prompt lookup before its draft model reads the prompt: the
+    wait that would have paid best over the `answers` (token counts) this process has seen lately, an empirical ski
+    rental. Waiting w tokens forgoes what the draft would have saved on them, ~step_seconds * (1 - 1 / speedup) a
+    token, on every answer (min(L, w) tokens of one of L), and saves the draft's prefill (`startup_seconds`) on the
+    answers that end within the wait. A workload of long answers (code) starts at once; one whose prompts are long
+    and answers short (extraction, RAG, classification) waits out the answers it usually gets. No history,
+    unmeasured costs (None) or `most` 0: at once, which measures them."""
+    if startup_seconds is None or step_seconds is None or most <= 0 or not answers:
         return 0
     saved = step_seconds * max(0.0, 1.0 - 1.0 / speedup)  # per token, by a draft `speedup` times faster than plain
-    return most if saved <= 0 else min(most, math.ceil(startup_seconds / saved))
+    best, best_gain = 0, 0.0
+    for wait in range(1, most + 1):
+        gain = sum((startup_seconds if length <= wait else 0.0) - saved * min(length, wait) for length in answers)
+        if gain > best_gain:
+            best, best_gain = wait, gain
+    return best
 
 
 def make_policy(draft_len: DraftLen | int | str | None) -> DraftPolicy:

@@ -368,7 +368,7 @@ def test_a_call_of_one_row_starts_its_draft_model_once_the_answer_runs_long(monk
     draft = perturbed_copy(target, scale=0.05)
     prompt = [1, 5, 9, 5, 9, 5, 9, 7, 2, 5, 9] * 3
     plain = verispec.generate(target, prompt, drafter="none", max_new_tokens=120, min_tokens=120)  # no early EOS
-    monkeypatch.setattr(verispec.engine, "start_after", lambda startup, step, most: 16)  # the wait (arithmetic: below)
+    monkeypatch.setattr(verispec.engine, "start_after", lambda startup, step, answers, most: 16)  # the wait (arithmetic: below)
     monkeypatch.setattr(BOOK, "relative_prefill", lambda target, draft, tokens: 0.0)  # a start pays
     monkeypatch.setattr(BOOK, "step_seconds", lambda target: 1e9)  # and the draft is kept once started
 
@@ -402,15 +402,30 @@ def test_a_call_of_one_row_starts_its_draft_model_once_the_answer_runs_long(monk
     assert lost.stats.target_passes > RETREAT_STEPS
 
 
-def test_the_wait_before_a_draft_starts_is_a_ski_rental():
-    """Lookup drafts until the savings a draft would have made (half a plain step a token, at START_SPEEDUP 2) add up
-    to its prefill's price; at most `most` tokens; unmeasured costs start at once."""
+def test_the_wait_before_a_draft_starts_is_fitted_to_the_answers_seen():
+    """An empirical ski rental: the wait that would have paid best over the latest answers, where waiting w tokens
+    forgoes half a plain step a token (a draft at START_SPEEDUP 2) and saves the prefill on answers that end within
+    it; at most `most` tokens; no history or unmeasured costs start at once."""
     from verispec.policy import start_after
 
-    assert start_after(0.3, 0.06, 32) == 10  # 0.3 s of prefill = 10 tokens' savings of 0.03 s
-    assert start_after(0.29, 0.06, 32) == 10 and start_after(0.31, 0.06, 32) == 11  # rounded up
-    assert start_after(3.0, 0.06, 32) == 32  # a dear prefill waits at most `most` tokens
-    assert start_after(0.3, 0.06, 0) == 0  # no wait allowed
-    assert start_after(0.0, 0.06, 32) == 0  # a free prefill starts at once
-    assert start_after(None, 0.06, 32) == 0 and start_after(0.3, None, 32) == 0  # unmeasured: start, and measure
-    assert start_after(0.3, 0.06, 32, speedup=4.0) == 7  # a better draft forgoes more a token: 0.045 s
+    # a 0.3 s prefill, 0.06 s steps: a token waited forgoes 0.03 s
+    assert start_after(0.3, 0.06, [128] * 10, 32) == 0  # long answers: waiting only forgoes savings
+    assert start_after(0.3, 0.06, [5] * 10, 32) == 5  # answers of 5: wait them out (saves 0.3 - 0.15 each)
+    assert start_after(0.3, 0.06, [12] * 10, 32) == 0  # of 12: waiting forgoes 0.36 > 0.3, start at once
+    assert start_after(1.2, 0.06, [14] * 8 + [128] * 2, 32) == 14  # a dear prefill, mostly short answers
+    assert start_after(1.2, 0.06, [14] * 2 + [128] * 8, 32) == 0  # ... mostly long ones
+    assert start_after(3.0, 0.06, [60] * 10, 32) == 0  # answers past the most it may wait: no gain in waiting
+    assert start_after(0.3, 0.06, [5] * 10, 4) == 0 and start_after(0.3, 0.06, [5] * 10, 0) == 0  # capped
+    assert start_after(0.3, 0.06, [], 32) == 0  # no history
+    assert start_after(None, 0.06, [5], 32) == 0 and start_after(0.3, None, [5], 32) == 0  # unmeasured: start, and measure
+    assert start_after(0.3, 0.06, [9] * 10, 32, speedup=4.0) == 0  # a better draft forgoes more a token: 0.045 s
+
+
+def test_the_book_keeps_the_latest_answer_lengths_per_target():
+    book, target, other = CostBook(answers=3), tiny_llama(seed=0), tiny_llama(seed=1)
+    for tokens in (5, 9, 12, 40):
+        book.record_answer(target, tokens)
+    assert book.answers(target) == [9, 12, 40] and book.answers(other) == []
+    BOOK._answers.pop(target, None)
+    verispec.generate(target, [1, 5, 9, 5, 9], drafter="none", max_new_tokens=7, min_tokens=7)
+    assert BOOK.answers(target) == [7]  # every finished row is counted
