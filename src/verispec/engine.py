@@ -206,8 +206,8 @@ class DecodeBatch:
             chosen, startup = self._start_or_fall_back(requests, tokens, target_seconds)
             starts = chosen is self.drafter and chosen.prefill_model is not None  # a draft model that would start
             one_row = len(requests) == 1 and not self.rows
-            wait = start_after(startup, BOOK.step_seconds(self.target), BOOK.answers(self.target), START_AFTER) if starts and one_row else 0
-            if wait > 0:
+            wait = start_after(startup, BOOK.step_seconds(self.target), BOOK.answers(self.target), START_AFTER)
+            if starts and one_row and wait > 0:
                 self._late = _LateStart(chosen, wait, tokens, target_seconds, any(reader.reused for reader in readers))
                 chosen = self.fallback
             self.reserve = self.fallback if starts and one_row else None
@@ -241,7 +241,8 @@ class DecodeBatch:
     def _tenants(drafter: Drafter, requests: list[Request]) -> dict:
         return {"tenants": [r.tenant for r in requests]} if drafter.reads_tenants else {}
 
-    def _start_or_fall_back(self, requests: list[Request], tokens: int, target_seconds: float) -> tuple[Drafter, float | None]:
+    def _start_or_fall_back(self, requests: list[Request], tokens: int,
+                            target_seconds: float) -> tuple[Drafter, float | None]:
         """The drafter if its prompt prefill is expected to pay for itself over the requests' tokens
         (`policy.start_pays`), priced as the target's prefill of these prompts (`tokens` in all), just
         measured, times what the draft's prefill has cost relative to the target's on earlier calls; else
@@ -252,7 +253,8 @@ class DecodeBatch:
         ratio = BOOK.relative_prefill(self.target, draft_model, tokens)
         startup = None if ratio is None else ratio * target_seconds
         new_tokens = max(r.max_new_tokens for r in requests)
-        return self.drafter if start_pays(startup, BOOK.step_seconds(self.target), new_tokens) else self.fallback, startup
+        pays = start_pays(startup, BOOK.step_seconds(self.target), new_tokens)
+        return self.drafter if pays else self.fallback, startup
 
     @torch.inference_mode()
     def remove(self, request_id: Hashable) -> None:
@@ -421,7 +423,8 @@ class DecodeBatch:
         late.drafter.add([list(row.request.prompt)], **self._tenants(late.drafter, [row.request]))
         seconds = time.perf_counter() - started
         if late.target_seconds > 0 and not late.reused:
-            BOOK.record_relative_prefill(self.target, late.drafter.prefill_model, late.tokens, seconds / late.target_seconds)
+            ratio = seconds / late.target_seconds
+            BOOK.record_relative_prefill(self.target, late.drafter.prefill_model, late.tokens, ratio)
         self.stats.prefill_seconds += seconds
         self.stats.drafter = f"{self.stats.drafter}, then {type(late.drafter).__name__}"
         self.drafter, self.policy, self._behind = late.drafter, self.policy.fresh(), True
@@ -440,7 +443,8 @@ class DecodeBatch:
         if self._trial_steps < RETREAT_STEPS:
             return
         reserve, self.reserve = self.reserve, None
-        if retreat_pays(self._trial_tokens, self._trial_seconds, BOOK.step_seconds(self.target)):  # the reserve holds the row
+        # the reserve holds the row already
+        if retreat_pays(self._trial_tokens, self._trial_seconds, BOOK.step_seconds(self.target)):
             self.stats.drafter = f"{self.stats.drafter}, then {type(reserve).__name__}"
             self.drafter, self.policy, self._behind = reserve, self.policy.fresh(), False
 
