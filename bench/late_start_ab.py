@@ -1,14 +1,16 @@
-"""`auto` with a draft model, started with the call against started after a wait of a few answer tokens.
+"""`auto` with a draft model: when a one-row call starts the draft, measured.
 
-A one-row call of `drafter="auto"` with a draft model drafts by prompt lookup until its answer has the tokens
-`policy.start_after` sets (a ski rental: until what the draft would have saved adds up to its prefill's price, at
-most `START_AFTER`) and only then has the draft model read the prompt (`DecodeBatch._start_late`), so a short
-answer never pays the draft's prefill. This times that against starting the draft with the call (the behaviour
-before, `START_AFTER` = 0), beside plain decoding and prompt lookup alone, on every Spec-Bench dev category's first prompt
-and three HumanEval dev prompts. Each prompt runs every variant twice, in alternating order; each variant's tokens/s
-(end to end, prefill included) is divided by plain decoding's. Greedy: outputs must be identical.
+A one-row call of `drafter="auto"` with a draft model may draft its first answer tokens by prompt lookup and have
+the draft model read the prompt only then (`DecodeBatch._start_late`), so a short answer need not pay the draft's
+prefill. How long it waits is `policy.start_after`: fitted to the answers the process has seen (the default). This
+times waits against each other, beside plain decoding and prompt lookup alone, on every Spec-Bench dev category's
+first prompt and three HumanEval dev prompts: "at-once" (no wait: the behaviour before 2026-11-27), "fitted" (the
+default), "ski" (the history-free ski rental: wait until a 2x draft's forgone savings equal the prefill's price,
+at most 32 tokens) and "fixedN" (N tokens). Each prompt runs every variant `--rounds` times in alternating order;
+each variant's tokens/s (end to end, prefill included) is divided by plain decoding's. Greedy: outputs must be
+identical.
 
-    python bench/late_start_ab.py --out bench/reports/late_start_ab.json
+    python bench/late_start_ab.py --waits at-once,ski --out bench/reports/late_start_ab.json
 """
 
 from __future__ import annotations
@@ -19,12 +21,28 @@ import statistics
 import time
 from pathlib import Path
 
+import math
+
 import verispec
 import verispec.engine
 from verispec.api import load_draft
 from verispec.bench import _cpu_name, read_prompts
-from verispec.policy import START_AFTER
+from verispec.policy import START_SPEEDUP, start_after
 from verispec.text import encode_prompt
+
+
+def wait_rule(name: str):
+    """`policy.start_after`'s signature -> a wait in answer tokens, by name (see the module docstring)."""
+    if name == "at-once":
+        return lambda startup, step, answers, most: 0
+    if name == "fitted":
+        return start_after
+    if name == "ski":
+        return lambda startup, step, answers, most: (
+            0 if startup is None or step is None else min(most, math.ceil(startup / (step * (1 - 1 / START_SPEEDUP)))))
+    if name.startswith("fixed") and name[5:].isdigit():
+        return lambda startup, step, answers, most: int(name[5:])
+    raise SystemExit(f"unknown wait {name!r}: at-once, fitted, ski or fixedN")
 
 
 def main() -> None:
@@ -33,16 +51,19 @@ def main() -> None:
     parser.add_argument("--draft", default="qwen2.5-coder-0.5b")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--waits", default="at-once,fitted", help="comma-separated: at-once, fitted, ski, fixedN")
+    parser.add_argument("--prompts", type=int, default=None, help="only the first N prompts (a smoke run)")
     parser.add_argument("--data", default="../shared/data", help="folder with humaneval_dev.jsonl and spec_bench_dev.jsonl")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
     target = verispec.load(args.target, numerics="q8")
     draft = load_draft(args.draft, target)
-    variants = {"plain": (dict(drafter="none"), START_AFTER), "ngram": (dict(drafter="ngram"), START_AFTER),
-                "auto, draft at once": (dict(draft=draft), 0), "auto, draft after a wait": (dict(draft=draft), START_AFTER)}
+    variants = {"plain": (dict(drafter="none"), start_after), "ngram": (dict(drafter="ngram"), start_after)}
+    variants.update({f"auto, wait {name}": (dict(draft=draft), wait_rule(name)) for name in args.waits.split(",")})
     data = Path(args.data)
     prompts = read_prompts(str(data / "spec_bench_dev.jsonl"), 1) + read_prompts(str(data / "humaneval_dev.jsonl"), 6)[::2]
+    prompts = prompts[: args.prompts]
     rows = []
     try:
         for prompt in prompts:
@@ -50,8 +71,8 @@ def main() -> None:
             runs = {name: [] for name in variants}
             for round_ in range(args.rounds):
                 for name in (list(variants) if round_ % 2 == 0 else list(variants)[::-1]):
-                    options, start_after = variants[name]
-                    verispec.engine.START_AFTER = start_after
+                    options, rule = variants[name]
+                    verispec.engine.start_after = rule
                     result = verispec.generate(target, ids, max_new_tokens=args.max_new_tokens, **options)
                     stats = result.stats
                     runs[name].append({"tokens_per_second": len(result.token_ids) / stats.total_seconds,
@@ -71,7 +92,7 @@ def main() -> None:
                 f"{name} {row[name]['vs_plain']:.2f}x" for name in variants if name != "plain")
                 + f"  ({row[list(variants)[-1]]['drafter']})", flush=True)
     finally:
-        verispec.engine.START_AFTER = START_AFTER
+        verispec.engine.start_after = start_after
     summary = {name: {"median": statistics.median(r[name]["vs_plain"] for r in rows),
                       "geomean": statistics.geometric_mean(r[name]["vs_plain"] for r in rows),
                       "min": min(r[name]["vs_plain"] for r in rows),
