@@ -6,10 +6,10 @@ Between steps the worker takes new jobs and cancellations from its inbox, gives 
 waiting (`QueueFull`), so a burst cannot pile up unbounded work. Reading prompts (prefill) makes the
 decoding rows wait, so a prompt is read in the model's chunks (`prefill.PromptReader`), at most
 `prefill_tokens` prompt tokens and about `prefill_seconds` of reading between two steps (always at least one
-chunk; seconds are turned into tokens at the rate each model has been reading prompts, `ReadRates`), scaled up by the ratio of
-reading jobs to decoding rows where they outnumber them: a 6000-token prompt delays the running streams
-by about one chunk's pass per step, not by its whole prefill, while a burst that outnumbers the running
-rows is read at once (the few rows it delays gain more from a full batch). Where the lane's drafter reads
+chunk; seconds become tokens at the rate each model has been reading prompts, `ReadRates`), both scaled up by
+the ratio of reading jobs to decoding rows where they outnumber them: a 6000-token prompt delays the running
+streams by about a quarter of a second (or one chunk's pass) per step, not by its whole prefill, while a burst
+that outnumbers the running rows is read at once (the few rows it delays gain more from a full batch). Where the lane's drafter reads
 prompts on a draft model of its own (`Drafter.reads_prompt_readers`), the draft model reads it the same way,
 after the target, within the same budget (`PromptReads`). A job whose prompt is read joins its lane. With a
 `PrefixCache`, a prompt starts from the longest prefix of it already read (bitwise the keys and values a fresh
