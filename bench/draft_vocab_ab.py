@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 from pathlib import Path
 
@@ -20,6 +19,8 @@ import verispec
 from verispec.api import load_draft
 from verispec.bench import _cpu_name, read_prompts
 from verispec.text import encode_prompt
+
+from ab import compare, plot_ratios, run_interleaved, summarize
 
 
 def main() -> None:
@@ -40,66 +41,35 @@ def main() -> None:
     data = Path(args.data)
     # every other prompt of HumanEval's first 6 and of Spec-Bench's first of each category
     prompts = read_prompts(str(data / "humaneval_dev.jsonl"), 6)[::2] + read_prompts(str(data / "spec_bench_dev.jsonl"), 1)[::2]
+    names = list(variants)
     rows = []
     for prompt in prompts:
         ids = encode_prompt(target.tokenizer, prompt.text, chat=prompt.chat)
-        runs = {name: [] for name in variants}
-        for round_ in range(2):
-            for name in (list(variants) if round_ == 0 else list(variants)[::-1]):
-                result = verispec.generate(target, ids, draft=variants[name], drafter=args.drafter, draft_len=draft_len,
-                                           max_new_tokens=args.max_new_tokens)
-                stats = result.stats
-                runs[name].append({"tokens_per_second": len(result.token_ids) / stats.total_seconds,
-                                   "tokens_per_pass": stats.mean_accepted_tokens,
-                                   "draft_ms_per_pass": 1e3 * stats.draft_seconds / max(1, stats.target_passes),
-                                   "tokens": result.token_ids})
-        whole = statistics.median(r["tokens_per_second"] for r in runs["whole"])
-        row = {"category": prompt.category, "id": prompt.id}
-        for name, got in runs.items():
-            row[name] = {"vs_whole": statistics.median(r["tokens_per_second"] for r in got) / whole,
-                         "tokens_per_pass": statistics.median(r["tokens_per_pass"] for r in got),
-                         "draft_ms_per_pass": statistics.median(r["draft_ms_per_pass"] for r in got),
-                         "identical": all(r["tokens"] == runs["whole"][0]["tokens"] for r in got)}
+
+        def run(name: str) -> dict:
+            result = verispec.generate(target, ids, draft=variants[name], drafter=args.drafter, draft_len=draft_len,
+                                       max_new_tokens=args.max_new_tokens)
+            stats = result.stats
+            return {"tokens_per_second": len(result.token_ids) / stats.total_seconds,
+                    "tokens_per_pass": stats.mean_accepted_tokens,
+                    "draft_ms_per_pass": 1e3 * stats.draft_seconds / max(1, stats.target_passes),
+                    "tokens": result.token_ids}
+
+        runs = run_interleaved(names, 2, run)
+        row = {"category": prompt.category, "id": prompt.id,
+               **compare(runs, "whole", "vs_whole", ("tokens_per_pass", "draft_ms_per_pass"))}
         rows.append(row)
         print(f"{prompt.category:14s} " + " | ".join(
             f"{name} {row[name]['vs_whole']:.2f}x ({row[name]['tokens_per_pass']:.2f}/pass, draft {row[name]['draft_ms_per_pass']:.0f} ms/pass)"
-            for name in variants), flush=True)
-    summary = {name: {"median": statistics.median(r[name]["vs_whole"] for r in rows),
-                      "geomean": statistics.geometric_mean(r[name]["vs_whole"] for r in rows),
-                      "identical": f"{sum(r[name]['identical'] for r in rows)}/{len(rows)}"} for name in variants}
+            for name in names), flush=True)
+    summary = summarize(rows, names, "vs_whole")
     print(json.dumps(summary, indent=1))
     report = {"cpu": _cpu_name(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "settings": vars(args), "summary": summary, "rows": rows}
     Path(args.out).write_text(json.dumps(report, indent=1))
-    plot(report, Path(args.out).with_suffix(".png"))
-
-
-def plot(report: dict, path: Path) -> None:
-    """Each prompt's tokens/s against the whole head's, one bar per head variant."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = report["rows"]
-    variants = [name for name in rows[0] if name not in ("category", "id")]
-    fig, ax = plt.subplots(figsize=(10, 4))
-    width = 0.8 / len(variants)
-    for i, name in enumerate(variants):
-        ax.bar([x + i * width for x in range(len(rows))], [r[name]["vs_whole"] for r in rows], width,
-               label=f"{name} (median {report['summary'][name]['median']:.2f}x)")
-    ax.axhline(1.0, color="gray", linewidth=0.8)
-    ratios = [r[name]["vs_whole"] for r in rows for name in variants]
-    ax.set_ylim(min(0.8, min(ratios) - 0.05), max(ratios) + 0.15)
-    ax.set_xticks([x + width * (len(variants) - 1) / 2 for x in range(len(rows))])
-    ax.set_xticklabels([r["category"] for r in rows], rotation=30, ha="right")
-    ax.set_ylabel("tokens/s vs the whole head")
-    settings = report["settings"]
-    ax.set_title(f"{settings['draft']} (Q4_0) drafting for {settings['target']} (q8), {settings['drafter']}, "
-                 f"{report['cpu']}, {report['date']}", fontsize=9)
-    ax.legend(fontsize=8, loc="upper left", ncol=len(variants))
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    plot_ratios(rows, summary, names, "vs_whole", [r["category"] for r in rows], "tokens/s vs the whole head",
+                f"{args.draft} (Q4_0) drafting for {args.target} (q8), {args.drafter}, {report['cpu']}, {report['date']}",
+                Path(args.out).with_suffix(".png"))
 
 
 if __name__ == "__main__":

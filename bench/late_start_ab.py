@@ -17,11 +17,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import time
 from pathlib import Path
-
-import math
 
 import verispec
 import verispec.engine
@@ -29,6 +28,8 @@ from verispec.api import load_draft
 from verispec.bench import _cpu_name, read_prompts
 from verispec.policy import START_SPEEDUP, start_after
 from verispec.text import encode_prompt
+
+from ab import compare, plot_ratios, run_interleaved, summarize
 
 
 def wait_rule(name: str):
@@ -64,74 +65,43 @@ def main() -> None:
     data = Path(args.data)
     prompts = read_prompts(str(data / "spec_bench_dev.jsonl"), 1) + read_prompts(str(data / "humaneval_dev.jsonl"), 6)[::2]
     prompts = prompts[: args.prompts]
+    names = list(variants)
     rows = []
     try:
         for prompt in prompts:
             ids = encode_prompt(target.tokenizer, prompt.text, chat=prompt.chat)
-            runs = {name: [] for name in variants}
-            for round_ in range(args.rounds):
-                for name in (list(variants) if round_ % 2 == 0 else list(variants)[::-1]):
-                    options, rule = variants[name]
-                    verispec.engine.start_after = rule
-                    result = verispec.generate(target, ids, max_new_tokens=args.max_new_tokens, **options)
-                    stats = result.stats
-                    runs[name].append({"tokens_per_second": len(result.token_ids) / stats.total_seconds,
-                                       "tokens_per_pass": stats.mean_accepted_tokens, "prefill_seconds": stats.prefill_seconds,
-                                       "drafter": stats.drafter, "tokens": result.token_ids})
-            plain = statistics.median(r["tokens_per_second"] for r in runs["plain"])
+
+            def run(name: str) -> dict:
+                options, rule = variants[name]
+                verispec.engine.start_after = rule
+                result = verispec.generate(target, ids, max_new_tokens=args.max_new_tokens, **options)
+                stats = result.stats
+                return {"tokens_per_second": len(result.token_ids) / stats.total_seconds,
+                        "tokens_per_pass": stats.mean_accepted_tokens, "prefill_seconds": stats.prefill_seconds,
+                        "drafter": stats.drafter, "tokens": result.token_ids}
+
+            runs = run_interleaved(names, args.rounds, run)
             row = {"category": prompt.category, "id": prompt.id, "prompt_tokens": len(ids),
-                   "new_tokens": len(runs["plain"][0]["tokens"]), "plain_tokens_per_second": plain}
+                   "new_tokens": len(runs["plain"][0]["tokens"]),
+                   "plain_tokens_per_second": statistics.median(r["tokens_per_second"] for r in runs["plain"]),
+                   **compare(runs, "plain", "vs_plain", ("tokens_per_pass", "prefill_seconds"))}
             for name, got in runs.items():
-                row[name] = {"vs_plain": statistics.median(r["tokens_per_second"] for r in got) / plain,
-                             "tokens_per_pass": statistics.median(r["tokens_per_pass"] for r in got),
-                             "prefill_seconds": statistics.median(r["prefill_seconds"] for r in got),
-                             "drafter": got[-1]["drafter"],
-                             "identical": all(r["tokens"] == runs["plain"][0]["tokens"] for r in got)}
+                row[name]["drafter"] = got[-1]["drafter"]
             rows.append(row)
             print(f"{prompt.category:14s} {row['prompt_tokens']:4d}+{row['new_tokens']:3d} " + " | ".join(
-                f"{name} {row[name]['vs_plain']:.2f}x" for name in variants if name != "plain")
-                + f"  ({row[list(variants)[-1]]['drafter']})", flush=True)
+                f"{name} {row[name]['vs_plain']:.2f}x" for name in names if name != "plain")
+                + f"  ({row[names[-1]]['drafter']})", flush=True)
     finally:
         verispec.engine.start_after = start_after
-    summary = {name: {"median": statistics.median(r[name]["vs_plain"] for r in rows),
-                      "geomean": statistics.geometric_mean(r[name]["vs_plain"] for r in rows),
-                      "min": min(r[name]["vs_plain"] for r in rows),
-                      "identical": f"{sum(r[name]['identical'] for r in rows)}/{len(rows)}"} for name in variants}
+    summary = summarize(rows, names, "vs_plain")
     print(json.dumps(summary, indent=1))
     report = {"cpu": _cpu_name(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "settings": vars(args), "summary": summary, "rows": rows}
     Path(args.out).write_text(json.dumps(report, indent=1))
-    plot(report, Path(args.out).with_suffix(".png"))
-
-
-def plot(report: dict, path: Path) -> None:
-    """Each prompt's tokens/s against plain decoding's, one bar per variant, prompts labelled with their lengths."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = report["rows"]
-    variants = [name for name in report["summary"] if name != "plain"]
-    fig, ax = plt.subplots(figsize=(12, 4.5))
-    width = 0.8 / len(variants)
-    for i, name in enumerate(variants):
-        ax.bar([x + i * width for x in range(len(rows))], [r[name]["vs_plain"] for r in rows], width,
-               label=f"{name} (median {report['summary'][name]['median']:.2f}x, min {report['summary'][name]['min']:.2f}x)")
-    ax.axhline(1.0, color="gray", linewidth=0.8)
-    ax.axhline(0.97, color="red", linewidth=0.6, linestyle=":")
-    ratios = [r[name]["vs_plain"] for r in rows for name in variants]
-    ax.set_ylim(min(0.7, min(ratios) - 0.05), max(ratios) + 0.25)
-    ax.set_xticks([x + width * (len(variants) - 1) / 2 for x in range(len(rows))])
-    ax.set_xticklabels([f"{r['category']}\n{r['prompt_tokens']}+{r['new_tokens']}" for r in rows], rotation=30, ha="right",
-                       fontsize=7)
-    ax.set_ylabel("tokens/s vs plain (end to end)")
-    settings = report["settings"]
-    ax.set_title(f"{settings['target']} (q8) with {settings['draft']} (Q4_0): when auto starts the draft; "
-                 f"{report['cpu']}, {report['date']}", fontsize=9)
-    ax.legend(fontsize=8, loc="upper left", ncol=len(variants))
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    plot_ratios(rows, summary, [name for name in names if name != "plain"], "vs_plain",
+                [f"{r['category']}\n{r['prompt_tokens']}+{r['new_tokens']}" for r in rows], "tokens/s vs plain (end to end)",
+                f"{args.target} (q8) with {args.draft} (Q4_0): when auto starts the draft; {report['cpu']}, {report['date']}",
+                Path(args.out).with_suffix(".png"), floor=0.97)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,69 @@
+"""What the A/B scripts beside this file share (`draft_vocab_ab.py`, `late_start_ab.py`).
+
+Each prompt runs every variant `rounds` times in alternating order, so a noisy minute weighs on all of them alike;
+a variant's figures are the medians of its runs and its tokens/s is divided by a baseline variant's; greedy
+outputs must equal the baseline's. The report plots those ratios per prompt, one bar per variant.
+"""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+from typing import Callable
+
+
+def run_interleaved(variants: list[str], rounds: int, run: Callable[[str], dict]) -> dict[str, list[dict]]:
+    """Per variant, the figures `run(name)` returns for each of `rounds` runs (each with "tokens_per_second" and
+    "tokens"), the variants run in order, then in reverse, and so on."""
+    runs = {name: [] for name in variants}
+    for round_ in range(rounds):
+        for name in (variants if round_ % 2 == 0 else variants[::-1]):
+            runs[name].append(run(name))
+    return runs
+
+
+def compare(runs: dict[str, list[dict]], baseline: str, ratio: str, figures: tuple[str, ...] = ()) -> dict[str, dict]:
+    """Per variant: its median tokens/s over the baseline's (`ratio`), the medians of `figures`, and whether every
+    run's tokens equal the baseline's first run's ("identical")."""
+    base = statistics.median(r["tokens_per_second"] for r in runs[baseline])
+    reference = runs[baseline][0]["tokens"]
+    return {name: {ratio: statistics.median(r["tokens_per_second"] for r in got) / base,
+                   **{figure: statistics.median(r[figure] for r in got) for figure in figures},
+                   "identical": all(r["tokens"] == reference for r in got)}
+            for name, got in runs.items()}
+
+
+def summarize(rows: list[dict], variants: list[str], ratio: str) -> dict[str, dict]:
+    """Per variant, over the prompts: the median, geometric mean and lowest of `ratio`, and how many were identical."""
+    return {name: {"median": statistics.median(r[name][ratio] for r in rows),
+                   "geomean": statistics.geometric_mean(r[name][ratio] for r in rows),
+                   "min": min(r[name][ratio] for r in rows),
+                   "identical": f"{sum(r[name]['identical'] for r in rows)}/{len(rows)}"} for name in variants}
+
+
+def plot_ratios(rows: list[dict], summary: dict[str, dict], variants: list[str], ratio: str, labels: list[str],
+                ylabel: str, title: str, path: Path, floor: float | None = None) -> None:
+    """One group of bars per prompt (`labels`), one bar per variant; `floor`, if given, is drawn dotted and each
+    variant's lowest ratio goes into the legend."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(max(10, 0.75 * len(rows)), 4.5))
+    width = 0.8 / len(variants)
+    for i, name in enumerate(variants):
+        legend = f"{name} (median {summary[name]['median']:.2f}x" + (f", min {summary[name]['min']:.2f}x)" if floor else ")")
+        ax.bar([x + i * width for x in range(len(rows))], [r[name][ratio] for r in rows], width, label=legend)
+    ax.axhline(1.0, color="gray", linewidth=0.8)
+    if floor:
+        ax.axhline(floor, color="red", linewidth=0.6, linestyle=":")
+    ratios = [r[name][ratio] for r in rows for name in variants]
+    ax.set_ylim(min(0.8, min(ratios) - 0.05), max(ratios) + 0.2)
+    ax.set_xticks([x + width * (len(variants) - 1) / 2 for x in range(len(rows))])
+    ax.set_xticklabels(labels, rotation=30, ha="right", fontsize=7)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8, loc="upper left", ncol=len(variants))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
