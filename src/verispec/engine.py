@@ -206,10 +206,11 @@ class DecodeBatch:
             chosen, startup = self._start_or_fall_back(requests, tokens, target_seconds)
             starts = chosen is self.drafter and chosen.prefill_model is not None  # a draft model that would start
             one_row = len(requests) == 1 and not self.rows
-            wait = start_after(startup, BOOK.step_seconds(self.target), BOOK.answers(self.target), START_AFTER)
-            if starts and one_row and wait > 0:
-                self._late = _LateStart(chosen, wait, tokens, target_seconds, any(reader.reused for reader in readers))
-                chosen = self.fallback
+            if starts and one_row:
+                wait = start_after(startup, BOOK.step_seconds(self.target), BOOK.answers(self.target), START_AFTER)
+                if wait > 0:
+                    self._late = _LateStart(chosen, wait, tokens, target_seconds, any(reader.reused for reader in readers))
+                    chosen = self.fallback
             self.reserve = self.fallback if starts and one_row else None
             if self.reserve is not None and self.reserve is not chosen:  # it holds the row, should the call retreat
                 self.reserve.add([list(r.prompt) for r in requests])
@@ -224,8 +225,9 @@ class DecodeBatch:
             self.drafter.observe_taps([None] * len(self.rows) + hidden)
         if read:  # the draft's prefill, read between steps: its time is the readers'
             self.stats.prefill_seconds += sum(reader.seconds for reader in draft_readers)
-        elif draft_model is not None and target_seconds > 0 and not any(reader.reused for reader in readers):
-            BOOK.record_relative_prefill(self.target, draft_model, tokens, (time.perf_counter() - drafting) / target_seconds)
+        elif draft_model is not None:
+            self._record_draft_prefill(draft_model, tokens, time.perf_counter() - drafting, target_seconds,
+                                       any(reader.reused for reader in readers))
         for r in requests:
             limit = min(r.max_new_tokens, self.target.max_context - len(r.prompt))
             generator, sampling = make_generator(r.sampling), r.sampling
@@ -250,11 +252,24 @@ class DecodeBatch:
         draft_model = self.drafter.prefill_model
         if draft_model is None:
             return self.drafter, None
-        ratio = BOOK.relative_prefill(self.target, draft_model, tokens)
-        startup = None if ratio is None else ratio * target_seconds
+        startup = self._draft_prefill_price(draft_model, tokens, target_seconds)
         new_tokens = max(r.max_new_tokens for r in requests)
         pays = start_pays(startup, BOOK.step_seconds(self.target), new_tokens)
         return self.drafter if pays else self.fallback, startup
+
+    def _draft_prefill_price(self, draft_model: CausalLM, tokens: int, target_seconds: float) -> float | None:
+        """The seconds a draft model's prefill of `tokens` prompt tokens is expected to take: the target's
+        `target_seconds` for them times what the draft's prefill has cost relative to the target's on earlier
+        calls (None: not measured yet)."""
+        ratio = BOOK.relative_prefill(self.target, draft_model, tokens)
+        return None if ratio is None else ratio * target_seconds
+
+    def _record_draft_prefill(self, draft_model: CausalLM, tokens: int, seconds: float, target_seconds: float,
+                              reused: bool) -> None:
+        """The draft/target prefill ratio into the cost book, where the target read the prompt itself (a prefix
+        cache's reuse would make the ratio say nothing of a fresh read)."""
+        if target_seconds > 0 and not reused:
+            BOOK.record_relative_prefill(self.target, draft_model, tokens, seconds / target_seconds)
 
     @torch.inference_mode()
     def remove(self, request_id: Hashable) -> None:
@@ -414,17 +429,14 @@ class DecodeBatch:
         if row is not None and len(row.generated) < self._late.after:
             return
         late, self._late = self._late, None
-        ratio = BOOK.relative_prefill(self.target, late.drafter.prefill_model, late.tokens)
-        startup = None if ratio is None else ratio * late.target_seconds
+        startup = self._draft_prefill_price(late.drafter.prefill_model, late.tokens, late.target_seconds)
         if row is None or not start_pays(startup, BOOK.step_seconds(self.target), row.remaining):
             self.reserve = None
             return
         started = time.perf_counter()
         late.drafter.add([list(row.request.prompt)], **self._tenants(late.drafter, [row.request]))
         seconds = time.perf_counter() - started
-        if late.target_seconds > 0 and not late.reused:
-            ratio = seconds / late.target_seconds
-            BOOK.record_relative_prefill(self.target, late.drafter.prefill_model, late.tokens, ratio)
+        self._record_draft_prefill(late.drafter.prefill_model, late.tokens, seconds, late.target_seconds, late.reused)
         self.stats.prefill_seconds += seconds
         self.stats.drafter = f"{self.stats.drafter}, then {type(late.drafter).__name__}"
         self.drafter, self.policy, self._behind = late.drafter, self.policy.fresh(), True

@@ -9,11 +9,11 @@ decoding rows wait, so a prompt is read in the model's chunks (`prefill.PromptRe
 chunk; seconds become tokens at the rate each model has been reading prompts, `ReadRates`), both scaled up by
 the ratio of reading jobs to decoding rows where they outnumber them: a 6000-token prompt delays the running
 streams by about a quarter of a second (or one chunk's pass) per step, not by its whole prefill, while a burst
-that outnumbers the running rows is read at once (the few rows it delays gain more from a full batch). Where the lane's drafter reads
-prompts on a draft model of its own (`Drafter.reads_prompt_readers`), the draft model reads it the same way,
-after the target, within the same budget (`PromptReads`). A job whose prompt is read joins its lane. With a
-`PrefixCache`, a prompt starts from the longest prefix of it already read (bitwise the keys and values a fresh
-read computes) and its chunks are stored for later requests.
+that outnumbers the running rows is read at once (the few rows it delays gain more from a full batch). Where the
+lane's drafter reads prompts on a draft model of its own (`Drafter.reads_prompt_readers`), the draft model reads
+it the same way, after the target, within the same budget (`PromptReads`). A job whose prompt is read joins its
+lane. With a `PrefixCache`, a prompt starts from the longest prefix of it already read (bitwise the keys and
+values a fresh read computes) and its chunks are stored for later requests.
 
 Jobs are grouped into *lanes* by how they are decoded: the server's draft length, a per-request
 `draft_len`, or plain decoding. Each lane is a `DecodeBatch` with its own drafter. A lane stops
