@@ -66,20 +66,19 @@ typedef __m256 FVEC;
 #define PARTS (Q8G / VCOLS)       /* vectors across a group: 1 or 2 */
 #define Q8TILE 8                  /* activation rows sharing each decoded sub-block */
 #define INLINE static inline __attribute__((always_inline))
-#ifndef Q8_AHEAD
-#define Q8_AHEAD 4                /* blocks ahead the tiles prefetch the weights (see prefetch_block) */
-#endif
+#define Q8_AHEAD 4                /* blocks ahead the k-quant tiles prefetch the weights (see prefetch_block) */
+#define Q32_AHEAD 12              /* the same for 32-weight blocks, whose groups are 8x smaller (see quant32_q8.c) */
 
-/* Prefetch part `step` of `steps` of the block group `bytes` after p. The blocks are one sequential
- * stream, but at 8 rows a tile spends long enough on each that the hardware prefetcher does not run
- * far enough ahead: without this a third of a wide tile's time stalled on its weight loads (perf,
+/* Prefetch part `step` of `steps` of the block group `bytes` at `ahead` groups after p. The blocks are one
+ * sequential stream, but at 8 rows a tile spends long enough on each that the hardware prefetcher does not
+ * run far enough ahead: without this a third of a wide tile's time stalled on its weight loads (perf,
  * Zen 5), with it the loads find the lines in cache. Past the matrix's end it reads nothing (a
  * prefetch never faults). */
-INLINE void prefetch_block(const uint8_t *p, int64_t bytes, int step, int steps)
+INLINE void prefetch_block(const uint8_t *p, int64_t bytes, int step, int steps, int ahead)
 {
     const int64_t lines = (bytes + 63) / 64, per = (lines + steps - 1) / steps;
     for (int64_t l = step * per; l < (step + 1) * per && l < lines; l++)
-        _mm_prefetch((const char *)(p + Q8_AHEAD * bytes + 64 * l), _MM_HINT_T0);
+        _mm_prefetch((const char *)(p + ahead * bytes + 64 * l), _MM_HINT_T0);
 }
 
 /* Four bytes at p as an int32 broadcast to every lane (a row's activations of one step, or a pair of int16). */
