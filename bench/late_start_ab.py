@@ -8,9 +8,11 @@ first prompt and three HumanEval dev prompts: "at-once" (no wait: the behaviour 
 default), "ski" (the history-free ski rental: wait until a 2x draft's forgone savings equal the prefill's price,
 at most 32 tokens) and "fixedN" (N tokens). Each prompt runs every variant `--rounds` times in alternating order;
 each variant's tokens/s (end to end, prefill included) is divided by plain decoding's. Greedy: outputs must be
-identical.
+identical. `--retreats 16,8` adds variants with the fitted wait whose draft model is judged (`policy.RETREAT_STEPS`:
+given up for prompt lookup where it is slower than plain steps) after that many steps instead.
 
     python bench/late_start_ab.py --waits at-once,ski --out bench/reports/late_start_ab.json
+    python bench/late_start_ab.py --waits fitted --retreats 8 --out bench/reports/retreat_ab.json
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import verispec
 import verispec.engine
 from verispec.api import load_draft
 from verispec.bench import _cpu_name, read_prompts
-from verispec.policy import START_SPEEDUP, start_after
+from verispec.policy import RETREAT_STEPS, START_SPEEDUP, start_after
 from verispec.text import encode_prompt
 
 from ab import compare, plot_ratios, run_interleaved, summarize
@@ -53,6 +55,7 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--waits", default="at-once,fitted", help="comma-separated: at-once, fitted, ski, fixedN")
+    parser.add_argument("--retreats", default="", help="comma-separated step counts: the fitted wait, judged after N steps")
     parser.add_argument("--prompts", type=int, default=None, help="only the first N prompts (a smoke run)")
     parser.add_argument("--data", default="../shared/data", help="folder with humaneval_dev.jsonl and spec_bench_dev.jsonl")
     parser.add_argument("--out", required=True)
@@ -60,8 +63,11 @@ def main() -> None:
 
     target = verispec.load(args.target, numerics="q8")
     draft = load_draft(args.draft, target)
-    variants = {"plain": (dict(drafter="none"), start_after), "ngram": (dict(drafter="ngram"), start_after)}
-    variants.update({f"auto, wait {name}": (dict(draft=draft), wait_rule(name)) for name in args.waits.split(",")})
+    variants = {"plain": (dict(drafter="none"), start_after, RETREAT_STEPS),
+                "ngram": (dict(drafter="ngram"), start_after, RETREAT_STEPS)}
+    variants.update({f"auto, wait {name}": (dict(draft=draft), wait_rule(name), RETREAT_STEPS) for name in args.waits.split(",")})
+    variants.update({f"auto, judged after {steps}": (dict(draft=draft), start_after, int(steps))
+                     for steps in filter(None, args.retreats.split(","))})
     data = Path(args.data)
     prompts = read_prompts(str(data / "spec_bench_dev.jsonl"), 1) + read_prompts(str(data / "humaneval_dev.jsonl"), 6)[::2]
     prompts = prompts[: args.prompts]
@@ -72,8 +78,8 @@ def main() -> None:
             ids = encode_prompt(target.tokenizer, prompt.text, chat=prompt.chat)
 
             def run(name: str) -> dict:
-                options, rule = variants[name]
-                verispec.engine.start_after = rule
+                options, rule, steps = variants[name]
+                verispec.engine.start_after, verispec.engine.RETREAT_STEPS = rule, steps
                 result = verispec.generate(target, ids, max_new_tokens=args.max_new_tokens, **options)
                 stats = result.stats
                 return {"tokens_per_second": len(result.token_ids) / stats.total_seconds,
@@ -92,7 +98,7 @@ def main() -> None:
                 f"{name} {row[name]['vs_plain']:.2f}x" for name in names if name != "plain")
                 + f"  ({row[names[-1]]['drafter']})", flush=True)
     finally:
-        verispec.engine.start_after = start_after
+        verispec.engine.start_after, verispec.engine.RETREAT_STEPS = start_after, RETREAT_STEPS
     summary = summarize(rows, names, "vs_plain")
     print(json.dumps(summary, indent=1))
     report = {"cpu": _cpu_name(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
