@@ -66,10 +66,18 @@ static void q8_0_block(const float *x, int8_t *q, float *d, float *s, int16_t *s
     *sum = (int16_t)codes_sum;
 }
 
-/* Rows of x [M, K] (K a multiple of 32) to Q8_0 / Q8_1: qx [M, K] int8, qd, qs, qa [M, K / 32] (see q8_job). */
+_Static_assert(Q32_ROWS == Q8TILE, "the activations' tiles are the tiles' rows");
+
+/* Rows of x [M, K] (K a multiple of 32) to Q8_0 / Q8_1: the codes qx, and qd, qs, qa per block, in tiles of
+ * Q32_ROWS rows (q32_at; see q8_job). */
 void KQ(q8_0_quantize)(const float *x, int8_t *qx, float *qd, float *qs, int16_t *qa, int64_t M, int64_t K)
 {
-    for (int64_t i = 0; i < M * (K / QK32); i++) q8_0_block(x + i * QK32, qx + i * QK32, qd + i, qs + i, qa + i);
+    const int64_t blocks = K / QK32;
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t b = 0; b < blocks; b++) {
+            const int64_t i = q32_at(m, b, blocks);
+            q8_0_block(x + m * K + b * QK32, qx + i * QK32, qd + i, qs + i, qa + i);
+        }
 }
 
 /* Where a repacked group's block keeps its parts (see quant32_q8_pack.c): d at 0, m at 32 (_1 types), the
@@ -93,7 +101,8 @@ INLINE void q32_tile(const q8_job *job, const uint8_t *group, int64_t m0, const 
     for (int r = 0; r < R; r++) acc[r] = FZERO();
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *blk = group + b * size;
-        const int8_t *x = job->qx0 + m0 * K + b * QK32;
+        const int64_t at0 = q32_at(m0, b, blocks);  /* row m0 + r's block b: at0 + r (m0 starts a tile) */
+        const int8_t *x = job->qx0 + at0 * QK32;
         /* 12 groups (3.5-6.5 KB) ahead, not the k-quants' 4 (9-13 KB): on the 0.5B Q4_0 draft (Intel Xeon,
          * 2 threads) 4 left its width-1 step at ~16 GB/s of ~20 the cores stream, 12 cut it 7% (AVX2: 7%) */
         if (part == 0) prefetch_block(blk, size, 0, 1, Q32_AHEAD);
@@ -121,7 +130,7 @@ INLINE void q32_tile(const q8_job *job, const uint8_t *group, int64_t m0, const 
         for (int r = 0; r < R; r++) sumi[r] = IZERO();
         for (int s = 0; s < 8; s++) {
 #pragma GCC unroll 16
-            for (int r = 0; r < R; r++) sumi[r] = dpbusd_bcast(sumi[r], w[s], x + r * K + 4 * s);
+            for (int r = 0; r < R; r++) sumi[r] = dpbusd_bcast(sumi[r], w[s], x + r * QK32 + 4 * s);
         }
 #else
         /* int16 pair sums: eight 4-bit steps fit (8 * 2 * 15 * 127), 5-bit four (4 * 2 * 31 * 127), Q8_0's
@@ -133,7 +142,7 @@ INLINE void q32_tile(const q8_job *job, const uint8_t *group, int64_t m0, const 
             for (int s0 = 0; s0 < 8; s0 += span) {
                 __m256i t = IZERO();
                 for (int s = s0; s < s0 + span; s++) {
-                    const __m256i a = bcast4(x + r * K + 4 * s);
+                    const __m256i a = bcast4(x + r * QK32 + 4 * s);
                     t = _mm256_add_epi16(t, eight ? _mm256_maddubs_epi16(_mm256_sign_epi8(w[s], w[s]), _mm256_sign_epi8(a, w[s]))
                                                   : _mm256_maddubs_epi16(w[s], a));
                 }
@@ -145,7 +154,7 @@ INLINE void q32_tile(const q8_job *job, const uint8_t *group, int64_t m0, const 
         const FVEC m = ones ? HALVES(blk + 32 + 2 * VCOLS * part) : FZERO();
 #pragma GCC unroll 16
         for (int r = 0; r < R; r++) {
-            const int64_t row = (m0 + r) * blocks + b;
+            const int64_t row = at0 + r;
             IVEC exact = sumi[r];
             if (offset) exact = IADD32(exact, ISET32(-offset * job->qa0[row]));
             FVEC t = FMUL(FMUL(d, FSET1(job->qd0[row])), ICVT(exact));
