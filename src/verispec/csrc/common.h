@@ -75,23 +75,24 @@ void run_group(range_fn fn, const void *const *jobs, const int64_t *tiles, int c
 typedef struct { const float *x; const void *w; const float *s; const float *b; float *y; int64_t M, N, K; } linear_job;
 
 /* A GGUF matrix's blocks (kind: GGML_Q4_K, GGML_Q5_K or GGML_Q6_K), repacked in groups of Q8G columns by
- * gguf_q8_repack, times Q8_K activations (kquant_q8.c): qx [M, K] int8, qd [M, K / 256], qb [M, K / 16],
- * qb32 [M, K / 32]. */
+ * gguf_q8_repack, times Q8_K activations (kquant_q8.c), in tiles of Q8TILE rows as the 32-weight types' (row
+ * m's block b at i = q8_at(m, b, K / 256)): its 256 codes at 256 i in qx, its d at qd[i], its sums of 16 codes
+ * at 16 i in qb and of 32 at 8 i in qb32. */
 typedef struct { const int8_t *qx; const float *qd; const int16_t *qb, *qb32; const uint8_t *w; int kind;
                  const float *b; float *y; int64_t M, N, K;
                  /* the 32-weight types' activations, rounded as ggml's Q8_0 / Q8_1 (quant32_q8.c), in tiles of
-                  * Q32_ROWS rows (q32_at): qx0 int8 codes, qd0 the scales d (half-precision values), qs0 Q8_1's
+                  * Q8TILE rows (q8_at): qx0 int8 codes, qd0 the scales d (half-precision values), qs0 Q8_1's
                   * s = d * sum (half-precision values), qa0 the sums of the codes */
                  const int8_t *qx0; const float *qd0, *qs0; const int16_t *qa0; } q8_job;
 
-/* Rows per tile of the 32-weight types' rounded activations (the q8 tiles' Q8TILE): block b of row m is at
- * q32_at(m, b, K / 32) in qd0, qs0 and qa0, and its 32 codes at 32 times that in qx0. A tile's rows lie one after
+/* Activation rows a q8 tile multiplies against each decoded sub-block (kquant_q8.c, quant32_q8.c), and the rows
+ * per tile of their rounded activations: block b of row m is at q8_at(m, b, blocks). A tile's rows lie one after
  * another, block by block, so a tile reads its rows at fixed offsets from one pointer: with a pointer per row
- * (row-major), the 8-row tile spent more instructions on addresses and spilled registers than on products. */
-#define Q32_ROWS 8
-static inline int64_t q32_at(int64_t m, int64_t b, int64_t blocks) { return (m / Q32_ROWS * blocks + b) * Q32_ROWS + m % Q32_ROWS; }
+ * (row-major), the 8-row Q4_0 tile spent more instructions on addresses and spilled registers than on products. */
+#define Q8TILE 8
+static inline int64_t q8_at(int64_t m, int64_t b, int64_t blocks) { return (m / Q8TILE * blocks + b) * Q8TILE + m % Q8TILE; }
 /* Rows the layout holds for M: whole tiles. */
-static inline int64_t q32_rows(int64_t M) { return (M + Q32_ROWS - 1) / Q32_ROWS * Q32_ROWS; }
+static inline int64_t q8_rows(int64_t M) { return (M + Q8TILE - 1) / Q8TILE * Q8TILE; }
 
 /* Int4 quantization of rows of w (see int4_quantize_rows in int4.c). */
 typedef struct { const float *w; uint8_t *packed; float *scale; const float *shrinks; int64_t K; int count; } quantize_job;

@@ -70,17 +70,17 @@ static int gguf_q8_product(const vs_product *p, const float *x, float *const *y,
         else return -1;
     }
     if ((kquant && K % QK_K) || (q32 && K % QK32)) return -1;
-    const size_t kbytes = kquant ? (size_t)(M * K + M * (K / QK_K) * 4 + M * (K / 16) * 2 + M * (K / 32) * 2) : 0;
-    const int64_t M32 = q32_rows(M);  /* whole tiles of rows (see q32_at) */
-    const size_t bytes32 = q32 ? (size_t)(M32 * K + M32 * (K / QK32) * (4 + 4 + 2)) : 0;
+    const int64_t M8 = q8_rows(M);  /* whole tiles of rows (see q8_at) */
+    const size_t kbytes = kquant ? (size_t)(M8 * K + M8 * (K / QK_K) * 4 + M8 * (K / 16) * 2 + M8 * (K / 32) * 2) : 0;
+    const size_t bytes32 = q32 ? (size_t)(M8 * K + M8 * (K / QK32) * (4 + 4 + 2)) : 0;
     const size_t kpadded = (kbytes + 63) / 64 * 64;
     int8_t *qx = aligned_alloc(64, kpadded + (bytes32 + 63) / 64 * 64 + 64);
     if (!qx) return -1;
-    float *qd = (float *)(qx + M * K);
-    int16_t *qb = (int16_t *)(qd + M * (K / QK_K)), *qb32 = qb + M * (K / 16);
+    float *qd = (float *)(qx + M8 * K);
+    int16_t *qb = (int16_t *)(qd + M8 * (K / QK_K)), *qb32 = qb + M8 * (K / 16);
     int8_t *qx0 = qx + kpadded;
-    float *qd0 = (float *)(qx0 + M32 * K), *qs0 = qd0 + M32 * (K / QK32);
-    int16_t *qa0 = (int16_t *)(qs0 + M32 * (K / QK32));
+    float *qd0 = (float *)(qx0 + M8 * K), *qs0 = qd0 + M8 * (K / QK32);
+    int16_t *qa0 = (int16_t *)(qs0 + M8 * (K / QK32));
     if (kquant) (wide ? q8k_quantize_512 : q8k_quantize_256)(x, qx, qd, qb, qb32, M, K);
     if (q32) (wide ? q8_0_quantize_512 : q8_0_quantize_256)(x, qx0, qd0, qs0, qa0, M, K);
     q8_job jobs[MAX_GROUP];

@@ -116,16 +116,18 @@ static void q8k_block(const float *v, int8_t *q, float *d, int16_t *bs)
     *d = 1.0f / iscale;
 }
 
-/* Rows of x [M, K] to Q8_K: qx [M, K] int8, qd [M, K / 256] the scales d, qb [M, K / 16] the sums of
- * 16 codes, qb32 [M, K / 32] the sums of 32 (both int16). Bitwise ggml's quantize_row_q8_K_ref. */
+/* Rows of x [M, K] to Q8_K: the codes qx (int8), the scales d qd, the sums of 16 codes qb and of 32 qb32 (both
+ * int16), in tiles of Q8TILE rows (see q8_job). Bitwise ggml's quantize_row_q8_K_ref. */
 void KQ(q8k_quantize)(const float *x, int8_t *qx, float *qd, int16_t *qb, int16_t *qb32, int64_t M, int64_t K)
 {
     const int64_t blocks = K / QK_K;
-    for (int64_t i = 0; i < M * blocks; i++) {
-        int16_t *bs = qb + i * (QK_K / 16);
-        q8k_block(x + i * QK_K, qx + i * QK_K, qd + i, bs);
-        for (int g = 0; g < QK_K / 32; g++) qb32[i * (QK_K / 32) + g] = (int16_t)(bs[2 * g] + bs[2 * g + 1]);
-    }
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t b = 0; b < blocks; b++) {
+            const int64_t i = q8_at(m, b, blocks);
+            int16_t *bs = qb + i * (QK_K / 16);
+            q8k_block(x + m * K + b * QK_K, qx + i * QK_K, qd + i, bs);
+            for (int g = 0; g < QK_K / 32; g++) qb32[i * (QK_K / 32) + g] = (int16_t)(bs[2 * g] + bs[2 * g + 1]);
+        }
 }
 
 
@@ -169,7 +171,8 @@ INLINE void q4k_tile(const q8_job *job, const uint8_t *group, int64_t m0, const 
     for (int r = 0; r < R; r++) acc[r] = accm[r] = FZERO();
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *blk = group + b * size;
-        const int8_t *x = job->qx + m0 * K + b * QK_K;
+        const int64_t at0 = q8_at(m0, b, blocks);  /* row m0 + r's block b: at0 + r (m0 starts a tile) */
+        const int8_t *x = job->qx + at0 * QK_K;
         IVEC sumi[Q8TILE];
         for (int r = 0; r < R; r++) sumi[r] = IZERO();
         for (int j = 0; j < 8; j++) {
@@ -194,7 +197,7 @@ INLINE void q4k_tile(const q8_job *job, const uint8_t *group, int64_t m0, const 
             for (int u = 0; u < 8; u++) {  /* step 8 j + u: weights 32 j + 4 u (u < 4), 32 j + 16 + 4 (u - 4) */
                 const int64_t at = 32 * j + (u < 4 ? 4 * u : 16 + 4 * (u - 4));
 #pragma GCC unroll 16
-                for (int r = 0; r < R; r++) t[r] = DOT_STEP(t[r], w[u], x + r * K + at);
+                for (int r = 0; r < R; r++) t[r] = DOT_STEP(t[r], w[u], x + r * QK_K + at);
             }
 #pragma GCC unroll 16
             for (int r = 0; r < R; r++) sumi[r] = DOT_END(sumi[r], t[r], scale);
@@ -207,12 +210,12 @@ INLINE void q4k_tile(const q8_job *job, const uint8_t *group, int64_t m0, const 
                     for (int half = 0; half < 2; half++) {
                         IVEC t = IZERO();
                         for (int u = 4 * half; u < 4 * half + 4; u++)
-                            t = DOT_STEP(t, w[u], x + r * K + 32 * j + (u < 4 ? 4 * u : 16 + 4 * (u - 4)));
+                            t = DOT_STEP(t, w[u], x + r * QK_K + 32 * j + (u < 4 ? 4 * u : 16 + 4 * (u - 4)));
                         sumi[r] = DOT_END(sumi[r], t, scale);
                     }
                 } else {
                     IVEC t = IZERO();
-                    for (int u = 0; u < 8; u++) t = DOT_STEP(t, w[u], x + r * K + 32 * j + (u < 4 ? 4 * u : 16 + 4 * (u - 4)));
+                    for (int u = 0; u < 8; u++) t = DOT_STEP(t, w[u], x + r * QK_K + 32 * j + (u < 4 ? 4 * u : 16 + 4 * (u - 4)));
                     sumi[r] = DOT_END(sumi[r], t, scale);
                 }
             }
@@ -223,7 +226,7 @@ INLINE void q4k_tile(const q8_job *job, const uint8_t *group, int64_t m0, const 
         for (int l = 0; l < 4; l++) mins[l] = U8X16(blk + 192 + 32 * l + 2 * VCOLS * part);
 #pragma GCC unroll 16
         for (int r = 0; r < R; r++) {
-            const int64_t row = (m0 + r) * blocks + b;
+            const int64_t row = at0 + r;
             IVEC summ = IZERO();
             for (int l = 0; l < 4; l++) summ = dpwssd_bcast(summ, mins[l], job->qb32 + row * 8 + 2 * l);
             const FVEC dy = FSET1(job->qd[row]);
@@ -255,7 +258,8 @@ INLINE void q6k_tile(const q8_job *job, const uint8_t *group, int64_t m0, const 
     for (int r = 0; r < R; r++) acc[r] = FZERO();
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *blk = group + b * Q6G_BYTES;
-        const int8_t *x = job->qx + m0 * K + b * QK_K;
+        const int64_t at0 = q8_at(m0, b, blocks);  /* as in q4k_tile */
+        const int8_t *x = job->qx + at0 * QK_K;
         IVEC sumi[Q8TILE];
         for (int r = 0; r < R; r++) sumi[r] = IZERO();
         for (int l = 0; l < 8; l++) {
@@ -265,7 +269,7 @@ INLINE void q6k_tile(const q8_job *job, const uint8_t *group, int64_t m0, const 
             const IVEC minus32 = ISLL16(ISUB16(IZERO(), pairs), 5);
 #pragma GCC unroll 16
             for (int r = 0; r < R; r++)
-                sumi[r] = dpwssd_bcast(sumi[r], minus32, job->qb + ((m0 + r) * blocks + b) * 16 + 2 * l);
+                sumi[r] = dpwssd_bcast(sumi[r], minus32, job->qb + (at0 + r) * 16 + 2 * l);
             for (int odd = 0; odd < 2; odd++) {
                 const int g = 2 * l + odd;
                 const IVEC lo0 = ILOAD(blk + 288 + 64 * (2 * g) + VBYTES * part);
@@ -281,7 +285,7 @@ INLINE void q6k_tile(const q8_job *job, const uint8_t *group, int64_t m0, const 
                 for (int r = 0; r < R; r++) t[r] = IZERO();
                 for (int v = 0; v < 4; v++) {  /* step 4 g + v: weights 16 g + 4 v */
 #pragma GCC unroll 16
-                    for (int r = 0; r < R; r++) t[r] = DOT_STEP(t[r], w[v], x + r * K + 16 * g + 4 * v);
+                    for (int r = 0; r < R; r++) t[r] = DOT_STEP(t[r], w[v], x + r * QK_K + 16 * g + 4 * v);
                 }
 #pragma GCC unroll 16
                 for (int r = 0; r < R; r++) sumi[r] = DOT_END(sumi[r], t[r], scale);
@@ -290,7 +294,7 @@ INLINE void q6k_tile(const q8_job *job, const uint8_t *group, int64_t m0, const 
                 for (int r = 0; r < R; r++)
                     for (int v0 = 0; v0 < 4; v0 += Q6_SPAN) {
                         IVEC t = IZERO();
-                        for (int v = v0; v < v0 + Q6_SPAN; v++) t = DOT_STEP(t, w[v], x + r * K + 16 * g + 4 * v);
+                        for (int v = v0; v < v0 + Q6_SPAN; v++) t = DOT_STEP(t, w[v], x + r * QK_K + 16 * g + 4 * v);
                         sumi[r] = DOT_END(sumi[r], t, scale);
                     }
 #endif
@@ -299,7 +303,7 @@ INLINE void q6k_tile(const q8_job *job, const uint8_t *group, int64_t m0, const 
         const FVEC d = HALVES(blk + 2 * VCOLS * part);
 #pragma GCC unroll 16
         for (int r = 0; r < R; r++) {
-            const FVEC dy = FSET1(job->qd[(m0 + r) * blocks + b]);
+            const FVEC dy = FSET1(job->qd[at0 + r]);
             acc[r] = FADD(acc[r], FMUL(FMUL(dy, d), ICVT(sumi[r])));
         }
     }

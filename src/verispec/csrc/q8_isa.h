@@ -64,7 +64,6 @@ typedef __m256 FVEC;
 
 #define VBYTES (4 * VCOLS)        /* bytes of a step (four weights of each column) in a vector */
 #define PARTS (Q8G / VCOLS)       /* vectors across a group: 1 or 2 */
-#define Q8TILE 8                  /* activation rows sharing each decoded sub-block */
 #define INLINE static inline __attribute__((always_inline))
 #define Q8_AHEAD 4                /* blocks ahead the k-quant tiles prefetch the weights (see prefetch_block) */
 #define Q32_AHEAD 12              /* the same for 32-weight blocks, whose groups are 8x smaller (see quant32_q8.c) */

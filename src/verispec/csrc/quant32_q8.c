@@ -66,16 +66,14 @@ static void q8_0_block(const float *x, int8_t *q, float *d, float *s, int16_t *s
     *sum = (int16_t)codes_sum;
 }
 
-_Static_assert(Q32_ROWS == Q8TILE, "the activations' tiles are the tiles' rows");
-
 /* Rows of x [M, K] (K a multiple of 32) to Q8_0 / Q8_1: the codes qx, and qd, qs, qa per block, in tiles of
- * Q32_ROWS rows (q32_at; see q8_job). */
+ * Q8TILE rows (q8_at; see q8_job). */
 void KQ(q8_0_quantize)(const float *x, int8_t *qx, float *qd, float *qs, int16_t *qa, int64_t M, int64_t K)
 {
     const int64_t blocks = K / QK32;
     for (int64_t m = 0; m < M; m++)
         for (int64_t b = 0; b < blocks; b++) {
-            const int64_t i = q32_at(m, b, blocks);
+            const int64_t i = q8_at(m, b, blocks);
             q8_0_block(x + m * K + b * QK32, qx + i * QK32, qd + i, qs + i, qa + i);
         }
 }
@@ -101,7 +99,7 @@ INLINE void q32_tile(const q8_job *job, const uint8_t *group, int64_t m0, const 
     for (int r = 0; r < R; r++) acc[r] = FZERO();
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *blk = group + b * size;
-        const int64_t at0 = q32_at(m0, b, blocks);  /* row m0 + r's block b: at0 + r (m0 starts a tile) */
+        const int64_t at0 = q8_at(m0, b, blocks);  /* row m0 + r's block b: at0 + r (m0 starts a tile) */
         const int8_t *x = job->qx0 + at0 * QK32;
         /* 12 groups (3.5-6.5 KB) ahead, not the k-quants' 4 (9-13 KB): on the 0.5B Q4_0 draft (Intel Xeon,
          * 2 threads) 4 left its width-1 step at ~16 GB/s of ~20 the cores stream, 12 cut it 7% (AVX2: 7%) */
