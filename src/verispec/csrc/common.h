@@ -74,17 +74,6 @@ void run_group(range_fn fn, const void *const *jobs, const int64_t *tiles, int c
  * group scales for int4 and k-quant weights, else unused. */
 typedef struct { const float *x; const void *w; const float *s; const float *b; float *y; int64_t M, N, K; } linear_job;
 
-/* A GGUF matrix's blocks (kind: GGML_Q4_K, GGML_Q5_K or GGML_Q6_K), repacked in groups of Q8G columns by
- * gguf_q8_repack, times Q8_K activations (kquant_q8.c), in tiles of Q8TILE rows as the 32-weight types' (row
- * m's block b at i = q8_at(m, b, K / 256)): its 256 codes at 256 i in qx, its d at qd[i], its sums of 16 codes
- * at 16 i in qb and of 32 at 8 i in qb32. */
-typedef struct { const int8_t *qx; const float *qd; const int16_t *qb, *qb32; const uint8_t *w; int kind;
-                 const float *b; float *y; int64_t M, N, K;
-                 /* the 32-weight types' activations, rounded as ggml's Q8_0 / Q8_1 (quant32_q8.c), in tiles of
-                  * Q8TILE rows (q8_at): qx0 int8 codes, qd0 the scales d (half-precision values), qs0 Q8_1's
-                  * s = d * sum (half-precision values), qa0 the sums of the codes */
-                 const int8_t *qx0; const float *qd0, *qs0; const int16_t *qa0; } q8_job;
-
 /* Activation rows a q8 tile multiplies against each decoded sub-block (kquant_q8.c, quant32_q8.c), and the rows
  * per tile of their rounded activations: block b of row m is at q8_at(m, b, blocks). A tile's rows lie one after
  * another, block by block, so a tile reads its rows at fixed offsets from one pointer: with a pointer per row
@@ -93,6 +82,17 @@ typedef struct { const int8_t *qx; const float *qd; const int16_t *qb, *qb32; co
 static inline int64_t q8_at(int64_t m, int64_t b, int64_t blocks) { return (m / Q8TILE * blocks + b) * Q8TILE + m % Q8TILE; }
 /* Rows the layout holds for M: whole tiles. */
 static inline int64_t q8_rows(int64_t M) { return (M + Q8TILE - 1) / Q8TILE * Q8TILE; }
+
+/* A GGUF matrix's blocks (kind: GGML_Q4_K, GGML_Q5_K or GGML_Q6_K), repacked in groups of Q8G columns by
+ * gguf_q8_repack, times Q8_K activations (kquant_q8.c) in tiles (row m's block b at
+ * i = q8_at(m, b, K / 256)): its 256 codes at 256 i in qx, its d at qd[i], its sums of 16 codes
+ * at 16 i in qb and of 32 at 8 i in qb32. */
+typedef struct { const int8_t *qx; const float *qd; const int16_t *qb, *qb32; const uint8_t *w; int kind;
+                 const float *b; float *y; int64_t M, N, K;
+                 /* the 32-weight types' activations, rounded as ggml's Q8_0 / Q8_1 (quant32_q8.c), in tiles of
+                  * Q8TILE rows (q8_at): qx0 int8 codes, qd0 the scales d (half-precision values), qs0 Q8_1's
+                  * s = d * sum (half-precision values), qa0 the sums of the codes */
+                 const int8_t *qx0; const float *qd0, *qs0; const int16_t *qa0; } q8_job;
 
 /* Int4 quantization of rows of w (see int4_quantize_rows in int4.c). */
 typedef struct { const float *w; uint8_t *packed; float *scale; const float *shrinks; int64_t K; int count; } quantize_job;
