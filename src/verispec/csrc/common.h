@@ -74,23 +74,26 @@ void run_group(range_fn fn, const void *const *jobs, const int64_t *tiles, int c
  * group scales for int4 and k-quant weights, else unused. */
 typedef struct { const float *x; const void *w; const float *s; const float *b; float *y; int64_t M, N, K; } linear_job;
 
-/* Activation rows a q8 tile multiplies against each decoded sub-block (kquant_q8.c, quant32_q8.c), and the rows
- * per tile of their rounded activations: block b of row m is at q8_at(m, b, blocks). A tile's rows lie one after
- * another, block by block, so a tile reads its rows at fixed offsets from one pointer: with a pointer per row
- * (row-major), the 8-row Q4_0 tile spent more instructions on addresses and spilled registers than on products. */
+/* Activation rows a q8 tile multiplies against each decoded sub-block (kquant_q8.c, quant32_q8.c). Their rounded
+ * activations lie in slabs of Q8SLAB rows: block b of row m is at q8_at(m, b, blocks), a slab's rows one after
+ * another, block by block, so a tile reads its rows at fixed offsets from one pointer (with a pointer per row, the
+ * 8-row Q4_0 tile spent more instructions on addresses and spilled registers than on products), and an AMX tile
+ * loads a slab's 16 rows of a block with one stride (kquant_amx.c). A VNNI tile (Q8TILE rows, from a multiple of
+ * Q8TILE) lies within one slab. */
 #define Q8TILE 8
-static inline int64_t q8_at(int64_t m, int64_t b, int64_t blocks) { return (m / Q8TILE * blocks + b) * Q8TILE + m % Q8TILE; }
-/* Rows the layout holds for M: whole tiles. */
-static inline int64_t q8_rows(int64_t M) { return (M + Q8TILE - 1) / Q8TILE * Q8TILE; }
+#define Q8SLAB 16
+static inline int64_t q8_at(int64_t m, int64_t b, int64_t blocks) { return (m / Q8SLAB * blocks + b) * Q8SLAB + m % Q8SLAB; }
+/* Rows the layout holds for M: whole slabs. */
+static inline int64_t q8_rows(int64_t M) { return (M + Q8SLAB - 1) / Q8SLAB * Q8SLAB; }
 
 /* A GGUF matrix's blocks (kind: GGML_Q4_K, GGML_Q5_K or GGML_Q6_K), repacked in groups of Q8G columns by
- * gguf_q8_repack, times Q8_K activations (kquant_q8.c) in tiles (row m's block b at
+ * gguf_q8_repack, times Q8_K activations (kquant_q8.c) in slabs (row m's block b at
  * i = q8_at(m, b, K / 256)): its 256 codes at 256 i in qx, its d at qd[i], its sums of 16 codes
  * at 16 i in qb and of 32 at 8 i in qb32. */
 typedef struct { const int8_t *qx; const float *qd; const int16_t *qb, *qb32; const uint8_t *w; int kind;
                  const float *b; float *y; int64_t M, N, K;
-                 /* the 32-weight types' activations, rounded as ggml's Q8_0 / Q8_1 (quant32_q8.c), in tiles of
-                  * Q8TILE rows (q8_at): qx0 int8 codes, qd0 the scales d (half-precision values), qs0 Q8_1's
+                 /* the 32-weight types' activations, rounded as ggml's Q8_0 / Q8_1 (quant32_q8.c), in slabs of
+                  * Q8SLAB rows (q8_at): qx0 int8 codes, qd0 the scales d (half-precision values), qs0 Q8_1's
                   * s = d * sum (half-precision values), qa0 the sums of the codes */
                  const int8_t *qx0; const float *qd0, *qs0; const int16_t *qa0; } q8_job;
 
@@ -142,6 +145,15 @@ void q8_0_quantize_512(const float *x, int8_t *qx, float *qd, float *qs, int16_t
 void q8_0_quantize_256(const float *x, int8_t *qx, float *qd, float *qs, int16_t *qa, int64_t M, int64_t K);
 void q32_range_512(const void *job, int64_t begin, int64_t end);
 void q32_range_256(const void *job, int64_t begin, int64_t end);
+
+/* ======== AMX (kquant_amx.c) ======== */
+/* Rows from which a Q4_K q8_job runs on AMX tiles when they are on (q8_amx, set by kernels_amx): below it the
+ * VNNI tiles, whose 8 rows share a decoded sub-block in registers, are as fast. */
+#define AMX_MIN_ROWS 16
+extern int q8_amx;
+/* Column groups [begin, end) of a Q4_K q8_job on AMX tiles, bitwise q8_range_512's: 0, or -1 when scratch memory
+ * ran out (nothing written). */
+int q4k_amx_range(const q8_job *job, int64_t begin, int64_t end);
 
 /* ======== one ISA whatever the caller's ======== */
 /* kquant.c (AVX2+FMA): exact k-quant rows widened to float32 */

@@ -1,5 +1,9 @@
 /* The entry points that pick a kernel by CPU, ISA and weight format (baseline x86-64 code: it runs
  * before anything has checked what the CPU supports). */
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include "common.h"
 #include "kernels.h"
 
@@ -17,6 +21,28 @@ int kernels_vnni(void)
 {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni");
+}
+
+int q8_amx = 0;
+
+/* Whether this CPU has AMX-TILE and AMX-INT8 (CPUID leaf 7, EDX bits 24 and 25) and the kernel lets this process
+ * use the tiles' state (Linux asks for it once: arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA). */
+static int amx_usable(void)
+{
+    static int usable = -1;
+    if (usable < 0) {
+        unsigned a, b, c, d;
+        usable = 0;
+        if (kernels_vnni() && __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d >> 24 & 1) && (d >> 25 & 1))
+            usable = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
+    }
+    return usable;
+}
+
+int kernels_amx(int want)
+{
+    q8_amx = want && amx_usable();
+    return q8_amx;
 }
 
 /* One row of a matrix's last N % NR rows, one at a time with a tile's per-element arithmetic. */
@@ -70,7 +96,7 @@ static int gguf_q8_product(const vs_product *p, const float *x, float *const *y,
         else return -1;
     }
     if ((kquant && K % QK_K) || (q32 && K % QK32)) return -1;
-    const int64_t M8 = q8_rows(M);  /* whole tiles of rows (see q8_at) */
+    const int64_t M8 = q8_rows(M);  /* whole slabs of rows (see q8_at) */
     const size_t kbytes = kquant ? (size_t)(M8 * K + M8 * (K / QK_K) * 4 + M8 * (K / 16) * 2 + M8 * (K / 32) * 2) : 0;
     const size_t bytes32 = q32 ? (size_t)(M8 * K + M8 * (K / QK32) * (4 + 4 + 2)) : 0;
     const size_t kpadded = (kbytes + 63) / 64 * 64;

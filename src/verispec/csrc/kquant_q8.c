@@ -117,7 +117,7 @@ static void q8k_block(const float *v, int8_t *q, float *d, int16_t *bs)
 }
 
 /* Rows of x [M, K] to Q8_K: the codes qx (int8), the scales d qd, the sums of 16 codes qb and of 32 qb32 (both
- * int16), in tiles of Q8TILE rows (see q8_job). Bitwise ggml's quantize_row_q8_K_ref. */
+ * int16), in slabs of Q8SLAB rows (see q8_job). Bitwise ggml's quantize_row_q8_K_ref. */
 void KQ(q8k_quantize)(const float *x, int8_t *qx, float *qd, int16_t *qb, int16_t *qb32, int64_t M, int64_t K)
 {
     const int64_t blocks = K / QK_K;
@@ -332,6 +332,9 @@ void KQ(q8_range)(const void *arg, int64_t begin, int64_t end)
         return;
     }
     const int kind = job->kind;
+#if VCOLS == 16
+    if (kind == GGML_Q4_K && q8_amx && job->M >= AMX_MIN_ROWS && q4k_amx_range(job, begin, end) == 0) return;
+#endif
     const q8_tile_fn *tiles = kind == GGML_Q6_K ? q6k_tiles : kind == GGML_Q5_K ? q5k_tiles : q4k_tiles;
     q8_groups(job, begin, end, tiles, job->K / QK_K, q8_group_bytes(kind));
 }

@@ -66,8 +66,8 @@ static void q8_0_block(const float *x, int8_t *q, float *d, float *s, int16_t *s
     *sum = (int16_t)codes_sum;
 }
 
-/* Rows of x [M, K] (K a multiple of 32) to Q8_0 / Q8_1: the codes qx, and qd, qs, qa per block, in tiles of
- * Q8TILE rows (q8_at; see q8_job). */
+/* Rows of x [M, K] (K a multiple of 32) to Q8_0 / Q8_1: the codes qx, and qd, qs, qa per block, in slabs of
+ * Q8SLAB rows (q8_at; see q8_job). */
 void KQ(q8_0_quantize)(const float *x, int8_t *qx, float *qd, float *qs, int16_t *qa, int64_t M, int64_t K)
 {
     const int64_t blocks = K / QK32;

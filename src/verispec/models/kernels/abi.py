@@ -88,6 +88,7 @@ _p, _i, _i64, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 SIGNATURES = {
     "kernels_isa": (_i, []),
     "kernels_vnni": (_i, []),
+    "kernels_amx": (_i, [_i]),
     "linear_product": (_i, [ctypes.POINTER(Product), _p, _p, _i64, _i, _i]),
     "blocked_linear": (None, [ctypes.POINTER(Blocked), _i]),
     "exact_blocks_mismatch": (_i64, [_p, _p, _p, _i64, _i64, _i]),

@@ -27,6 +27,7 @@ AVX2_ONLY = ("-mavx2", "-mfma")
 VNNI_ONLY = ("-mavx512f", "-mavx512bw", "-mavx512vnni")
 Q8_512 = ("-DVS_Q8_512", "-mavx512f", "-mavx512bw", "-mavx512vnni", "-mf16c")
 Q8_256 = ("-DVS_Q8_256", "-mavx2", "-mfma", "-mf16c")
+AMX = (*Q8_512, "-mamx-tile", "-mamx-int8")
 
 # Each source with the instruction-set flags of each object made from it. Baseline code (no flags)
 # runs before anything has checked the CPU; the rest runs only once kernels_isa() allowed it.
@@ -41,6 +42,7 @@ UNITS: dict[str, tuple[tuple[str, ...], ...]] = {
     "int4_vnni.c": (VNNI_ONLY,),
     "kquant_q8.c": (Q8_512, Q8_256),
     "quant32_q8.c": (Q8_512, Q8_256),
+    "kquant_amx.c": (AMX,),
     "kquant_q8_pack.c": ((),),
     "quant32_q8_pack.c": ((),),
     "kquant_rows.c": ((),),

@@ -29,6 +29,7 @@ class Runtime:
     isa: int  # 512, 256, or 0 when unavailable
     int4_format: abi.Format  # INT4 (float activations), INT4_VNNI or INT4_AVX2 (int8 activations)
     config: config.KernelConfig
+    amx: bool = False  # wide Q4_K q8 passes on AMX tiles (the library's switch, set when this runtime was made)
 
 
 _library: _Library | None = None
@@ -73,7 +74,8 @@ def runtime() -> Runtime:
                 int4 = abi.Format.INT4_VNNI
             else:
                 int4 = abi.Format.INT4_AVX2
-            _runtime = Runtime(library.lib, isa, int4, cfg)
+            amx = bool(library.lib.kernels_amx(int(cfg.amx and isa == 512 and library.vnni and cfg.vnni)))
+            _runtime = Runtime(library.lib, isa, int4, cfg, amx)
     return _runtime
 
 
@@ -90,6 +92,11 @@ def isa() -> int:
 def lanes() -> int:
     """Floats per vector: head sizes must be a multiple of this for `slot_attention`."""
     return 16 if isa() == 512 else 8
+
+
+def amx() -> bool:
+    """Whether a q8 target's wide Q4_K passes (16 rows and more) run on AMX tiles: bitwise what the VNNI tiles give."""
+    return runtime().amx
 
 
 def vnni() -> bool:

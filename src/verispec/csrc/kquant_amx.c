@@ -1,0 +1,193 @@
+/* ======== Q4_K blocks times Q8_K activations on AMX tiles: the prefill's wide passes, bitwise the VNNI kernel's ========
+ * (compiled once, with -DVS_Q8_512 and the AMX flags; run only where kernels_amx found the tiles usable)
+ *
+ * kquant_q8.c multiplies a Q4_K sub-block of 32 weights by a row's activations in 8 vpdpbusd and scales that sum by
+ * the sub-block's 6-bit scale sc: a wide pass is bound by one vpdpbusd port, 64 products a cycle. An AMX tile
+ * product does 8 rows x 16 columns x 64 products in one instruction, but a scale that changes every 32 weights
+ * would force the C tile out of the tiles eight times a block. So each scale is split, sc = 8 a + b (a, b in
+ * 0..7), and folded into the weights while they are unpacked: two B tiles per 64 weights hold a * q and b * q
+ * (q the 4-bit code; products at most 105, one vpmullw per 64 bytes, as two codes share a 16-bit lane
+ * without carrying into each other). A block's 256 weights then leave two C tiles, Ta and Tb, and
+ *     sumi = sum_j sc_j * sum_{32 of j} q * x = 8 * Ta + Tb
+ * is the same integer as the VNNI kernel's (exact: |sumi| < 256 * 63 * 15 * 128 < 2^31). The mins' sum and the
+ * float recipe per row and block (acc += (dy * d) * float(sumi), accm += (dy * dmin) * float(summ), out =
+ * (acc - accm) + bias) are kquant_q8.c's operation for operation, so every output is bitwise the VNNI kernel's
+ * at any width; tests/test_kernels_amx.py holds them to that.
+ *
+ * Order: a column group's blocks in turn; each block's weights are unpacked once into the B tiles' 8 KB and
+ * serve every 32 rows (two slabs of 16, q8_at: an A tile each), the float sums of every row kept in memory between
+ * blocks. Rows never meet: a row's outputs are the
+ * same operations on its own activations whatever M. */
+#include "common.h"
+#include "kernels.h"
+
+#include "q8_isa.h"
+
+/* AMX tile registers (ldtilecfg's palette 1): C tiles 16 rows x 16 int32 (Ta, Tb of two slabs of 16 rows), A tiles
+ * a slab's 16 activation rows x 64 bytes, B tiles 16 steps x (16 columns x 4 weights). The 2 x 2 blocking (two A
+ * tiles meet two B tiles) fills the eight registers; the tiles are not renamed, so fewer, wider products leave the
+ * multiplier less time waiting on loads into registers that earlier products still read. */
+#define TA_0 0   /* Ta of rows m0 .. m0 + 15 */
+#define TB_0 1
+#define TA_1 2   /* ... of rows m0 + 16 .. m0 + 31 */
+#define TB_1 3
+#define A_0 4
+#define A_1 5
+#define B_A 6    /* codes times a_j */
+#define B_B 7    /* codes times b_j */
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+/* Set at every call: the tile shapes are per thread, and another user of the tiles on this thread (oneDNN's bfloat16
+ * GEMMs under PyTorch) may have set others since. */
+static void configure_tiles(void)
+{
+    tile_config cfg = {0};
+    cfg.palette = 1;
+    for (int t = TA_0; t <= B_B; t++) {
+        cfg.colsb[t] = 64;
+        cfg.rows[t] = 16;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+/* Block `blk` of a repacked group (kquant_q8_pack.c) -> the B tiles of its four 64-weight chunks: step s (weights
+ * 4 s .. 4 s + 3 of each column) of sub-block j = s / 8 at row s of ba (codes times a_j) and bb (times b_j). */
+static void unpack_block(const uint8_t *blk, uint8_t *ba, uint8_t *bb)
+{
+    const __m512i low4 = _mm512_set1_epi8(15), seven = _mm512_set1_epi32(7);
+    for (int j = 0; j < 8; j++) {
+        const __m512i sc = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + 64 + 16 * j)));
+        const __m512i a = _mm512_srli_epi32(sc, 3), b = _mm512_and_si512(sc, seven);
+        const __m512i a16 = _mm512_or_si512(a, _mm512_slli_epi32(a, 16)), b16 = _mm512_or_si512(b, _mm512_slli_epi32(b, 16));
+        for (int u = 0; u < 4; u++) {
+            const __m512i raw = _mm512_loadu_si512((const void *)(blk + 320 + 64 * (4 * j + u)));
+            const __m512i lo = _mm512_and_si512(raw, low4), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
+            const int s_lo = 8 * j + u, s_hi = 8 * j + 4 + u;  /* chunk 4 j + u: steps 8 j + u and 8 j + 4 + u */
+            _mm512_store_si512((void *)(ba + 64 * s_lo), _mm512_mullo_epi16(lo, a16));
+            _mm512_store_si512((void *)(bb + 64 * s_lo), _mm512_mullo_epi16(lo, b16));
+            _mm512_store_si512((void *)(ba + 64 * s_hi), _mm512_mullo_epi16(hi, a16));
+            _mm512_store_si512((void *)(bb + 64 * s_hi), _mm512_mullo_epi16(hi, b16));
+        }
+    }
+}
+
+/* A block's C tiles for rows m0 .. m0 + 31, stored, waiting to be folded into the rows' float sums. */
+typedef struct {
+    int64_t m0, b;
+    __m512 d, dmin;       /* the block's scales, 16 columns */
+    __m512i mins[4];      /* its mins as int16 pairs (kquant_q8_pack.c) */
+    int32_t (*c)[Q8SLAB][16];  /* Ta, Tb of the first slab, then of the second */
+} stored_tiles;
+
+/* The float recipe of kquant_q8.c's q4k_tile for the rows of `t`: sumi = 8 Ta + Tb, summ the mins against the
+ * rows' sums of 32 codes, acc += (dy * d) * float(sumi), accm += (dy * dmin) * float(summ). */
+INLINE void settle(const q8_job *job, const stored_tiles *t, float *acc, float *accm, int64_t blocks)
+{
+    const int64_t left = job->M - t->m0, rows = left < 2 * Q8SLAB ? left : 2 * Q8SLAB;
+    for (int slab = 0; slab * Q8SLAB < rows; slab++) {
+        const int64_t at = q8_at(t->m0 + slab * Q8SLAB, t->b, blocks), m = t->m0 + slab * Q8SLAB;
+        const int n = rows - slab * Q8SLAB < Q8SLAB ? (int)(rows - slab * Q8SLAB) : Q8SLAB;
+        for (int i = 0; i < n; i++) {
+            const __m512i sumi = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(t->c[2 * slab][i]), 3),
+                                                  _mm512_load_si512(t->c[2 * slab + 1][i]));
+            __m512i summ = _mm512_setzero_si512();
+            for (int l = 0; l < 4; l++) summ = dpwssd_bcast(summ, t->mins[l], job->qb32 + (at + i) * 8 + 2 * l);
+            const __m512 dy = _mm512_set1_ps(job->qd[at + i]);
+            float *a = acc + (m + i) * Q8G, *am = accm + (m + i) * Q8G;
+            _mm512_store_ps(a, _mm512_add_ps(_mm512_load_ps(a), _mm512_mul_ps(_mm512_mul_ps(dy, t->d), _mm512_cvtepi32_ps(sumi))));
+            _mm512_store_ps(am, _mm512_add_ps(_mm512_load_ps(am), _mm512_mul_ps(_mm512_mul_ps(dy, t->dmin), _mm512_cvtepi32_ps(summ))));
+        }
+    }
+}
+
+/* Column groups [begin, end) of a Q4_K q8_job: what q8_range gives, through the tiles. 0, or -1 when scratch
+ * memory ran out (nothing written then). Software-pipelined: the vector units settle one 32-row product while
+ * the tile unit runs the next (the tiles' instructions are only issued in order among themselves). */
+int q4k_amx_range(const q8_job *job, int64_t begin, int64_t end)
+{
+    const int64_t K = job->K, blocks = K / QK_K, N = job->N, M = job->M, M16 = q8_rows(M);
+    /* the rows' float sums, acc then accm, 16 per row: a thread's buffer, kept between calls (the pool hands a
+     * thread one or two column groups at a time) */
+    static __thread float *sums;
+    static __thread int64_t held;
+    if (held < M16) {
+        free(sums);
+        held = 0;
+        sums = aligned_alloc(64, (size_t)(2 * M16 * Q8G) * sizeof(float));
+        if (!sums) return -1;
+        held = M16;
+    }
+    float *acc = sums, *accm = sums + M16 * Q8G;
+    uint8_t ba[64 * 64] __attribute__((aligned(64))), bb[64 * 64] __attribute__((aligned(64)));
+    int32_t c[2][4][Q8SLAB][16] __attribute__((aligned(64)));  /* two products' C tiles: one settling, one stored */
+    configure_tiles();
+    for (int64_t g = begin; g < end; g++) {
+        const uint8_t *group = job->w + g * blocks * Q4G_BYTES;
+        memset(sums, 0, (size_t)(2 * M16 * Q8G) * sizeof(float));
+        stored_tiles waiting = {0};
+        int have = 0, buffer = 0;
+        for (int64_t b = 0; b < blocks; b++) {
+            const uint8_t *blk = group + b * Q4G_BYTES;
+            for (int step = 0; step < 8; step++) prefetch_block(blk, Q4G_BYTES, step, 8, Q8_AHEAD);
+            unpack_block(blk, ba, bb);
+            const __m512 d = HALVES(blk), dmin = HALVES(blk + 32);
+            for (int64_t m0 = 0; m0 < M; m0 += 2 * Q8SLAB) {
+                const int two = m0 + Q8SLAB < M;  /* rows past m0 + 16: the second slab */
+                const int8_t *x0 = job->qx + q8_at(m0, b, blocks) * QK_K;
+                const int8_t *x1 = two ? job->qx + q8_at(m0 + Q8SLAB, b, blocks) * QK_K : 0;
+                _tile_zero(TA_0);
+                _tile_zero(TB_0);
+                if (two) {
+                    _tile_zero(TA_1);
+                    _tile_zero(TB_1);
+                }
+                for (int k = 0; k < 4; k++) {  /* 64 weights: sub-blocks 2 k, 2 k + 1 */
+                    _tile_loadd(A_0, x0 + 64 * k, QK_K);
+                    _tile_loadd(B_A, ba + 1024 * k, 64);
+                    _tile_loadd(B_B, bb + 1024 * k, 64);
+                    _tile_dpbssd(TA_0, A_0, B_A);
+                    _tile_dpbssd(TB_0, A_0, B_B);
+                    if (two) {
+                        _tile_loadd(A_1, x1 + 64 * k, QK_K);
+                        _tile_dpbssd(TA_1, A_1, B_A);
+                        _tile_dpbssd(TB_1, A_1, B_B);
+                    }
+                }
+                if (have) settle(job, &waiting, acc, accm, blocks);  /* the previous product, meanwhile */
+                int32_t (*out)[Q8SLAB][16] = c[buffer];
+                _tile_stored(TA_0, out[0], 64);
+                _tile_stored(TB_0, out[1], 64);
+                if (two) {
+                    _tile_stored(TA_1, out[2], 64);
+                    _tile_stored(TB_1, out[3], 64);
+                }
+                waiting = (stored_tiles){.m0 = m0, .b = b, .d = d, .dmin = dmin, .c = out};
+                for (int l = 0; l < 4; l++) waiting.mins[l] = U8X16(blk + 192 + 32 * l);
+                have = 1;
+                buffer ^= 1;
+            }
+        }
+        if (have) settle(job, &waiting, acc, accm, blocks);
+        const int64_t n0 = g * Q8G, cols = N - n0 < Q8G ? N - n0 : Q8G;
+        float bias[Q8G] = {0};
+        if (job->b) memcpy(bias, job->b + n0, (size_t)cols * sizeof(float));
+        const __m512 bv = _mm512_loadu_ps(bias);
+        for (int64_t m = 0; m < M; m++) {
+            const __m512 out = _mm512_add_ps(_mm512_sub_ps(_mm512_load_ps(acc + m * Q8G), _mm512_load_ps(accm + m * Q8G)), bv);
+            float *y = job->y + m * N + n0;
+            if (cols == Q8G) {
+                _mm512_storeu_ps(y, out);
+            } else {
+                float lanes[Q8G];
+                _mm512_storeu_ps(lanes, out);
+                for (int64_t col = 0; col < cols; col++) y[col] = lanes[col];
+            }
+        }
+    }
+    return 0;  /* the tiles stay configured (released, each call would set them up anew) */
+}

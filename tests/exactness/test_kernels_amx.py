@@ -1,0 +1,70 @@
+"""The AMX tiles for a q8 target's wide Q4_K passes (csrc/kquant_amx.c) give bitwise what the VNNI tiles give, and
+so ggml's formulas: on a CPU with AMX-INT8 every width from AMX_MIN_ROWS runs on them, and each output must be
+the same bits as with them turned off (`KernelConfig.amx`), at widths that leave a lone 8-row half tile, a
+partial one, or several 16-row tiles, on one thread and on two."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from verispec.models import kernels
+from verispec.models.kernels import config as kernel_config
+
+from test_gguf_q8 import KIND, dot_reference, random_blocks
+
+pytestmark = pytest.mark.skipif(not (kernels.available() and kernels.amx()),
+                                reason="no AMX-INT8 tiles here (the VNNI and AVX2 kernels are tested in test_gguf_q8)")
+
+AMX_MIN_ROWS = 16  # csrc/common.h
+
+
+def product(x: torch.Tensor, matrix, bias: torch.Tensor | None, amx: bool, monkeypatch) -> torch.Tensor:
+    monkeypatch.setattr(kernel_config, "_current", dataclasses.replace(kernel_config.current(), amx=amx))
+    assert kernels.amx() == amx
+    return kernels.rowwise_linear(x, matrix, bias)
+
+
+@pytest.mark.parametrize("n, k", [(37, 512), (16, 768), (5, 256)])
+@pytest.mark.parametrize("rows", [16, 17, 23, 24, 31, 40, 64])
+def test_wide_q4k_products_on_amx_are_the_vnni_kernels_bits(n, k, rows, monkeypatch):
+    rng = np.random.default_rng(n * k + rows)
+    raw = random_blocks("Q4_K", n, k, rng)
+    raw[0].reshape(-1, 144)[:, 4:16] = 255  # every 6-bit scale and min 63: a = b = 7, the largest folded codes
+    matrix = kernels.GGUFMatrix(torch.from_numpy(raw), KIND["Q4_K"])
+    x = torch.from_numpy(rng.standard_normal((rows, k)).astype(np.float32))
+    x[1, :256] = 0.0  # an all-zero block
+    bias = torch.from_numpy(rng.standard_normal(n).astype(np.float32))
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            tiles = product(x, matrix, bias, True, monkeypatch)
+            vnni = product(x, matrix, bias, False, monkeypatch)
+            assert torch.equal(tiles.view(torch.int32), vnni.view(torch.int32))
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_wide_q4k_products_on_amx_are_ggml_formulas_bit_for_bit(monkeypatch):
+    rng = np.random.default_rng(3)
+    n, k = 7, 512
+    raw = random_blocks("Q4_K", n, k, rng)
+    x = rng.standard_normal((AMX_MIN_ROWS + 3, k)).astype(np.float32)
+    x[2, 256:] = np.float32(1e-3)  # all |x| tied in a block: the first is the peak
+    bias = rng.standard_normal(n).astype(np.float32)
+    got = product(torch.from_numpy(x), kernels.GGUFMatrix(torch.from_numpy(raw), KIND["Q4_K"]), torch.from_numpy(bias),
+                  True, monkeypatch)
+    assert np.array_equal(got.numpy().view(np.int32), dot_reference("Q4_K", raw, x, bias).view(np.int32))
+
+
+def test_turning_the_tiles_off_is_a_switch_of_the_configuration(monkeypatch):
+    monkeypatch.setattr(kernel_config, "_current", dataclasses.replace(kernel_config.current(), amx=False))
+    assert not kernels.amx()
+    monkeypatch.setattr(kernel_config, "_current", dataclasses.replace(kernel_config.current(), amx=True, isa=256))
+    assert not kernels.amx()  # the tiles are an AVX-512 path: capping the ISA turns them off with the rest
+    assert kernel_config.KernelConfig.from_env({"VERISPEC_KERNEL_AMX": "0"}).amx is False
+    assert kernel_config.KernelConfig.from_env({}).amx is True
