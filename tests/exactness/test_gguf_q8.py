@@ -301,11 +301,13 @@ def test_a_verify_pass_gives_bitwise_the_logits_of_single_token_steps(tmp_path, 
 def test_prefill_of_any_length_is_the_chunks_of_small_passes(tmp_path):
     _, path = tiny_gguf(tmp_path, layers=1)
     model = verispec.load(str(path), numerics="q8")
-    prompt = torch.tensor([[(7 * i) % VOCAB for i in range(70)]])  # 70 rows: chunks of 32, 32, 6
+    length = 2 * kernels.Q8_MAX_ROWS + 44  # passes of Q8_MAX_ROWS, Q8_MAX_ROWS, 44 rows (AMX tiles where the CPU has them)
+    prompt = torch.tensor([[(7 * i) % VOCAB for i in range(length)]])
     whole = model.forward(prompt, model.new_cache(1))
-    cache = model.new_cache(1)
-    parts = torch.cat([model.forward(prompt[:, i:i + 32], cache) for i in range(0, 70, 32)], dim=1)
-    assert torch.equal(whole, parts)
+    for rows in (32, 7):  # the same prompt in narrower passes (7: below the AMX tiles' 16)
+        cache = model.new_cache(1)
+        parts = torch.cat([model.forward(prompt[:, i:i + rows], cache) for i in range(0, length, rows)], dim=1)
+        assert torch.equal(whole, parts)
     assert torch.equal(model.forward(prompt, model.new_cache(1), last_only=True), whole[:, -1:])
 
 

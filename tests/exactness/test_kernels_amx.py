@@ -13,13 +13,12 @@ import torch
 
 from verispec.models import kernels
 from verispec.models.kernels import config as kernel_config
+from verispec.models.kernels.runtime import AMX_MIN_ROWS
 
 from test_gguf_q8 import KIND, dot_reference, random_blocks
 
 pytestmark = pytest.mark.skipif(not (kernels.available() and kernels.amx()),
                                 reason="no AMX-INT8 tiles here (the VNNI and AVX2 kernels are tested in test_gguf_q8)")
-
-AMX_MIN_ROWS = 16  # csrc/common.h
 
 
 def product(x: torch.Tensor, matrix, bias: torch.Tensor | None, amx: bool, monkeypatch) -> torch.Tensor:
@@ -29,7 +28,7 @@ def product(x: torch.Tensor, matrix, bias: torch.Tensor | None, amx: bool, monke
 
 
 @pytest.mark.parametrize("n, k", [(37, 512), (16, 768), (5, 256)])
-@pytest.mark.parametrize("rows", [16, 17, 23, 24, 31, 40, 64])
+@pytest.mark.parametrize("rows", sorted({AMX_MIN_ROWS, AMX_MIN_ROWS + 1, 15, 16, 17, 23, 24, 31, 40, 64} - set(range(AMX_MIN_ROWS))))
 def test_wide_q4k_products_on_amx_are_the_vnni_kernels_bits(n, k, rows, monkeypatch):
     rng = np.random.default_rng(n * k + rows)
     raw = random_blocks("Q4_K", n, k, rng)
@@ -68,3 +67,19 @@ def test_turning_the_tiles_off_is_a_switch_of_the_configuration(monkeypatch):
     assert not kernels.amx()  # the tiles are an AVX-512 path: capping the ISA turns them off with the rest
     assert kernel_config.KernelConfig.from_env({"VERISPEC_KERNEL_AMX": "0"}).amx is False
     assert kernel_config.KernelConfig.from_env({}).amx is True
+
+
+def test_the_tiles_live_beside_pytorchs_own_use_of_them(monkeypatch):
+    """PyTorch's bfloat16 GEMMs run on the same tiles (oneDNN) on the same thread: each user's results stay its own."""
+    rng = np.random.default_rng(11)
+    raw = random_blocks("Q4_K", 48, 512, rng)
+    matrix = kernels.GGUFMatrix(torch.from_numpy(raw), KIND["Q4_K"])
+    x = torch.from_numpy(rng.standard_normal((40, 512)).astype(np.float32))
+    a, b = torch.randn(256, 512, dtype=torch.bfloat16), torch.randn(512, 384, dtype=torch.bfloat16)
+    before = a @ b
+    vnni = product(x, matrix, None, False, monkeypatch)
+    tiles = product(x, matrix, None, True, monkeypatch)
+    between = a @ b
+    again = product(x, matrix, None, True, monkeypatch)
+    assert torch.equal(before, between) and torch.equal(before, a @ b)
+    assert torch.equal(tiles, vnni) and torch.equal(again, vnni)

@@ -147,9 +147,7 @@ void q32_range_512(const void *job, int64_t begin, int64_t end);
 void q32_range_256(const void *job, int64_t begin, int64_t end);
 
 /* ======== AMX (kquant_amx.c) ======== */
-/* Rows from which a Q4_K q8_job runs on AMX tiles when they are on (q8_amx, set by kernels_amx): below it the
- * VNNI tiles, whose 8 rows share a decoded sub-block in registers, are as fast. */
-#define AMX_MIN_ROWS 16
+/* Rows from which a Q4_K q8_job runs on AMX tiles, 0 when they are off (set by kernels_amx). */
 extern int q8_amx;
 /* Column groups [begin, end) of a Q4_K q8_job on AMX tiles, bitwise q8_range_512's: 0, or -1 when scratch memory
  * ran out (nothing written). */

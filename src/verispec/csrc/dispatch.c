@@ -39,10 +39,10 @@ static int amx_usable(void)
     return usable;
 }
 
-int kernels_amx(int want)
+int kernels_amx(int from_rows)
 {
-    q8_amx = want && amx_usable();
-    return q8_amx;
+    q8_amx = from_rows > 0 && amx_usable() ? from_rows : 0;
+    return q8_amx > 0;
 }
 
 /* One row of a matrix's last N % NR rows, one at a time with a tile's per-element arithmetic. */

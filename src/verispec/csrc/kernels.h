@@ -75,10 +75,10 @@ typedef struct {
 
 VS_API int kernels_isa(void);   /* the widest ISA this CPU runs: 512, 256, or 0 (none: do not call the rest) */
 VS_API int kernels_vnni(void);  /* 1 when the CPU has AVX-512 VNNI (for VS_INT4_VNNI) */
-/* Whether wide Q4_K passes of VS_GGUF_Q8 products run on AMX tiles (kquant_amx.c, bitwise the VNNI kernel's):
- * asks for them when `want`, and they are used where the CPU has AMX-INT8 and the kernel grants the tiles' state.
+/* Whether Q4_K passes of VS_GGUF_Q8 products of at least `from_rows` rows run on AMX tiles (kquant_amx.c, bitwise
+ * the VNNI kernel's); 0 turns them off. They run where the CPU has AMX-INT8 and the kernel grants the tiles' state.
  * Returns 1 when they are in use from now on, else 0. */
-VS_API int kernels_amx(int want);
+VS_API int kernels_amx(int from_rows);
 VS_API int linear_product(const vs_product *product, const float *x, float *const *y, int64_t M, int isa, int threads);
 VS_API void blocked_linear(const vs_blocked *args, int threads);
 /* kquant_q8_pack.c: a GGUF Q4_K / Q5_K / Q6_K matrix [N, K] (kind 12 / 13 / 14) repacked for VS_GGUF_Q8 products

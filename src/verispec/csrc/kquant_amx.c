@@ -42,17 +42,17 @@ typedef struct {
     uint8_t rows[16];
 } tile_config;
 
-/* Set at every call: the tile shapes are per thread, and another user of the tiles on this thread (oneDNN's bfloat16
- * GEMMs under PyTorch) may have set others since. */
-static void configure_tiles(void)
+/* The shapes, loaded at every call: they are per thread, and another user of the tiles on this thread (oneDNN's
+ * bfloat16 GEMMs under PyTorch) may have set others since; a call puts back what it found (q4k_amx_range). */
+static tile_config tiles_for(int rows)
 {
     tile_config cfg = {0};
     cfg.palette = 1;
     for (int t = TA_0; t <= B_B; t++) {
         cfg.colsb[t] = 64;
-        cfg.rows[t] = 16;
+        cfg.rows[t] = t >= B_A ? 16 : rows;  /* A and C tiles: a slab's rows, fewer in a pass narrower than one */
     }
-    _tile_loadconfig(&cfg);
+    return cfg;
 }
 
 /* Block `blk` of a repacked group (kquant_q8_pack.c) -> the B tiles of its four 64-weight chunks: step s (weights
@@ -125,7 +125,10 @@ int q4k_amx_range(const q8_job *job, int64_t begin, int64_t end)
     float *acc = sums, *accm = sums + M16 * Q8G;
     uint8_t ba[64 * 64] __attribute__((aligned(64))), bb[64 * 64] __attribute__((aligned(64)));
     int32_t c[2][4][Q8SLAB][16] __attribute__((aligned(64)));  /* two products' C tiles: one settling, one stored */
-    configure_tiles();
+    tile_config found;
+    _tile_storeconfig(&found);  /* all zero where this thread has no tiles configured */
+    const tile_config mine = tiles_for(M < Q8SLAB ? (int)M : Q8SLAB);
+    _tile_loadconfig(&mine);
     for (int64_t g = begin; g < end; g++) {
         const uint8_t *group = job->w + g * blocks * Q4G_BYTES;
         memset(sums, 0, (size_t)(2 * M16 * Q8G) * sizeof(float));
@@ -189,5 +192,8 @@ int q4k_amx_range(const q8_job *job, int64_t begin, int64_t end)
             }
         }
     }
-    return 0;  /* the tiles stay configured (released, each call would set them up anew) */
+    /* Another user's shapes go back as they were, for one that trusts its own record of them; else the tiles stay
+     * configured (released, the next call would set up their state anew). */
+    if (found.palette && memcmp(&found, &mine, sizeof mine)) _tile_loadconfig(&found);
+    return 0;
 }

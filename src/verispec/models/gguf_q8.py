@@ -18,7 +18,7 @@ attention, SwiGLU) is verispec's float32 kernels, where llama.cpp has its own fl
 key/value caches by default), so logits agree with llama.cpp's closely but not bit for bit. What
 speculation needs holds exactly: each token row's logits are bitwise the same at any pass width,
 so greedy speculative decoding gives exactly the plain greedy tokens of this target. Prefill runs
-the same kernels in chunks of `kernels.MAX_ROWS` tokens.
+the same kernels in chunks of `kernels.Q8_MAX_ROWS` tokens.
 
 Reads Llama and Qwen2 files whose matrices are Q4_K, Q5_K, Q6_K, Q4_0, Q4_1, Q5_0, Q5_1 or Q8_0 (e.g. Q4_K_M,
 Q5_K_M, Q6_K, Q4_0, Q4_1, Q8_0 files, and the Q5_0 / Q8_0 matrices a K-quant file holds where a row's length is

@@ -683,9 +683,9 @@ class NativeCausalLM(CausalLM):
             visible = torch.ones_like(tokens, dtype=torch.bool)
         if taps is not None:
             taps = _check_taps(taps, len(self.layers))
-        if ((last_only or self.numerics == "q8") and tree is None and batch * width > kernels.MAX_ROWS
+        if ((last_only or self.numerics == "q8") and tree is None and batch * width > self._pass_rows
                 and self._prefills_in_chunks(batch, width)):
-            rows = kernels.MAX_ROWS // batch
+            rows = self._pass_rows // batch
             chunks = [self.forward(tokens[:, begin : begin + rows], cache, visible[:, begin : begin + rows], last_only=last_only,
                                    taps=taps)
                       for begin in range(0, width, rows)]
@@ -693,9 +693,9 @@ class NativeCausalLM(CausalLM):
                 return chunks[-1] if last_only else torch.cat(chunks, dim=1)
             logits = chunks[-1][0] if last_only else torch.cat([c[0] for c in chunks], dim=1)
             return logits, torch.cat([c[1] for c in chunks], dim=1)
-        if self.numerics == "q8" and batch * width > kernels.MAX_ROWS:
+        if self.numerics == "q8" and batch * width > self._pass_rows:
             raise VerispecError(f"{self.name}: a pass of {batch} x {width} token rows is wider than the q8 kernels take "
-                                f"({kernels.MAX_ROWS} rows{' with a tree' if tree is not None else ''})")
+                                f"({self._pass_rows} rows{' with a tree' if tree is not None else ''})")
         store: NativeStore = cache.store
         start = cache.slots.length
         if store.length != start:
@@ -708,7 +708,7 @@ class NativeCausalLM(CausalLM):
         tapped = [] if taps is not None else None  # filled by the pass: [B, T, hidden] per tap, in layer order
         layer_taps = tuple(i for i in taps if i < len(self.layers)) if taps is not None else None
         final_tap = taps is not None and len(self.layers) in taps  # every row's final hidden state, even with last_only
-        if self._kernels and batch * width <= kernels.MAX_ROWS:
+        if self._kernels and batch * width <= self._pass_rows:
             hidden = self._small_pass(tokens, position_ids, cache.slots.visible, store, start, tree, layer_taps, tapped)
         else:
             with kernels.torch_threads():  # PyTorch's GEMMs, on every thread even inside a decode step
@@ -720,7 +720,7 @@ class NativeCausalLM(CausalLM):
         if last_only:
             hidden = hidden[:, -1:]  # the LM head is the biggest matrix: score only what the caller reads
         rows = hidden.reshape(-1, self.hidden_size)
-        if self._kernels and rows.shape[0] <= kernels.MAX_ROWS:
+        if self._kernels and rows.shape[0] <= self._pass_rows:
             _, head = self._linears()
             logits = head(rows.contiguous(), torch.empty(rows.shape[0], self.lm_head.shape[0]))
         else:
@@ -740,6 +740,12 @@ class NativeCausalLM(CausalLM):
             return logits
         by_layer = dict(zip(sorted(set(taps)), tapped))
         return logits, torch.cat([by_layer[i].float() for i in taps], -1)
+
+    @property
+    def _pass_rows(self) -> int:
+        """Most token rows a pass of the small-pass kernels carries: `kernels.Q8_MAX_ROWS` under llama.cpp's
+        numerics (every row the same numbers at any width), else `kernels.MAX_ROWS`."""
+        return kernels.Q8_MAX_ROWS if self.numerics == "q8" else kernels.MAX_ROWS
 
     @property
     def _blocked(self) -> bool:
@@ -762,7 +768,7 @@ class NativeCausalLM(CausalLM):
         `KernelConfig.wide_prefill` turns chunks off everywhere."""
         settings = kernel_config.current()
         if self.numerics == "q8":  # llama.cpp's numerics exist only in the small-pass kernels
-            return self._kernels and batch <= kernels.MAX_ROWS
+            return self._kernels and batch <= self._pass_rows
         if not (self._kernels and batch <= kernels.MAX_ROWS and self.weight_dtype == torch.quint4x2
                 and kernels._int4_code() in (kernels.Format.INT4_VNNI, kernels.Format.INT4_AVX2)
                 and not settings.wide_prefill):

@@ -73,14 +73,14 @@ from verispec.models.kernels.abi import SLOT_BLOCK, Format
 from verispec.models.kernels.config import KernelConfig
 from verispec.models.kernels.matrices import (ExactBlocks, GGUFMatrix, Int4Matrix, Int8Matrix, PanelMatrix, Q4KMatrix, Q6KMatrix,
                                               QuantizedMatrix)
-from verispec.models.kernels.ops import (MAX_ROWS, LayerStack, Linear, LinearGroup, _int4_code, blocked_linear,
+from verispec.models.kernels.ops import (MAX_ROWS, Q8_MAX_ROWS, LayerStack, Linear, LinearGroup, _int4_code, blocked_linear,
                                          blocked_preferred, blocked_takes, cache_write, panels_preferred, rms_norm, rope_,
                                          rowwise_linear, silu_mul_, slot_attention)
 from verispec.models.kernels.runtime import amx, available, isa, lanes, runtime, vnni
 from verispec.models.kernels.threads import threads, torch_on_one_thread, torch_threads
 
 __all__ = [
-    "SLOT_BLOCK", "MAX_ROWS", "Format", "KernelConfig", "QuantizedMatrix", "Int8Matrix", "Int4Matrix", "ExactBlocks",
+    "SLOT_BLOCK", "MAX_ROWS", "Q8_MAX_ROWS", "Format", "KernelConfig", "QuantizedMatrix", "Int8Matrix", "Int4Matrix", "ExactBlocks",
     "Q4KMatrix", "Q6KMatrix", "GGUFMatrix", "PanelMatrix", "Linear", "LinearGroup", "LayerStack", "rowwise_linear", "blocked_linear",
     "blocked_preferred", "blocked_takes", "panels_preferred", "rms_norm", "rope_", "silu_mul_", "cache_write",
     "slot_attention", "available", "amx", "isa", "lanes", "vnni", "runtime", "threads", "torch_on_one_thread", "torch_threads",

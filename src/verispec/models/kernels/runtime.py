@@ -32,6 +32,10 @@ class Runtime:
     amx: bool = False  # wide Q4_K q8 passes on AMX tiles (the library's switch, set when this runtime was made)
 
 
+# Rows from which a q8 target's Q4_K products run on AMX tiles where the CPU has them (`amx()`): below it the VNNI
+# tiles, whose 8 rows share a sub-block decoded in registers, are as fast (bench/README.md).
+AMX_MIN_ROWS = 16
+
 _library: _Library | None = None
 _tried = False
 _runtime: Runtime | None = None
@@ -74,7 +78,7 @@ def runtime() -> Runtime:
                 int4 = abi.Format.INT4_VNNI
             else:
                 int4 = abi.Format.INT4_AVX2
-            amx = bool(library.lib.kernels_amx(int(cfg.amx and isa == 512 and library.vnni and cfg.vnni)))
+            amx = bool(library.lib.kernels_amx(AMX_MIN_ROWS if cfg.amx and isa == 512 and library.vnni and cfg.vnni else 0))
             _runtime = Runtime(library.lib, isa, int4, cfg, amx)
     return _runtime
 
