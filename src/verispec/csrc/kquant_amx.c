@@ -3,7 +3,7 @@
  *
  * kquant_q8.c multiplies a Q4_K sub-block of 32 weights by a row's activations in 8 vpdpbusd and scales that sum by
  * the sub-block's 6-bit scale sc: a wide pass is bound by one vpdpbusd port, 64 products a cycle. An AMX tile
- * product does 8 rows x 16 columns x 64 products in one instruction, but a scale that changes every 32 weights
+ * product does 16 rows x 16 columns x 64 products in one instruction, but a scale that changes every 32 weights
  * would force the C tile out of the tiles eight times a block. So each scale is split, sc = 8 a + b (a, b in
  * 0..7), and folded into the weights while they are unpacked: two B tiles per 64 weights hold a * q and b * q
  * (q the 4-bit code; products at most 105, one vpmullw per 64 bytes, as two codes share a 16-bit lane
@@ -12,12 +12,11 @@
  * is the same integer as the VNNI kernel's (exact: |sumi| < 256 * 63 * 15 * 128 < 2^31). The mins' sum and the
  * float recipe per row and block (acc += (dy * d) * float(sumi), accm += (dy * dmin) * float(summ), out =
  * (acc - accm) + bias) are kquant_q8.c's operation for operation, so every output is bitwise the VNNI kernel's
- * at any width; tests/test_kernels_amx.py holds them to that.
+ * at any width; tests/exactness/test_kernels_amx.py holds them to that.
  *
  * Order: a column group's blocks in turn; each block's weights are unpacked once into the B tiles' 8 KB and
  * serve every 32 rows (two slabs of 16, q8_at: an A tile each), the float sums of every row kept in memory between
- * blocks. Rows never meet: a row's outputs are the
- * same operations on its own activations whatever M. */
+ * blocks. Rows never meet: a row's outputs are the same operations on its own activations whatever M. */
 #include "common.h"
 #include "kernels.h"
 
