@@ -7,9 +7,24 @@ outputs must equal the baseline's. The report plots those ratios per prompt, one
 
 from __future__ import annotations
 
+import argparse
 import statistics
 from pathlib import Path
 from typing import Callable
+
+
+def arguments(description: str, rounds: bool = True) -> argparse.ArgumentParser:
+    """The options every A/B script takes (the Qwen pair, the answer length, the prompt folder, the report path;
+    `--rounds` where the script runs variants more than its fixed twice); a script adds its own before parsing."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--target", default="qwen2.5-coder-1.5b")
+    parser.add_argument("--draft", default="qwen2.5-coder-0.5b")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    if rounds:
+        parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--data", default="../shared/data", help="folder with humaneval_dev.jsonl and spec_bench_dev.jsonl")
+    parser.add_argument("--out", required=True)
+    return parser
 
 
 def run_interleaved(variants: list[str], rounds: int, run: Callable[[str], dict]) -> dict[str, list[dict]]:

@@ -10,7 +10,6 @@ variant's tokens/s (end to end) is divided by the whole head's. Greedy: outputs 
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from pathlib import Path
@@ -20,18 +19,13 @@ from verispec.api import load_draft
 from verispec.bench import _cpu_name, read_prompts
 from verispec.text import encode_prompt
 
-from ab import compare, plot_ratios, run_interleaved, summarize
+from ab import arguments, compare, plot_ratios, run_interleaved, summarize
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--target", default="qwen2.5-coder-1.5b")
-    parser.add_argument("--draft", default="qwen2.5-coder-0.5b")
+    parser = arguments(__doc__.splitlines()[0], rounds=False)
     parser.add_argument("--drafter", default="staged", help="staged or model")
     parser.add_argument("--draft-len", default="auto")
-    parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--data", default="../shared/data", help="folder with humaneval_dev.jsonl and spec_bench_dev.jsonl")
-    parser.add_argument("--out", required=True)
     args = parser.parse_args()
     draft_len = args.draft_len if args.draft_len == "auto" else int(args.draft_len)
 

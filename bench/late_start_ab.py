@@ -17,7 +17,6 @@ given up for prompt lookup where it is slower than plain steps) after that many 
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import statistics
@@ -31,7 +30,7 @@ from verispec.bench import _cpu_name, read_prompts
 from verispec.policy import RETREAT_STEPS, START_SPEEDUP, start_after
 from verispec.text import encode_prompt
 
-from ab import compare, plot_ratios, run_interleaved, summarize
+from ab import arguments, compare, plot_ratios, run_interleaved, summarize
 
 
 def wait_rule(name: str):
@@ -49,16 +48,10 @@ def wait_rule(name: str):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--target", default="qwen2.5-coder-1.5b")
-    parser.add_argument("--draft", default="qwen2.5-coder-0.5b")
-    parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--rounds", type=int, default=2)
+    parser = arguments(__doc__.splitlines()[0])
     parser.add_argument("--waits", default="at-once,fitted", help="comma-separated: at-once, fitted, ski, fixedN")
     parser.add_argument("--retreats", default="", help="comma-separated step counts: the fitted wait, judged after N steps")
     parser.add_argument("--prompts", type=int, default=None, help="only the first N prompts (a smoke run)")
-    parser.add_argument("--data", default="../shared/data", help="folder with humaneval_dev.jsonl and spec_bench_dev.jsonl")
-    parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
     target = verispec.load(args.target, numerics="q8")

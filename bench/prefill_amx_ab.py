@@ -13,7 +13,6 @@ prompt's prefill (the target's, and the draft's where it starts with the call), 
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import statistics
@@ -27,21 +26,15 @@ from verispec.models import kernels
 from verispec.models.kernels import config as kernel_config
 from verispec.text import encode_prompt
 
-from ab import compare, plot_ratios, run_interleaved, summarize
+from ab import arguments, compare, plot_ratios, run_interleaved, summarize
 
 VARIANTS = {"VNNI, 32 rows": (False, 32), "AMX, 32 rows": (True, 32), "AMX, 128 rows": (True, 128)}
 BASELINE = "VNNI, 32 rows"
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--target", default="qwen2.5-coder-1.5b")
-    parser.add_argument("--draft", default="qwen2.5-coder-0.5b")
-    parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--rounds", type=int, default=2)
+    parser = arguments(__doc__.splitlines()[0])
     parser.add_argument("--humaneval", type=int, default=4, help="HumanEval dev prompts (odd rows)")
-    parser.add_argument("--data", default="../shared/data", help="folder with humaneval_dev.jsonl and spec_bench_dev.jsonl")
-    parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
     target = verispec.load(args.target, numerics="q8")
