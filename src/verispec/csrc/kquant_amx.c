@@ -176,20 +176,11 @@ int q4k_amx_range(const q8_job *job, int64_t begin, int64_t end)
         }
         if (have) settle(job, &waiting, acc, accm, blocks);
         const int64_t n0 = g * Q8G, cols = N - n0 < Q8G ? N - n0 : Q8G;
-        float bias[Q8G] = {0};
-        if (job->b) memcpy(bias, job->b + n0, (size_t)cols * sizeof(float));
+        float bias[Q8G];
+        q8_bias(job, n0, cols, bias);
         const __m512 bv = _mm512_loadu_ps(bias);
-        for (int64_t m = 0; m < M; m++) {
-            const __m512 out = _mm512_add_ps(_mm512_sub_ps(_mm512_load_ps(acc + m * Q8G), _mm512_load_ps(accm + m * Q8G)), bv);
-            float *y = job->y + m * N + n0;
-            if (cols == Q8G) {
-                _mm512_storeu_ps(y, out);
-            } else {
-                float lanes[Q8G];
-                _mm512_storeu_ps(lanes, out);
-                for (int64_t col = 0; col < cols; col++) y[col] = lanes[col];
-            }
-        }
+        for (int64_t m = 0; m < M; m++)
+            q8_store(job->y + m * N + n0, _mm512_sub_ps(_mm512_load_ps(acc + m * Q8G), _mm512_load_ps(accm + m * Q8G)), bv, cols, 0);
     }
     /* Another user's shapes go back as they were, for one that trusts its own record of them; else the tiles stay
      * configured (released, the next call would set up their state anew). */

@@ -131,6 +131,27 @@ INLINE IVEC fifth_bits(const uint8_t *p, int part)
 }
 #endif
 
+/* The bias of a column group's `cols` columns from n0 (zeros past them, or without a bias) into bias[Q8G]. */
+INLINE void q8_bias(const q8_job *job, int64_t n0, int64_t cols, float *bias)
+{
+    memset(bias, 0, Q8G * sizeof(float));
+    if (job->b) memcpy(bias, job->b + n0, (size_t)cols * sizeof(float));
+}
+
+/* One row's outputs of vector `part` of a column group (from y, the group's first column), out + b: a last group
+ * narrower than Q8G (`cols` columns) stores only its own. */
+INLINE void q8_store(float *y, FVEC out, FVEC b, int64_t cols, int part)
+{
+    y += VCOLS * part;
+    if (cols == Q8G) {
+        FSTORE(y, FADD(out, b));
+        return;
+    }
+    float lanes[VCOLS];
+    FSTORE(lanes, FADD(out, b));
+    for (int c = 0; c < VCOLS && VCOLS * part + c < cols; c++) y[c] = lanes[c];
+}
+
 /* A tile: R activation rows (rows m0 ..) against one column group's blocks, vector `part` of the group's
  * columns, into out[0 .. R - 1]; tables of them are indexed by R (1 .. Q8TILE). */
 typedef void (*q8_tile_fn)(const q8_job *, const uint8_t *, int64_t, int, FVEC *);
@@ -146,24 +167,15 @@ static inline void q8_groups(const q8_job *job, int64_t begin, int64_t end, cons
     for (int64_t g = begin; g < end; g++) {
         const uint8_t *group = job->w + g * blocks * size;
         const int64_t n0 = g * Q8G, cols = N - n0 < Q8G ? N - n0 : Q8G;
-        float bias[Q8G] = {0};
-        if (job->b) memcpy(bias, job->b + n0, (size_t)cols * sizeof(float));
+        float bias[Q8G];
+        q8_bias(job, n0, cols, bias);
         for (int64_t m0 = 0; m0 < job->M; m0 += Q8TILE) {
             const int R = job->M - m0 < Q8TILE ? (int)(job->M - m0) : Q8TILE;
             for (int part = 0; part < PARTS; part++) {
                 FVEC out[Q8TILE];
                 tiles[R](job, group, m0, part, out);
                 const FVEC b = FLOAD(bias + VCOLS * part);
-                for (int r = 0; r < R; r++) {
-                    float *y = job->y + (m0 + r) * N + n0 + VCOLS * part;
-                    if (cols == Q8G) {
-                        FSTORE(y, FADD(out[r], b));
-                    } else {
-                        float lanes[VCOLS];
-                        FSTORE(lanes, FADD(out[r], b));
-                        for (int c = 0; c < VCOLS && VCOLS * part + c < cols; c++) y[c] = lanes[c];
-                    }
-                }
+                for (int r = 0; r < R; r++) q8_store(job->y + (m0 + r) * N + n0, out[r], b, cols, part);
             }
         }
     }
