@@ -1,7 +1,8 @@
-"""The AMX tiles for a q8 target's wide Q4_K passes (csrc/kquant_amx.c) give bitwise what the VNNI tiles give, and
-so ggml's formulas: on a CPU with AMX-INT8 every width from AMX_MIN_ROWS runs on them, and each output must be
-the same bits as with them turned off (`KernelConfig.amx`), at widths that leave a lone 8-row half tile, a
-partial one, or several 16-row tiles, on one thread and on two."""
+"""The AMX tiles for a q8 target's wide Q4_K and Q6_K passes (csrc/kquant_amx.c) give bitwise what the VNNI tiles
+give, and so ggml's formulas: on a CPU with AMX-INT8 every width from AMX_MIN_ROWS runs on them, and each output
+must be the same bits as with them turned off (`KernelConfig.amx`), at widths that leave a lone 8-row half tile, a
+partial one, or several 16-row tiles, on one thread and on two. The scales are folded into the tiles' bytes (Q4_K
+split in two digits, Q6_K in three signed ones), so the largest scales and codes are in every case."""
 
 from __future__ import annotations
 
@@ -27,15 +28,32 @@ def product(x: torch.Tensor, matrix, bias: torch.Tensor | None, amx: bool, monke
     return kernels.rowwise_linear(x, matrix, bias)
 
 
+def extreme_blocks(kind: str, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """Random blocks with the folded products' extremes in the first column: Q4_K every 6-bit scale and min 63 (the
+    digits 7 and 7); Q6_K a block of codes 0 (q - 32 = -32) under scales 124, -128 and 127 (the digits 4, -2 and -1,
+    0 and 2, -1 and 1) and one of codes 63, beside random int8 scales everywhere else."""
+    raw = random_blocks(kind, n, k, rng)
+    blocks = raw[0].reshape(-1, 144 if kind == "Q4_K" else 210)
+    if kind == "Q4_K":
+        blocks[:, 4:16] = 255
+    else:
+        blocks[0, :192] = 0  # codes 0: ql and qh
+        blocks[0, 192:208] = np.array([124, -128, 127, -3, 4, -4, 5, 0] * 2, dtype=np.int8).view(np.uint8)
+        if len(blocks) > 1:
+            blocks[1, :192] = 255  # codes 63
+            blocks[1, 192:208] = np.array([124, -128, 127, 60] * 4, dtype=np.int8).view(np.uint8)
+    return raw
+
+
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
 @pytest.mark.parametrize("n, k", [(37, 512), (16, 768), (5, 256)])
 @pytest.mark.parametrize("rows", sorted({AMX_MIN_ROWS, AMX_MIN_ROWS + 1, 15, 16, 17, 23, 24, 31, 40, 64} - set(range(AMX_MIN_ROWS))))
-def test_wide_q4k_products_on_amx_are_the_vnni_kernels_bits(n, k, rows, monkeypatch):
+def test_wide_products_on_amx_are_the_vnni_kernels_bits(kind, n, k, rows, monkeypatch):
     rng = np.random.default_rng(n * k + rows)
-    raw = random_blocks("Q4_K", n, k, rng)
-    raw[0].reshape(-1, 144)[:, 4:16] = 255  # every 6-bit scale and min 63: a = b = 7, the largest folded codes
-    matrix = kernels.GGUFMatrix(torch.from_numpy(raw), KIND["Q4_K"])
+    matrix = kernels.GGUFMatrix(torch.from_numpy(extreme_blocks(kind, n, k, rng)), KIND[kind])
     x = torch.from_numpy(rng.standard_normal((rows, k)).astype(np.float32))
     x[1, :256] = 0.0  # an all-zero block
+    x[2, :256] = torch.where(torch.arange(256) % 2 == 0, -1.0, 1.0)  # codes -127 and 127 against the extremes
     bias = torch.from_numpy(rng.standard_normal(n).astype(np.float32))
     threads = torch.get_num_threads()
     try:
@@ -48,16 +66,17 @@ def test_wide_q4k_products_on_amx_are_the_vnni_kernels_bits(n, k, rows, monkeypa
         torch.set_num_threads(threads)
 
 
-def test_wide_q4k_products_on_amx_are_ggml_formulas_bit_for_bit(monkeypatch):
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
+def test_wide_products_on_amx_are_ggml_formulas_bit_for_bit(kind, monkeypatch):
     rng = np.random.default_rng(3)
     n, k = 7, 512
-    raw = random_blocks("Q4_K", n, k, rng)
+    raw = extreme_blocks(kind, n, k, rng)
     x = rng.standard_normal((AMX_MIN_ROWS + 3, k)).astype(np.float32)
     x[2, 256:] = np.float32(1e-3)  # all |x| tied in a block: the first is the peak
     bias = rng.standard_normal(n).astype(np.float32)
-    got = product(torch.from_numpy(x), kernels.GGUFMatrix(torch.from_numpy(raw), KIND["Q4_K"]), torch.from_numpy(bias),
+    got = product(torch.from_numpy(x), kernels.GGUFMatrix(torch.from_numpy(raw), KIND[kind]), torch.from_numpy(bias),
                   True, monkeypatch)
-    assert np.array_equal(got.numpy().view(np.int32), dot_reference("Q4_K", raw, x, bias).view(np.int32))
+    assert np.array_equal(got.numpy().view(np.int32), dot_reference(kind, raw, x, bias).view(np.int32))
 
 
 def test_turning_the_tiles_off_is_a_switch_of_the_configuration(monkeypatch):

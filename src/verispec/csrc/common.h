@@ -147,11 +147,11 @@ void q32_range_512(const void *job, int64_t begin, int64_t end);
 void q32_range_256(const void *job, int64_t begin, int64_t end);
 
 /* ======== AMX (kquant_amx.c) ======== */
-/* Rows from which a Q4_K q8_job runs on AMX tiles, 0 when they are off (set by kernels_amx). */
+/* Rows from which a Q4_K or Q6_K q8_job runs on AMX tiles, 0 when they are off (set by kernels_amx). */
 extern int q8_amx;
-/* Column groups [begin, end) of a Q4_K q8_job on AMX tiles, bitwise q8_range_512's: 0, or -1 when scratch memory
- * ran out (nothing written). */
-int q4k_amx_range(const q8_job *job, int64_t begin, int64_t end);
+/* Column groups [begin, end) of a Q4_K or Q6_K q8_job on AMX tiles, bitwise q8_range_512's: 0, or -1 for another
+ * kind or when scratch memory ran out (nothing written then). */
+int q8_amx_range(const q8_job *job, int64_t begin, int64_t end);
 
 /* ======== one ISA whatever the caller's ======== */
 /* kquant.c (AVX2+FMA): exact k-quant rows widened to float32 */

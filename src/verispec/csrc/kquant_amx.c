@@ -1,4 +1,4 @@
-/* ======== Q4_K blocks times Q8_K activations on AMX tiles: the prefill's wide passes, bitwise the VNNI kernel's ========
+/* ======== Q4_K and Q6_K blocks times Q8_K activations on AMX tiles: the prefill's wide passes, bitwise the VNNI kernel's ========
  * (compiled once, with -DVS_Q8_512 and the AMX flags; run only where kernels_amx found the tiles usable)
  *
  * kquant_q8.c multiplies a Q4_K sub-block of 32 weights by a row's activations in 8 vpdpbusd and scales that sum by
@@ -14,9 +14,16 @@
  * (acc - accm) + bias) are kquant_q8.c's operation for operation, so every output is bitwise the VNNI kernel's
  * at any width; tests/exactness/test_kernels_amx.py holds them to that.
  *
- * Order: a column group's blocks in turn; each block's weights are unpacked once into the B tiles' 8 KB and
- * serve every 32 rows (two slabs of 16, q8_at: an A tile each), the float sums of every row kept in memory between
- * blocks. Rows never meet: a row's outputs are the same operations on its own activations whatever M. */
+ * Q6_K's scales are signed bytes per 16 weights and its codes 6 bits (q - 32 in -32..31), so sc * (q - 32) does not
+ * fit a byte either way. Each scale is written in three balanced base-8 digits, sc = 64 d2 + 8 d1 + d0 with every
+ * digit in -3..4, and a digit times a code, at most 128 in size (4 * -32), is an exact byte: three B tiles per 64
+ * weights, three C tiles per 16 rows, and sumi = 64 T2 + 8 T1 + T0 is kquant_q8.c's integer (|sumi| < 2^28).
+ * Q6_K has no mins: acc += (dy * d) * float(sumi), out = acc + bias, as there.
+ *
+ * Order: a column group's blocks in turn; each block's weights are unpacked once into the B tiles (8 KB, Q6_K 12 KB)
+ * and serve every row (Q4_K two slabs of 16 at a time, q8_at: an A tile each; Q6_K one), the float sums of every
+ * row kept in memory between blocks. Rows never meet: a row's outputs are the same operations on its own
+ * activations whatever M. */
 #include "common.h"
 #include "kernels.h"
 
@@ -52,6 +59,22 @@ static tile_config tiles_for(int rows)
         cfg.rows[t] = t >= B_A ? 16 : rows;  /* A and C tiles: a slab's rows, fewer in a pass narrower than one */
     }
     return cfg;
+}
+
+/* The rows' float sums, two sets (acc, accm) of 16 per row for M16 rows: a thread's buffer, kept between calls (the
+ * pool hands a thread one or two column groups at a time). NULL when memory ran out. */
+static float *row_sums(int64_t M16)
+{
+    static __thread float *sums;
+    static __thread int64_t held;
+    if (held < M16) {
+        free(sums);
+        held = 0;
+        sums = aligned_alloc(64, (size_t)(2 * M16 * Q8G) * sizeof(float));
+        if (!sums) return NULL;
+        held = M16;
+    }
+    return sums;
 }
 
 /* Block `blk` of a repacked group (kquant_q8_pack.c) -> the B tiles of its four 64-weight chunks: step s (weights
@@ -107,20 +130,11 @@ INLINE void settle(const q8_job *job, const stored_tiles *t, float *acc, float *
 /* Column groups [begin, end) of a Q4_K q8_job: what q8_range gives, through the tiles. 0, or -1 when scratch
  * memory ran out (nothing written then). Software-pipelined: the vector units settle one 32-row product while
  * the tile unit runs the next (the tiles' instructions are only issued in order among themselves). */
-int q4k_amx_range(const q8_job *job, int64_t begin, int64_t end)
+static int q4k_amx_range(const q8_job *job, int64_t begin, int64_t end)
 {
     const int64_t K = job->K, blocks = K / QK_K, N = job->N, M = job->M, M16 = q8_rows(M);
-    /* the rows' float sums, acc then accm, 16 per row: a thread's buffer, kept between calls (the pool hands a
-     * thread one or two column groups at a time) */
-    static __thread float *sums;
-    static __thread int64_t held;
-    if (held < M16) {
-        free(sums);
-        held = 0;
-        sums = aligned_alloc(64, (size_t)(2 * M16 * Q8G) * sizeof(float));
-        if (!sums) return -1;
-        held = M16;
-    }
+    float *sums = row_sums(M16);
+    if (!sums) return -1;
     float *acc = sums, *accm = sums + M16 * Q8G;
     uint8_t ba[64 * 64] __attribute__((aligned(64))), bb[64 * 64] __attribute__((aligned(64)));
     int32_t c[2][4][Q8SLAB][16] __attribute__((aligned(64)));  /* two products' C tiles: one settling, one stored */
@@ -186,4 +200,148 @@ int q4k_amx_range(const q8_job *job, int64_t begin, int64_t end)
      * configured (released, the next call would set up their state anew). */
     if (found.palette && memcmp(&found, &mine, sizeof mine)) _tile_loadconfig(&found);
     return 0;
+}
+
+/* ---- Q6_K ---- */
+
+/* Tile registers of the Q6_K product: the three digits' C tiles of one slab, its A tile, the three digits' B tiles. */
+#define T6_0 0
+#define A6 3
+#define B6_0 4
+
+static tile_config q6k_tiles_for(int rows)
+{
+    tile_config cfg = {0};
+    cfg.palette = 1;
+    for (int t = T6_0; t < B6_0 + 3; t++) {
+        cfg.colsb[t] = 64;
+        cfg.rows[t] = t >= B6_0 ? 16 : rows;
+    }
+    return cfg;
+}
+
+/* d * v for 64 bytes v and, per 32-bit lane (a column), an int16 digit d in both halves: exact where the product fits a
+ * byte. vpmullw keeps the low 16 bits of each lane's product, so the even bytes, multiplied alone, keep their product
+ * mod 256 in the low byte, and the odd ones, shifted up, in the high byte. */
+INLINE __m512i times_digit(__m512i even, __m512i odd, __m512i d16)
+{
+    return _mm512_mask_blend_epi8(0xAAAAAAAAAAAAAAAAull, _mm512_mullo_epi16(even, d16), _mm512_mullo_epi16(odd, d16));
+}
+
+/* One lane's int32 digit as the int16 pair vpmullw takes. */
+INLINE __m512i digit16(__m512i d)
+{
+    return _mm512_or_si512(_mm512_and_si512(d, _mm512_set1_epi32(0xFFFF)), _mm512_slli_epi32(d, 16));
+}
+
+/* Block `blk` of a repacked Q6_K group -> the B tiles of its four 64-weight chunks: step s (weights 4 s .. 4 s + 3
+ * of each column, s / 4 its sub-block g) at row s of bt[t], as digit t of column c's scale of g times (q - 32). */
+static void unpack_q6k(const uint8_t *blk, uint8_t *bt0, uint8_t *bt1, uint8_t *bt2)
+{
+    const __m512i low4 = _mm512_set1_epi8(15), top2 = _mm512_set1_epi8(0x30), off = _mm512_set1_epi8(32);
+    const __m512i three = _mm512_set1_epi32(3), seven = _mm512_set1_epi32(7), lows = _mm512_set1_epi16(0xFF);
+    for (int g = 0; g < 16; g++) {
+        const __m512i pairs = I8X16(blk + 32 + 32 * (g / 2));  /* column c's sc[2 l], sc[2 l + 1] as an int16 pair */
+        const __m512i sc = g % 2 ? _mm512_srai_epi32(pairs, 16) : _mm512_srai_epi32(_mm512_slli_epi32(pairs, 16), 16);
+        const __m512i d0 = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(sc, three), seven), three);
+        const __m512i s1 = _mm512_srai_epi32(_mm512_sub_epi32(sc, d0), 3);
+        const __m512i d1 = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(s1, three), seven), three);
+        const __m512i d2 = _mm512_srai_epi32(_mm512_sub_epi32(s1, d1), 3);
+        const __m512i D0 = digit16(d0), D1 = digit16(d1), D2 = digit16(d2);
+        const __m512i lo0 = _mm512_loadu_si512((const void *)(blk + 288 + 64 * (2 * g)));
+        const __m512i lo1 = _mm512_loadu_si512((const void *)(blk + 288 + 64 * (2 * g + 1)));
+        const __m512i hi = _mm512_loadu_si512((const void *)(blk + 2336 + 64 * g));
+        const __m512i w[4] = {  /* kquant_q8.c's q6k_tile: steps 4 g .. 4 g + 3, codes 0..63 */
+            _mm512_or_si512(_mm512_and_si512(lo0, low4), _mm512_and_si512(_mm512_slli_epi16(hi, 4), top2)),
+            _mm512_or_si512(_mm512_and_si512(lo1, low4), _mm512_and_si512(_mm512_slli_epi16(hi, 2), top2)),
+            _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(lo0, 4), low4), _mm512_and_si512(hi, top2)),
+            _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(lo1, 4), low4), _mm512_and_si512(_mm512_srli_epi16(hi, 2), top2))};
+        for (int v = 0; v < 4; v++) {
+            const __m512i x = _mm512_sub_epi8(w[v], off);
+            const __m512i even = _mm512_and_si512(x, lows), odd = _mm512_andnot_si512(lows, x);
+            const int64_t row = 64 * (4 * g + v);
+            _mm512_store_si512((void *)(bt0 + row), times_digit(even, odd, D0));
+            _mm512_store_si512((void *)(bt1 + row), times_digit(even, odd, D1));
+            _mm512_store_si512((void *)(bt2 + row), times_digit(even, odd, D2));
+        }
+    }
+}
+
+/* kquant_q8.c's q6k_tile float step for the rows of one slab's stored C tiles: acc += (dy * d) * float(sumi). */
+INLINE void settle_q6k(const q8_job *job, int64_t m0, int64_t b, __m512 d, int32_t (*c)[Q8SLAB][16], float *acc,
+                       int64_t blocks)
+{
+    const int n = job->M - m0 < Q8SLAB ? (int)(job->M - m0) : Q8SLAB;
+    const int64_t at = q8_at(m0, b, blocks);
+    for (int i = 0; i < n; i++) {
+        const __m512i sumi = _mm512_add_epi32(
+            _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(c[2][i]), 6), _mm512_slli_epi32(_mm512_load_si512(c[1][i]), 3)),
+            _mm512_load_si512(c[0][i]));
+        const __m512 dy = _mm512_set1_ps(job->qd[at + i]);
+        float *a = acc + (m0 + i) * Q8G;
+        _mm512_store_ps(a, _mm512_add_ps(_mm512_load_ps(a), _mm512_mul_ps(_mm512_mul_ps(dy, d), _mm512_cvtepi32_ps(sumi))));
+    }
+}
+
+/* Column groups [begin, end) of a Q6_K q8_job, as q4k_amx_range: one slab of 16 rows a product, settled while the
+ * tile unit runs the next. */
+static int q6k_amx_range(const q8_job *job, int64_t begin, int64_t end)
+{
+    const int64_t K = job->K, blocks = K / QK_K, N = job->N, M = job->M, M16 = q8_rows(M);
+    float *acc = row_sums(M16);
+    if (!acc) return -1;
+    uint8_t bt[3][64 * 64] __attribute__((aligned(64)));
+    int32_t c[2][3][Q8SLAB][16] __attribute__((aligned(64)));
+    tile_config found;
+    _tile_storeconfig(&found);
+    const tile_config mine = q6k_tiles_for(M < Q8SLAB ? (int)M : Q8SLAB);
+    _tile_loadconfig(&mine);
+    for (int64_t g = begin; g < end; g++) {
+        const uint8_t *group = job->w + g * blocks * Q6G_BYTES;
+        memset(acc, 0, (size_t)(M16 * Q8G) * sizeof(float));
+        int64_t wait_m0 = 0, wait_b = 0;
+        __m512 wait_d = _mm512_setzero_ps();
+        int have = 0, buffer = 0;
+        for (int64_t b = 0; b < blocks; b++) {
+            const uint8_t *blk = group + b * Q6G_BYTES;
+            for (int step = 0; step < 8; step++) prefetch_block(blk, Q6G_BYTES, step, 8, Q8_AHEAD);
+            unpack_q6k(blk, bt[0], bt[1], bt[2]);
+            const __m512 d = HALVES(blk);
+            for (int64_t m0 = 0; m0 < M; m0 += Q8SLAB) {
+                const int8_t *x = job->qx + q8_at(m0, b, blocks) * QK_K;
+                _tile_zero(0);
+                _tile_zero(1);
+                _tile_zero(2);
+                for (int k = 0; k < 4; k++) {  /* 64 weights: sub-blocks 4 k .. 4 k + 3 */
+                    _tile_loadd(A6, x + 64 * k, QK_K);
+                    _tile_loadd(4, bt[0] + 1024 * k, 64);
+                    _tile_loadd(5, bt[1] + 1024 * k, 64);
+                    _tile_loadd(6, bt[2] + 1024 * k, 64);
+                    _tile_dpbssd(0, A6, 4);
+                    _tile_dpbssd(1, A6, 5);
+                    _tile_dpbssd(2, A6, 6);
+                }
+                if (have) settle_q6k(job, wait_m0, wait_b, wait_d, c[buffer ^ 1], acc, blocks);
+                _tile_stored(0, c[buffer][0], 64);
+                _tile_stored(1, c[buffer][1], 64);
+                _tile_stored(2, c[buffer][2], 64);
+                wait_m0 = m0, wait_b = b, wait_d = d, have = 1;
+                buffer ^= 1;
+            }
+        }
+        if (have) settle_q6k(job, wait_m0, wait_b, wait_d, c[buffer ^ 1], acc, blocks);
+        const int64_t n0 = g * Q8G, cols = N - n0 < Q8G ? N - n0 : Q8G;
+        float bias[Q8G];
+        q8_bias(job, n0, cols, bias);
+        const __m512 bv = _mm512_loadu_ps(bias);
+        for (int64_t m = 0; m < M; m++) q8_store(job->y + m * N + n0, _mm512_load_ps(acc + m * Q8G), bv, cols, 0);
+    }
+    if (found.palette && memcmp(&found, &mine, sizeof mine)) _tile_loadconfig(&found);
+    return 0;
+}
+
+int q8_amx_range(const q8_job *job, int64_t begin, int64_t end)
+{
+    return job->kind == GGML_Q4_K ? q4k_amx_range(job, begin, end)
+         : job->kind == GGML_Q6_K ? q6k_amx_range(job, begin, end) : -1;
 }

@@ -333,7 +333,7 @@ void KQ(q8_range)(const void *arg, int64_t begin, int64_t end)
     }
     const int kind = job->kind;
 #if VCOLS == 16
-    if (kind == GGML_Q4_K && q8_amx && job->M >= q8_amx && q4k_amx_range(job, begin, end) == 0) return;
+    if (q8_amx && job->M >= q8_amx && q8_amx_range(job, begin, end) == 0) return;
 #endif
     const q8_tile_fn *tiles = kind == GGML_Q6_K ? q6k_tiles : kind == GGML_Q5_K ? q5k_tiles : q4k_tiles;
     q8_groups(job, begin, end, tiles, job->K / QK_K, q8_group_bytes(kind));

@@ -11,7 +11,7 @@ a test sets another configuration with `configure(KernelConfig(...))` (or
 | `isa`              | `VERISPEC_KERNEL_ISA=256`                     | widest  | cap the vector ISA (512: AVX-512, 256: AVX2+FMA) below what the CPU runs (tests, comparisons) |
 | `int8_activations` | `VERISPEC_INT4_FLOAT=1` or `VERISPEC_NO_VNNI=1` turn off | on | int4 matrices multiply activations rounded to int8 per group of 64 (VNNI or AVX2 byte products); off: unpacked weights x float32 activations |
 | `vnni`             | none                                          | on      | use AVX-512 VNNI for those int8 products where the CPU has it; off: the AVX2 byte-product kernel (tests) |
-| `amx`              | `VERISPEC_KERNEL_AMX=0` turns off             | on      | wide Q4_K passes of a q8 target (prefill) on AMX tiles where the CPU has them; the same bits as without |
+| `amx`              | `VERISPEC_KERNEL_AMX=0` turns off             | on      | wide Q4_K and Q6_K passes of a q8 target (prefill) on AMX tiles where the CPU has them; the same bits as without |
 | `torch_gemm`       | `VERISPEC_TORCH_GEMM=1`                       | off     | big passes (prefill) keep PyTorch's GEMM on AVX2 CPUs instead of `blocked_linear` |
 | `panels`           | `VERISPEC_PANELS=0` turns off                 | on      | float32 matrices kept as `PanelMatrix` where the blocked GEMM is preferred |
 | `fused_layers`     | `VERISPEC_LAYER_LOOP=1` turns off             | on      | a small pass runs every decoder layer in one C call; off: a Python loop over the same kernels (bitwise equal) |

@@ -20,7 +20,7 @@ from verispec.models.kernels.threads import threads
 # across widths no longer matters: the engine never compares a prefill row with a decode row.
 MAX_ROWS = 32
 # Rows one pass of a model with llama.cpp's numerics (numerics="q8") may hold: its kernels give every row the same
-# numbers at any width, so its prompt is read in passes this wide. On AMX tiles a Q4_K product gains with the
+# numbers at any width, so its prompt is read in passes this wide. On AMX tiles a Q4_K or Q6_K product gains with the
 # width (csrc/kquant_amx.c); the VNNI and AVX2 tiles stream a column group once per pass and re-read it from cache
 # for each further 8 rows, so a wider pass costs them nothing (bench/README.md).
 Q8_MAX_ROWS = 128

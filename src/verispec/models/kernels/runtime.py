@@ -29,10 +29,10 @@ class Runtime:
     isa: int  # 512, 256, or 0 when unavailable
     int4_format: abi.Format  # INT4 (float activations), INT4_VNNI or INT4_AVX2 (int8 activations)
     config: config.KernelConfig
-    amx: bool = False  # wide Q4_K q8 passes on AMX tiles (the library's switch, set when this runtime was made)
+    amx: bool = False  # wide Q4_K and Q6_K q8 passes on AMX tiles (the library's switch, set when this runtime was made)
 
 
-# Rows from which a q8 target's Q4_K products run on AMX tiles where the CPU has them (`amx()`): below it the VNNI
+# Rows from which a q8 target's Q4_K and Q6_K products run on AMX tiles where the CPU has them (`amx()`): below it the VNNI
 # tiles, whose 8 rows share a sub-block decoded in registers, are as fast (bench/README.md).
 AMX_MIN_ROWS = 16
 
@@ -99,7 +99,7 @@ def lanes() -> int:
 
 
 def amx() -> bool:
-    """Whether a q8 target's wide Q4_K passes (16 rows and more) run on AMX tiles: bitwise what the VNNI tiles give."""
+    """Whether a q8 target's wide Q4_K and Q6_K passes (16 rows and more) run on AMX tiles: bitwise what the VNNI tiles give."""
     return runtime().amx
 
 
