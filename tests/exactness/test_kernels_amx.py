@@ -1,8 +1,8 @@
 """The AMX tiles for a q8 target's wide Q4_K and Q6_K passes (csrc/kquant_amx.c) give bitwise what the VNNI tiles
 give, and so ggml's formulas: on a CPU with AMX-INT8 every width from AMX_MIN_ROWS runs on them, and each output
 must be the same bits as with them turned off (`KernelConfig.amx`), at widths that leave a lone 8-row half tile, a
-partial one, or several 16-row tiles, on one thread and on two. The scales are folded into the tiles' bytes (Q4_K
-split in two digits, Q6_K in three signed ones), so the largest scales and codes are in every case."""
+partial one, or several 16-row tiles, on one thread and on two. The scales are folded into the tiles' bytes (Q4_K's
+split in two digits, Q6_K's in three signed ones), so the largest scales and the extreme codes are in every case."""
 
 from __future__ import annotations
 
@@ -77,6 +77,7 @@ def test_wide_products_on_amx_are_ggml_formulas_bit_for_bit(kind, monkeypatch):
     got = product(torch.from_numpy(x), kernels.GGUFMatrix(torch.from_numpy(raw), KIND[kind]), torch.from_numpy(bias),
                   True, monkeypatch)
     assert np.array_equal(got.numpy().view(np.int32), dot_reference(kind, raw, x, bias).view(np.int32))
+
 
 
 def test_turning_the_tiles_off_is_a_switch_of_the_configuration(monkeypatch):
