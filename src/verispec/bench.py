@@ -310,7 +310,8 @@ def run_bench(args) -> dict:
 
 
 def _cpu_name() -> str:
-    """The CPU's model name and the vector width verispec's kernels use on it ("AMD EPYC, AVX2")."""
+    """The CPU's model name and the vector width verispec's kernels use on it ("AMD EPYC, AVX2"; "..., AVX-512 + AMX"
+    where a q8 model's wide passes run on AMX tiles, which a peer built without them does not use)."""
     from verispec.models import kernels
 
     name = platform.processor() or platform.machine()
@@ -322,7 +323,7 @@ def _cpu_name() -> str:
     except OSError:
         pass
     vector = {512: "AVX-512", 256: "AVX2"}.get(kernels.isa(), "no C kernels")
-    return f"{name}, {vector}"
+    return f"{name}, {vector}{' + AMX' if kernels.available() and kernels.amx() else ''}"
 
 
 def measure_verify_curve(target, args) -> dict:
