@@ -111,6 +111,8 @@ typedef struct {
 INLINE void settle(const q8_job *job, const stored_tiles *t, float *acc, float *accm, int64_t blocks)
 {
     const int64_t left = job->M - t->m0, rows = left < 2 * Q8SLAB ? left : 2 * Q8SLAB;
+    const int first = t->b == 0;  /* the sums start here: 0 + the first block's, as kquant_q8.c's from zero */
+    const __m512 zero = _mm512_setzero_ps();
     for (int slab = 0; slab * Q8SLAB < rows; slab++) {
         const int64_t at = q8_at(t->m0 + slab * Q8SLAB, t->b, blocks), m = t->m0 + slab * Q8SLAB;
         const int n = rows - slab * Q8SLAB < Q8SLAB ? (int)(rows - slab * Q8SLAB) : Q8SLAB;
@@ -121,8 +123,8 @@ INLINE void settle(const q8_job *job, const stored_tiles *t, float *acc, float *
             for (int l = 0; l < 4; l++) summ = dpwssd_bcast(summ, t->mins[l], job->qb32 + (at + i) * 8 + 2 * l);
             const __m512 dy = _mm512_set1_ps(job->qd[at + i]);
             float *a = acc + (m + i) * Q8G, *am = accm + (m + i) * Q8G;
-            _mm512_store_ps(a, _mm512_add_ps(_mm512_load_ps(a), _mm512_mul_ps(_mm512_mul_ps(dy, t->d), _mm512_cvtepi32_ps(sumi))));
-            _mm512_store_ps(am, _mm512_add_ps(_mm512_load_ps(am), _mm512_mul_ps(_mm512_mul_ps(dy, t->dmin), _mm512_cvtepi32_ps(summ))));
+            _mm512_store_ps(a, _mm512_add_ps(first ? zero : _mm512_load_ps(a), _mm512_mul_ps(_mm512_mul_ps(dy, t->d), _mm512_cvtepi32_ps(sumi))));
+            _mm512_store_ps(am, _mm512_add_ps(first ? zero : _mm512_load_ps(am), _mm512_mul_ps(_mm512_mul_ps(dy, t->dmin), _mm512_cvtepi32_ps(summ))));
         }
     }
 }
@@ -144,7 +146,6 @@ static int q4k_amx_range(const q8_job *job, int64_t begin, int64_t end)
     _tile_loadconfig(&mine);
     for (int64_t g = begin; g < end; g++) {
         const uint8_t *group = job->w + g * blocks * Q4G_BYTES;
-        memset(sums, 0, (size_t)(2 * M16 * Q8G) * sizeof(float));
         stored_tiles waiting = {0};
         int have = 0, buffer = 0;
         for (int64_t b = 0; b < blocks; b++) {
@@ -279,7 +280,8 @@ INLINE void settle_q6k(const q8_job *job, int64_t m0, int64_t b, __m512 d, int32
             _mm512_load_si512(c[0][i]));
         const __m512 dy = _mm512_set1_ps(job->qd[at + i]);
         float *a = acc + (m0 + i) * Q8G;
-        _mm512_store_ps(a, _mm512_add_ps(_mm512_load_ps(a), _mm512_mul_ps(_mm512_mul_ps(dy, d), _mm512_cvtepi32_ps(sumi))));
+        _mm512_store_ps(a, _mm512_add_ps(b ? _mm512_load_ps(a) : _mm512_setzero_ps(),  /* from zero, as Q4_K's */
+                                         _mm512_mul_ps(_mm512_mul_ps(dy, d), _mm512_cvtepi32_ps(sumi))));
     }
 }
 
@@ -298,7 +300,6 @@ static int q6k_amx_range(const q8_job *job, int64_t begin, int64_t end)
     _tile_loadconfig(&mine);
     for (int64_t g = begin; g < end; g++) {
         const uint8_t *group = job->w + g * blocks * Q6G_BYTES;
-        memset(acc, 0, (size_t)(M16 * Q8G) * sizeof(float));
         int64_t wait_m0 = 0, wait_b = 0;
         __m512 wait_d = _mm512_setzero_ps();
         int have = 0, buffer = 0;
