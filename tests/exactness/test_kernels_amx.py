@@ -30,8 +30,9 @@ def product(x: torch.Tensor, matrix, bias: torch.Tensor | None, amx: bool, monke
 
 def extreme_blocks(kind: str, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
     """Random blocks with the folded products' extremes in the first column: Q4_K every 6-bit scale and min 63 (the
-    digits 7 and 7); Q6_K a block of codes 0 (q - 32 = -32) under scales 124, -128 and 127 (the digits 4, -2 and -1,
-    0 and 2, -1 and 1) and one of codes 63, beside random int8 scales everywhere else."""
+    digits 7 and 7); Q6_K a block of codes 0 (q - 32 = -32) under scales among them 124 = 64 * 2 - 8 + 4 (the digit 4:
+    4 * -32 = -128, the byte's limit), -128 = 64 * -2 and 127 = 64 * 2 - 1, and one of codes 63, beside random int8
+    scales everywhere else."""
     raw = random_blocks(kind, n, k, rng)
     blocks = raw[0].reshape(-1, 144 if kind == "Q4_K" else 210)
     if kind == "Q4_K":
@@ -77,7 +78,6 @@ def test_wide_products_on_amx_are_ggml_formulas_bit_for_bit(kind, monkeypatch):
     got = product(torch.from_numpy(x), kernels.GGUFMatrix(torch.from_numpy(raw), KIND[kind]), torch.from_numpy(bias),
                   True, monkeypatch)
     assert np.array_equal(got.numpy().view(np.int32), dot_reference(kind, raw, x, bias).view(np.int32))
-
 
 
 def test_turning_the_tiles_off_is_a_switch_of_the_configuration(monkeypatch):

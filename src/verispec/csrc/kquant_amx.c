@@ -48,15 +48,16 @@ typedef struct {
     uint8_t rows[16];
 } tile_config;
 
-/* The shapes, loaded at every call: they are per thread, and another user of the tiles on this thread (oneDNN's
- * bfloat16 GEMMs under PyTorch) may have set others since; a call puts back what it found (q4k_amx_range). */
-static tile_config tiles_for(int rows)
+/* The shapes of tiles 0 .. count - 1, every row 64 bytes: C and A tiles (below first_b) a slab's rows, fewer in a
+ * pass narrower than one; B tiles 16 steps. Loaded at every call: they are per thread, and another user of the tiles
+ * on this thread (oneDNN's bfloat16 GEMMs under PyTorch) may have set others since; a call puts back what it found. */
+static tile_config tiles_for(int rows, int first_b, int count)
 {
     tile_config cfg = {0};
     cfg.palette = 1;
-    for (int t = TA_0; t <= B_B; t++) {
+    for (int t = 0; t < count; t++) {
         cfg.colsb[t] = 64;
-        cfg.rows[t] = t >= B_A ? 16 : rows;  /* A and C tiles: a slab's rows, fewer in a pass narrower than one */
+        cfg.rows[t] = t >= first_b ? 16 : rows;
     }
     return cfg;
 }
@@ -142,7 +143,7 @@ static int q4k_amx_range(const q8_job *job, int64_t begin, int64_t end)
     int32_t c[2][4][Q8SLAB][16] __attribute__((aligned(64)));  /* two products' C tiles: one settling, one stored */
     tile_config found;
     _tile_storeconfig(&found);  /* all zero where this thread has no tiles configured */
-    const tile_config mine = tiles_for(M < Q8SLAB ? (int)M : Q8SLAB);
+    const tile_config mine = tiles_for(M < Q8SLAB ? (int)M : Q8SLAB, B_A, B_B + 1);
     _tile_loadconfig(&mine);
     for (int64_t g = begin; g < end; g++) {
         const uint8_t *group = job->w + g * blocks * Q4G_BYTES;
@@ -205,21 +206,15 @@ static int q4k_amx_range(const q8_job *job, int64_t begin, int64_t end)
 
 /* ---- Q6_K ---- */
 
-/* Tile registers of the Q6_K product: the three digits' C tiles of one slab, its A tile, the three digits' B tiles. */
+/* Tile registers of the Q6_K product: the three digits' C tiles of one slab, its A tile, the three digits' B tiles
+ * (the tile intrinsics take literal register numbers). */
 #define T6_0 0
+#define T6_1 1
+#define T6_2 2
 #define A6 3
 #define B6_0 4
-
-static tile_config q6k_tiles_for(int rows)
-{
-    tile_config cfg = {0};
-    cfg.palette = 1;
-    for (int t = T6_0; t < B6_0 + 3; t++) {
-        cfg.colsb[t] = 64;
-        cfg.rows[t] = t >= B6_0 ? 16 : rows;
-    }
-    return cfg;
-}
+#define B6_1 5
+#define B6_2 6
 
 /* d * v for 64 bytes v and, per 32-bit lane (a column), an int16 digit d in both halves: exact where the product fits a
  * byte. vpmullw keeps the low 16 bits of each lane's product, so the even bytes, multiplied alone, keep their product
@@ -296,7 +291,7 @@ static int q6k_amx_range(const q8_job *job, int64_t begin, int64_t end)
     int32_t c[2][3][Q8SLAB][16] __attribute__((aligned(64)));
     tile_config found;
     _tile_storeconfig(&found);
-    const tile_config mine = q6k_tiles_for(M < Q8SLAB ? (int)M : Q8SLAB);
+    const tile_config mine = tiles_for(M < Q8SLAB ? (int)M : Q8SLAB, B6_0, B6_2 + 1);
     _tile_loadconfig(&mine);
     for (int64_t g = begin; g < end; g++) {
         const uint8_t *group = job->w + g * blocks * Q6G_BYTES;
@@ -310,22 +305,22 @@ static int q6k_amx_range(const q8_job *job, int64_t begin, int64_t end)
             const __m512 d = HALVES(blk);
             for (int64_t m0 = 0; m0 < M; m0 += Q8SLAB) {
                 const int8_t *x = job->qx + q8_at(m0, b, blocks) * QK_K;
-                _tile_zero(0);
-                _tile_zero(1);
-                _tile_zero(2);
+                _tile_zero(T6_0);
+                _tile_zero(T6_1);
+                _tile_zero(T6_2);
                 for (int k = 0; k < 4; k++) {  /* 64 weights: sub-blocks 4 k .. 4 k + 3 */
                     _tile_loadd(A6, x + 64 * k, QK_K);
-                    _tile_loadd(4, bt[0] + 1024 * k, 64);
-                    _tile_loadd(5, bt[1] + 1024 * k, 64);
-                    _tile_loadd(6, bt[2] + 1024 * k, 64);
-                    _tile_dpbssd(0, A6, 4);
-                    _tile_dpbssd(1, A6, 5);
-                    _tile_dpbssd(2, A6, 6);
+                    _tile_loadd(B6_0, bt[0] + 1024 * k, 64);
+                    _tile_loadd(B6_1, bt[1] + 1024 * k, 64);
+                    _tile_loadd(B6_2, bt[2] + 1024 * k, 64);
+                    _tile_dpbssd(T6_0, A6, B6_0);
+                    _tile_dpbssd(T6_1, A6, B6_1);
+                    _tile_dpbssd(T6_2, A6, B6_2);
                 }
                 if (have) settle_q6k(job, wait_m0, wait_b, wait_d, c[buffer ^ 1], acc, blocks);
-                _tile_stored(0, c[buffer][0], 64);
-                _tile_stored(1, c[buffer][1], 64);
-                _tile_stored(2, c[buffer][2], 64);
+                _tile_stored(T6_0, c[buffer][0], 64);
+                _tile_stored(T6_1, c[buffer][1], 64);
+                _tile_stored(T6_2, c[buffer][2], 64);
                 wait_m0 = m0, wait_b = b, wait_d = d, have = 1;
                 buffer ^= 1;
             }
