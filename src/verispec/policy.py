@@ -311,23 +311,37 @@ class CostCurve:
 
     def __init__(self, window: int = 9):
         self.samples: dict[int, deque] = defaultdict(lambda: deque(maxlen=window))
+        self._curve: tuple[list[int], list[float]] | None = None  # (sizes, costs) until the next change
 
     def observe(self, size: int, seconds: float) -> None:
         self.samples[size].append(seconds)
+        self._curve = None
+
+    def forget(self, size: int) -> None:
+        """Drop a size's measurements (it is measured afresh)."""
+        self.samples.pop(size, None)
+        self._curve = None
 
     def count(self, size: int) -> int:
         return len(self.samples.get(size, ()))
 
+    def _points(self) -> tuple[list[int], list[float]]:
+        """The measured sizes, ascending, and their costs: computed once per change, as a step asks for a
+        price many times (every draft length it weighs) between two measurements."""
+        if self._curve is None:
+            points = sorted((s, statistics.median(v)) for s, v in self.samples.items() if v)
+            cost, cheapest = [], float("inf")
+            for _, m in reversed(points):  # a pass never gets cheaper by adding rows: the running minimum from above
+                cheapest = min(cheapest, m)
+                cost.append(cheapest)
+            cost.reverse()
+            self._curve = ([s for s, _ in points], cost)
+        return self._curve
+
     def __call__(self, size: int) -> float | None:
-        points = sorted((s, statistics.median(v)) for s, v in self.samples.items() if v)
-        if not points:
+        sizes, cost = self._points()
+        if not sizes:
             return None
-        sizes = [s for s, _ in points]
-        cost, cheapest = [], float("inf")
-        for _, m in reversed(points):  # a pass never gets cheaper by adding rows: the running minimum from above
-            cheapest = min(cheapest, m)
-            cost.append(cheapest)
-        cost.reverse()
         if size <= sizes[0]:
             return cost[0]
         for i in range(1, len(sizes)):
@@ -490,7 +504,7 @@ class AdaptiveDraftLen:
             # (none past k). Counted even when every row stopped at its first token: otherwise a draft
             # cost measured on a slow stretch would make the stop refuse every token, and never be re-measured.
             if self.idle:  # a probe after plain steps: what drafting cost before then is stale
-                self.draft_cost.samples.pop(batch_size, None)
+                self.draft_cost.forget(batch_size)
             self.draft_cost.observe(batch_size, draft_seconds / min(width, draft_len))
         else:
             self.speculative.fade(batch_size, self.idle_fade)

@@ -20,7 +20,7 @@ from verispec.engine import DecodeBatch, Request
 from verispec.errors import VerispecError
 from verispec.models.native import NativeCausalLM
 from verispec.policy import FixedDraftLen
-from verispec.sampling import SamplingParams, process_logits, warp
+from verispec.sampling import SamplingParams, argmax, greedy_choice, process_logits, warp
 
 OPTIONS = {
     "presence": dict(presence_penalty=1.5),
@@ -49,6 +49,32 @@ def reference_process(logits: np.ndarray, params: SamplingParams, sequence: list
     for token in set(generated):
         z[token] -= params.frequency_penalty * generated.count(token) + params.presence_penalty
     return z
+
+
+def test_argmax_is_pytorchs_first_maximum_on_every_layout():
+    """The numpy path every greedy token goes through takes each row's first maximum, as torch.argmax does:
+    ties (many -inf and equal maxima), a NaN, a strided slice, 1-D, 3-D and inference tensors; other dtypes
+    take torch's own."""
+    rng = torch.Generator().manual_seed(0)
+    x = torch.randint(-3, 3, (4, 6, 50), generator=rng).float()  # many ties
+    x[0, 0, 10:] = float("-inf")
+    x[1, 2, 7] = float("nan")
+    x[2, 3] = float("-inf")
+    for case in (x, x[:, :, 5:40], x[:, 1], x[3, 4], x.to(torch.float64), x.to(torch.bfloat16)):
+        assert torch.equal(argmax(case), case.argmax(-1)), case.shape
+    with torch.inference_mode():
+        y = x + 0
+        assert torch.equal(argmax(y), y.argmax(-1))
+
+
+def test_greedy_choice_is_the_argmax_and_its_softmax_probability():
+    rng = torch.Generator().manual_seed(1)
+    logits = torch.randn(3, 4000, generator=rng) * 4
+    logits[0, 100:] = float("-inf")  # a restricted draft head's row
+    logits[1, :3] = 50.0  # a tie at the top, and a near-certain row
+    tokens, confidence = greedy_choice(logits)
+    assert torch.equal(tokens, logits.argmax(-1))
+    torch.testing.assert_close(confidence, logits.softmax(-1).max(-1).values, rtol=1e-5, atol=0)
 
 
 @pytest.mark.parametrize("name", sorted(OPTIONS))

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from verispec.sampling import SamplingParams, coupled_choice, sample, warp_rows
+from verispec.sampling import SamplingParams, coupled_choice, greedy_choice, sample, warp_rows
 
 if TYPE_CHECKING:
     from verispec.models.base import CausalLM, ModelCache
@@ -380,9 +380,8 @@ class VocabDraft:
         batch, draft_ids = logits.shape[0], self.draft_ids
         if self.all_greedy:
             if self.branch is None:
-                top = logits.max(-1)
-                self.tokens[:, i] = draft_ids[top.indices]
-                self.confidence[:, i] = torch.exp(top.values - torch.logsumexp(logits, -1))
+                chosen, self.confidence[:, i] = greedy_choice(logits)
+                self.tokens[:, i] = draft_ids[chosen]
             else:  # the head's second choice is the position's alternate (none in a one-token vocabulary)
                 top = logits.softmax(-1).topk(min(2, logits.shape[-1]), -1)
                 self.tokens[:, i], self.confidence[:, i] = draft_ids[top.indices[:, 0]], top.values[:, 0]

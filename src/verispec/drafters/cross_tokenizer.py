@@ -47,7 +47,7 @@ from verispec.drafters.base import BranchRule, Draft, Drafter, StopRule, Verdict
 from verispec.errors import VerispecError
 from verispec.models.base import CausalLM
 from verispec.prefill import left_pad, prefill
-from verispec.sampling import SamplingParams
+from verispec.sampling import SamplingParams, argmax
 
 # Tokens of context decoded before new ones, and encoded before new text (a UTF-8 character is at most 4 bytes).
 CONTEXT_TOKENS = 8
@@ -204,7 +204,7 @@ class CrossTokenizerDrafter(Drafter):
         drafted = torch.zeros(batch, draft_len, dtype=torch.long)
         logits = self.model.forward(tail_tokens, self.cache, tail_visible, last_only=True)[:, -1]
         for i in range(draft_len):
-            drafted[:, i] = logits[:, : self.draft_text.size].argmax(-1).cpu()
+            drafted[:, i] = argmax(logits[:, : self.draft_text.size]).cpu()
             if i + 1 == draft_len:
                 break
             logits = self.model.forward(drafted[:, i : i + 1].to(self.model.device), self.cache)[:, -1]

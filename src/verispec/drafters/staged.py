@@ -43,7 +43,7 @@ from verispec.grammar import Constraint, mask_logits
 from verispec.models.base import CausalLM
 from verispec.policy import AdaptiveDraftLen, DraftPolicy
 from verispec.prefill import left_pad
-from verispec.sampling import SamplingParams, coupled_choice, process_logits, sample, warp
+from verispec.sampling import SamplingParams, coupled_choice, greedy_choice, process_logits, sample, warp
 from verispec.stats import StepRecord
 
 
@@ -232,8 +232,8 @@ class StagedDrafter(Drafter):
         as accepted where it equals the draw, which is speculative sampling against its point mass. Confidence
         is q's top probability, never q of the drawn token (see `ModelDrafter`)."""
         if sampling.greedy:
-            top = logits.max(-1)
-            return int(top.indices), None, float(torch.exp(top.values - torch.logsumexp(logits, -1)))
+            token, confidence = greedy_choice(logits)
+            return int(token), None, float(confidence)
         q = warp(logits[None], sampling)[0]
         token = coupled_choice(q, sampling.seed, position) if sampling.coupled else sample(q, generator)
         return token, q, float(q.max())

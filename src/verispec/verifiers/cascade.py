@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 
 from verispec.drafters.base import Draft, Verdict
-from verispec.sampling import Cascade, SamplingParams, sample, warp
+from verispec.sampling import Cascade, SamplingParams, argmax, sample, warp
 from verispec.verifiers.base import Verifier, accepted_prefix, drafted_mask, residual
 
 
@@ -77,15 +77,15 @@ def _greedy_row(draft: Draft, b: int, logits: torch.Tensor, drafted: torch.Tenso
                 generator: torch.Generator) -> tuple[int, int]:
     """Row b of a greedy cascade: (tokens kept, the target's token after them). logits [k + 1, V]."""
     k = draft.draft_len
-    argmax = logits.argmax(-1)  # [k + 1]
+    best = argmax(logits)  # [k + 1]
     if draft.confidence is None:
         trusted = torch.zeros(k, dtype=torch.bool)
     else:
         allowed = logits[:k].gather(1, draft.tokens[b, :, None]).squeeze(1) > float("-inf")  # not masked by the target
         trusted = trusts_draft(params.cascade, draft.confidence[b], logits[:k].float().softmax(-1).max(-1).values) & allowed
-    accept = (trusted | (draft.tokens[b] == argmax[:k])) & drafted
+    accept = (trusted | (draft.tokens[b] == best[:k])) & drafted
     kept = int(accepted_prefix(accept[None])[0])
-    return kept, int(argmax[kept])
+    return kept, int(best[kept])
 
 
 def _sampled_row(draft: Draft, b: int, logits: torch.Tensor, drafted: torch.Tensor, params: SamplingParams,

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from verispec.drafters.base import Draft, Verdict
-from verispec.sampling import SamplingParams
+from verispec.sampling import SamplingParams, argmax
 from verispec.verifiers.base import accepted_prefix, drafted_mask
 
 
@@ -18,7 +18,7 @@ class GreedyVerifier:
 
     def verify(self, draft: Draft, target_logits: torch.Tensor, sampling: list[SamplingParams], generators: list[torch.Generator],
                positions: list[int] | None = None) -> Verdict:
-        target_tokens = target_logits.argmax(-1).cpu()  # [batch, k + 1 (+ alternates)]
+        target_tokens = argmax(target_logits).cpu()  # [batch, k + 1 (+ alternates)]
         k = draft.draft_len
         accept = (draft.tokens == target_tokens[:, :k]) & drafted_mask(draft)
         num_accepted = accepted_prefix(accept)
