@@ -321,12 +321,13 @@ def _nucleus(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     p_rows = probs.detach().reshape(-1, width).numpy()
     out = np.zeros(p_rows.shape, dtype=np.float32)
     for row, (z, p) in enumerate(zip(z_rows, p_rows)):
-        floor = _NUCLEUS_FLOOR
+        floor, possible = _NUCLEUS_FLOOR, np.count_nonzero(p)
         while True:
             ids = np.flatnonzero(p >= floor) if floor > 0 else np.arange(width)
             order = ids[np.argsort(-z[ids])]
             mass = np.cumsum(p[order], dtype=np.float64)
-            if floor == 0 or (len(mass) and mass[-1] >= top_p):
+            # done once the set holds top_p, or every token of nonzero probability (a float32 row can sum below it)
+            if floor == 0 or (len(mass) and mass[-1] >= top_p) or len(ids) >= possible:
                 break
             floor = floor / 100 if floor > 1e-30 else 0.0
         kept = order[mass - p[order] < top_p]
