@@ -49,6 +49,7 @@ def residual(weight: float, p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """Where the target's token comes from after a rejection: normalized max(0, weight * p - q) [V], in
     p's dtype (weight 1 for token-by-token speculative sampling, a block's w_i for block verification).
     Zero mass means the rejection had probability zero; p keeps the draw exact against rounding."""
-    mass = (weight * p - q).clamp(min=0)
+    # in place on one copy: on a CPU each new vocabulary-wide tensor costs more than the arithmetic (fresh pages)
+    mass = p.to(torch.promote_types(p.dtype, q.dtype), copy=True).mul_(weight).sub_(q).clamp_(min=0)
     total = mass.sum()
-    return mass / total if total > 0 else p
+    return mass.div_(total) if total > 0 else p

@@ -35,9 +35,9 @@ def alternate_test(dist: torch.Tensor, alternate_q: torch.Tensor, token: int) ->
     dist = dist.double()
     alternate_q = alternate_q.to(dist)
     chance = min(1.0, float(dist[token] / alternate_q[token])) if float(alternate_q[token]) > 0 else 0.0
-    rest = (dist - alternate_q).clamp(min=0)
+    rest = (dist - alternate_q).clamp_(min=0)
     total = rest.sum()
-    return chance, (rest / total if total > 0 else dist)
+    return chance, (rest.div_(total) if total > 0 else dist)
 
 
 def target_token(draft: Draft, p: torch.Tensor, row: int, position: int, dist: torch.Tensor,
