@@ -211,6 +211,7 @@ class Scheduler:
         self.inbox: queue.Queue = queue.Queue()
         self.waiting: list[Job] = []
         self.reading: list[tuple[Job, PromptReads]] = []  # jobs with a row, their prompts being read
+        self.joining = 0  # jobs with a row, their prompts read, joining a lane's batch right now
         self.prefix_cache = prefix_cache  # shared by every lane: one target, one set of numbers
         self._lane_taps: dict[DraftSetting, tuple[tuple[int, ...] | None, int | None]] = {}
         # per setting, the model its lane's drafter reads prompts on through readers (`Drafter.reads_prompt_readers`)
@@ -248,7 +249,7 @@ class Scheduler:
     @property
     def running(self) -> int:
         """Jobs holding a row: decoding, or reading their prompts."""
-        return sum(len(lane.jobs) for lane in list(self.lanes)) + len(self.reading)
+        return sum(len(lane.jobs) for lane in list(self.lanes)) + len(self.reading) + self.joining
 
     @property
     def in_flight(self) -> int:
@@ -388,10 +389,16 @@ class Scheduler:
                 ready[job.draft].append((job, reader))
             else:
                 still.append((job, reader))
+        # Jobs out of `reading` and not yet in a lane still hold rows: /metrics counts them as running.
+        self.joining = sum(len(pairs) for pairs in ready.values())
         self.reading = still
         self.clock.add_prefill(time.perf_counter() - started)
-        for setting, pairs in ready.items():
-            self._join(self._open_lane(setting), pairs)
+        try:
+            for setting, pairs in ready.items():
+                self._join(self._open_lane(setting), pairs)
+                self.joining -= len(pairs)
+        finally:
+            self.joining = 0
 
     def _join(self, lane: Lane, pairs: list[tuple[Job, PromptReads]]) -> None:
         """Jobs whose prompts are read join `lane`'s batch."""
