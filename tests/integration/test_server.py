@@ -440,8 +440,8 @@ def test_a_full_queue_answers_503_and_the_server_keeps_serving(server):
         while {k: server.metrics()[k] for k in full} != full and time.monotonic() < deadline:
             time.sleep(0.1)
         metrics = server.metrics()
-        assert {k: metrics[k] for k in full} == full, {k: v for k, v in metrics.items() if k.startswith(("verispec_batch",
-                                                         "verispec_queue", "verispec_worker", "verispec_step"))}
+        seen = {k: v for k, v in metrics.items() if k.startswith(("verispec_batch", "verispec_queue", "verispec_worker", "verispec_step"))}
+        assert {k: metrics[k] for k in full} == full, f"{seen}\nserver log:\n{server.process.log_text()[-3000:]}"
         started = time.monotonic()
         refused = server.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 4})
         assert time.monotonic() - started < 5  # answered at once, not after waiting

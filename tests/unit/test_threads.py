@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -36,6 +38,32 @@ def test_scope_keeps_the_kernels_count_and_restores(two_threads):
     assert (torch.get_num_threads(), kernels.threads()) == (2, 2)
     with kernels.torch_threads():  # outside a step it changes nothing
         assert (torch.get_num_threads(), kernels.threads()) == (2, 2)
+
+
+def test_scopes_on_two_threads_leave_no_count_behind(two_threads):
+    """A scope entered inside another thread's and left after it (a server's worker stepping while another
+    thread decodes) must not leave its kernel count to the process: each thread's count is its own."""
+    entered, leave_first, left_first = threading.Event(), threading.Event(), threading.Event()
+    inside: list[int] = []
+
+    def worker():
+        with kernels.torch_on_one_thread(1):
+            entered.set()
+            leave_first.wait(10)
+            inside.append(kernels.threads())
+        left_first.set()
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    entered.wait(10)
+    with kernels.torch_on_one_thread():  # entered while the worker's scope is open ...
+        assert kernels.threads() == 2  # ... and not given the worker's count
+        leave_first.set()
+        left_first.wait(10)  # the worker's scope closes first
+        assert kernels.threads() == 2
+    thread.join(10)
+    assert inside == [1]
+    assert (torch.get_num_threads(), kernels.threads()) == (2, 2)
 
 
 def test_scope_restores_after_an_error(two_threads):

@@ -12,7 +12,10 @@ busy processes an OpenMP barrier also waits for descheduled threads. Those ops a
 does them in microseconds. Wide PyTorch work inside the scope (a float32 prefill's GEMMs, a
 transformers model's pass) takes the threads back with `torch_threads()`.
 
-PyTorch's thread count is process-wide; the scope is meant for the one thread that runs passes.
+PyTorch's thread count (OpenMP's) belongs to the calling thread, and so does the kernels' count a scope sets,
+so scopes on two threads (a server's worker stepping while another thread decodes) cannot leave each other's
+count behind: with one global, a scope entered inside another thread's and left after it restored the other's
+count, and every later pass of the process ran its kernels on one thread.
 """
 
 from __future__ import annotations
@@ -20,23 +23,29 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import threading
+
 import torch
 
-_kernel_threads: int | None = None  # inside torch_on_one_thread: the kernels' count, PyTorch's before it
+
+class _Scope(threading.local):
+    kernels: int | None = None  # inside torch_on_one_thread, on this thread: the kernels' count
+
+
+_scope = _Scope()
 
 
 def threads() -> int:
     """The number of threads the C kernels' pool runs a call on."""
-    return _kernel_threads if _kernel_threads is not None else torch.get_num_threads()
+    return _scope.kernels if _scope.kernels is not None else torch.get_num_threads()
 
 
 @contextmanager
 def torch_on_one_thread(kernel_threads: int | None = None) -> Iterator[None]:
     """PyTorch's ops on one thread for the duration; the kernels on `kernel_threads` (default: the count
     PyTorch had). Nested scopes keep the outer one's kernel count unless they name their own."""
-    global _kernel_threads
-    outer_kernels, outer_torch = _kernel_threads, torch.get_num_threads()
-    _kernel_threads = kernel_threads if kernel_threads is not None else threads()
+    outer_kernels, outer_torch = _scope.kernels, torch.get_num_threads()
+    _scope.kernels = kernel_threads if kernel_threads is not None else threads()
     if outer_torch != 1:
         torch.set_num_threads(1)
     try:
@@ -44,22 +53,22 @@ def torch_on_one_thread(kernel_threads: int | None = None) -> Iterator[None]:
     finally:
         if outer_torch != 1:
             torch.set_num_threads(outer_torch)
-        _kernel_threads = outer_kernels
+        _scope.kernels = outer_kernels
 
 
 @contextmanager
 def torch_threads() -> Iterator[None]:
     """Inside `torch_on_one_thread`, PyTorch's threads back (as many as the kernels run on) for wide
     PyTorch work; elsewhere nothing changes."""
-    global _kernel_threads
-    if _kernel_threads is None or torch.get_num_threads() == _kernel_threads:
+    outer = _scope.kernels
+    if outer is None or torch.get_num_threads() == outer:
         yield
         return
-    inner, outer = torch.get_num_threads(), _kernel_threads
+    inner = torch.get_num_threads()
     torch.set_num_threads(outer)
-    _kernel_threads = None  # the kernels follow PyTorch's count again
+    _scope.kernels = None  # the kernels follow PyTorch's count again
     try:
         yield
     finally:
-        _kernel_threads = outer
+        _scope.kernels = outer
         torch.set_num_threads(inner)
