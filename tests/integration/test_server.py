@@ -858,9 +858,10 @@ def test_rows_joining_a_batch_count_as_running(tiny_scheduler, monkeypatch):
         return real_add(self, requests, *args, **kwargs)
 
     monkeypatch.setattr(DecodeBatch, "add", slow_add)
-    jobs = [job([5 + i, 6, 7]) for i in range(6)]  # four rows, two waiting
+    prompts = [[5 + i, 6, 7] for i in range(6)]
+    jobs = [job(prompt) for prompt in prompts]  # four rows, two waiting
     scheduler.submit([j for j, _ in jobs])
-    for prompt, (_, collector) in zip([[5 + i, 6, 7] for i in range(6)], jobs):
+    for prompt, (_, collector) in zip(prompts, jobs):
         assert collector.result() == plain_tokens(target, prompt)
     assert joining.is_set()
     assert seen[:2] == [(4, 2), (4, 2)], seen  # the first four join together while the other two wait

@@ -210,8 +210,7 @@ class Scheduler:
         self.policies: dict[DraftSetting, DraftPolicy] = {}  # kept across lanes, so adaptive estimates survive
         self.inbox: queue.Queue = queue.Queue()
         self.waiting: list[Job] = []
-        self.reading: list[tuple[Job, PromptReads]] = []  # jobs with a row, their prompts being read
-        self.joining = 0  # jobs with a row, their prompts read, joining a lane's batch right now
+        self.reading: list[tuple[Job, PromptReads]] = []  # jobs with a row, their prompts being read or joining a lane
         self.prefix_cache = prefix_cache  # shared by every lane: one target, one set of numbers
         self._lane_taps: dict[DraftSetting, tuple[tuple[int, ...] | None, int | None]] = {}
         # per setting, the model its lane's drafter reads prompts on through readers (`Drafter.reads_prompt_readers`)
@@ -249,7 +248,7 @@ class Scheduler:
     @property
     def running(self) -> int:
         """Jobs holding a row: decoding, or reading their prompts."""
-        return sum(len(lane.jobs) for lane in list(self.lanes)) + len(self.reading) + self.joining
+        return sum(len(lane.jobs) for lane in list(self.lanes)) + len(self.reading)
 
     @property
     def in_flight(self) -> int:
@@ -389,16 +388,14 @@ class Scheduler:
                 ready[job.draft].append((job, reader))
             else:
                 still.append((job, reader))
-        # Jobs out of `reading` and not yet in a lane still hold rows: /metrics counts them as running.
-        self.joining = sum(len(pairs) for pairs in ready.values())
-        self.reading = still
+        # Read jobs stay in `reading` until they are in a lane: they hold their rows meanwhile (/metrics counts them
+        # running), and a failure before they join fails them with the rest (`_run`), rather than losing them.
+        self.reading = still + [pair for pairs in ready.values() for pair in pairs]
         self.clock.add_prefill(time.perf_counter() - started)
-        try:
-            for setting, pairs in ready.items():
-                self._join(self._open_lane(setting), pairs)
-                self.joining -= len(pairs)
-        finally:
-            self.joining = 0
+        for setting, pairs in ready.items():
+            self._join(self._open_lane(setting), pairs)
+            joined = {id(pair) for pair in pairs}
+            self.reading = [pair for pair in self.reading if id(pair) not in joined]
 
     def _join(self, lane: Lane, pairs: list[tuple[Job, PromptReads]]) -> None:
         """Jobs whose prompts are read join `lane`'s batch."""

@@ -20,10 +20,9 @@ count, and every later pass of the process ran its kernels on one thread.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-
-import threading
 
 import torch
 
