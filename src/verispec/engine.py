@@ -442,12 +442,15 @@ class DecodeBatch:
         self.drafter, self.policy, self._behind = late.drafter, self.policy.fresh(), True
 
     def _judge_start(self, step: StepRecord) -> None:
-        """Once, after `RETREAT_STEPS` steps of the one row a call started a draft model for: if those steps gave
-        fewer tokens per second than plain steps do, the rest of the call drafts with the fallback (prompt lookup)
+        """Once, after `RETREAT_STEPS` steps of the one row a call started a draft model for, counted past the
+        policy's opening (`DraftPolicy.opening`: steps that draft whatever they show): if those steps gave fewer
+        tokens per second than plain steps do, the rest of the call drafts with the fallback (prompt lookup)
         and a fresh policy. The draft's prefill is spent either way; what this saves is its later steps where
         the text is not one it predicts (chat prose, translation). The output is the same either way."""
         if len(self.rows) != 1:  # one row's steps are what a plain step is priced against
             self.reserve = None
+            return
+        if self.policy.opening:  # a price paid either way, and no forecast of the steps after it
             return
         self._trial_tokens += int(step.emitted.sum())
         self._trial_seconds += step.draft_seconds + step.target_seconds

@@ -75,8 +75,16 @@ class DraftPolicy(Protocol):
         """The same settings with nothing learned (for another drafter, whose costs and acceptance differ)."""
         ...
 
+    @property
+    def opening(self) -> bool:
+        """Whether the policy is still exploring (its first steps draft whatever they show), so that what these
+        steps deliver says little about the steps after them."""
+        ...
+
 
 class FixedDraftLen:
+    opening = False  # it drafts the same length on every step
+
     def __init__(self, draft_len: int):
         self.draft_len = draft_len
 
@@ -445,8 +453,8 @@ class AdaptiveDraftLen:
         # from what speculative steps have actually delivered against a plain step's measured rate.
         # (Predicted rates would not do: a draft that stops before its shaky tokens makes the deep
         # positions it does reach look better than an unconditional k would fare.)
-        # A few unlucky first steps are not evidence: stop drafting only on ~8 steps' worth of it.
-        if self.speculative.steps < 8:
+        # A few unlucky first steps are not evidence: stop drafting only on ~OPENING_STEPS steps' worth of it.
+        if self.opening:
             return self.max_draft_len
         if self.target_cost.count(batch_size) == 0:
             return 0  # a plain step, measured once it is needed (until then the narrowest pass measured prices it)
@@ -456,6 +464,12 @@ class AdaptiveDraftLen:
         if delivered is None or delivered >= 1.0 / self.target_cost(batch_size):
             return self.max_draft_len
         return self.max_draft_len if self.steps % self.probe_every == 0 else 0  # now and then, check again
+
+    @property
+    def opening(self) -> bool:
+        """The first ~OPENING_STEPS drafting steps: they draft up to max_draft_len whatever they show, with the
+        acceptance and costs still at their priors, so they may deliver far less than the steps after them."""
+        return self.speculative.steps < OPENING_STEPS
 
     def could_pay(self, batch_size: int) -> bool:
         """Whether drafting could beat a plain step at this batch size even with every drafted token accepted,
@@ -525,6 +539,9 @@ class AdaptiveDraftLen:
         self.accepted[: width - 1] += accepted.sum(0).float()
 
 
+# Drafting steps the adaptive policy takes before what they delivered may turn drafting off (a decayed count).
+OPENING_STEPS = 8
+
 # What a draft model is assumed to make decoding at best when pricing its start: about what the Qwen pair
 # delivers on code here, so a start is refused only where even a draft that good could not pay.
 START_SPEEDUP = 2.0
@@ -535,8 +552,9 @@ START_SPEEDUP = 2.0
 # on every call) ~one prefill per call on code; hence a wait fitted to the answers the process sees.
 START_AFTER = 32
 
-# A call that started a draft model judges it once, after this many steps of one row: where the tokens those
-# steps gave per second fell short of plain steps (`costs.BOOK`), it drafts by prompt lookup for the rest.
+# A call that started a draft model judges it once, after this many steps of one row past the policy's opening:
+# where the tokens those steps gave per second fell short of plain steps (`costs.BOOK`), it drafts by prompt
+# lookup for the rest.
 RETREAT_STEPS = 16
 
 

@@ -358,6 +358,37 @@ def test_a_started_draft_that_loses_to_plain_steps_gives_way_mid_call(monkeypatc
     assert verispec.generate(target, prompt, draft=draft, draft_len=3, max_new_tokens=80).stats.drafter == "ModelDrafter"
 
 
+def test_a_started_draft_is_judged_on_the_steps_after_the_policys_opening(monkeypatch):
+    """The policy's opening steps draft whatever they show (`AdaptiveDraftLen.opening`): a price paid either way and
+    no forecast of the steps after it, so the judgment counts `RETREAT_STEPS` steps from the opening's end, and a call
+    still in its opening keeps its draft model even where plain steps beat anything."""
+    from verispec import engine
+    from verispec.policy import RETREAT_STEPS
+
+    target = tiny_llama(seed=0)
+    draft = perturbed_copy(target, scale=0.05)
+    prompt = [1, 5, 9, 5, 9, 5, 9, 7, 2, 5, 9] * 3
+    plain = verispec.generate(target, prompt, drafter="none", max_new_tokens=120, min_tokens=120)
+    monkeypatch.setattr(engine, "START_AFTER", 0)
+    monkeypatch.setattr(BOOK, "relative_prefill", lambda target, draft, tokens: 0.0)  # the draft starts
+    monkeypatch.setattr(BOOK, "step_seconds", lambda target: 1e-9)  # plain steps beat anything
+    monkeypatch.setattr(AdaptiveDraftLen, "opening", property(lambda self: True))
+    kept = verispec.generate(target, prompt, draft=draft, max_new_tokens=120, min_tokens=120)
+    assert kept.stats.drafter == "ModelDrafter" and kept.token_ids == plain.token_ids
+
+    opening = 5  # steps (choices of a draft length), then the judged ones
+    monkeypatch.setattr(AdaptiveDraftLen, "opening", property(lambda self: self.steps <= opening))
+    judged_at = []
+    real = engine.retreat_pays
+    monkeypatch.setattr(engine, "retreat_pays", lambda *args: judged_at.append(steps[0]) or real(*args))
+    steps = [0]
+    choose = AdaptiveDraftLen.choose
+    monkeypatch.setattr(AdaptiveDraftLen, "choose", lambda self, batch_size: steps.__setitem__(0, steps[0] + 1) or choose(self, batch_size))
+    lost = verispec.generate(target, prompt, draft=draft, max_new_tokens=120, min_tokens=120)
+    assert judged_at == [opening + RETREAT_STEPS]
+    assert lost.stats.drafter == "ModelDrafter, then NgramDrafter" and lost.token_ids == plain.token_ids
+
+
 def test_a_call_of_one_row_starts_its_draft_model_once_the_answer_runs_long(monkeypatch):
     """`auto` drafts by prompt lookup for the first few tokens of a one-row call (`policy.start_after`), so an answer
     that ends sooner never pays the draft's prefill; past them the draft model reads the prompt and drafts (and may still
