@@ -467,9 +467,11 @@ class AdaptiveDraftLen:
 
     @property
     def opening(self) -> bool:
-        """The first ~OPENING_STEPS drafting steps: they draft up to max_draft_len whatever they show, with the
-        acceptance and costs still at their priors, so they may deliver far less than the steps after them."""
-        return self.speculative.steps < OPENING_STEPS
+        """The first ~OPENING_STEPS drafting steps of a drafter that reports its confidence: they draft up to
+        max_draft_len whatever they show, with acceptance and costs still at their priors, so they may deliver far
+        less than the steps after them. A drafter without confidence has no opening: its draft lengths follow the
+        predicted rates from its second step on."""
+        return self.speculative.steps < OPENING_STEPS and self.calibration.seen
 
     def could_pay(self, batch_size: int) -> bool:
         """Whether drafting could beat a plain step at this batch size even with every drafted token accepted,

@@ -358,6 +358,26 @@ def test_a_started_draft_that_loses_to_plain_steps_gives_way_mid_call(monkeypatc
     assert verispec.generate(target, prompt, draft=draft, draft_len=3, max_new_tokens=80).stats.drafter == "ModelDrafter"
 
 
+def test_only_a_drafter_that_reports_confidence_has_an_opening():
+    """The opening (drafting whatever the first steps show) belongs to the confidence rule; without confidence the
+    lengths follow predicted rates at once, and a judgment waiting for an opening would wait for ever."""
+    from verispec.policy import OPENING_STEPS
+
+    def step(confidence: bool) -> StepRecord:
+        return StepRecord(1, 4, 5, torch.tensor([4]), torch.tensor([2]), draft_seconds=0.01, target_seconds=0.04,
+                          confidence=torch.full((1, 4), 0.9) if confidence else None)
+
+    blind, sure = AdaptiveDraftLen(), AdaptiveDraftLen()
+    assert not blind.opening and not sure.opening  # nothing drafted yet
+    for n in range(3 * OPENING_STEPS):
+        blind.observe(step(confidence=False))
+        sure.observe(step(confidence=True))
+        assert not blind.opening
+        if n + 1 < OPENING_STEPS:  # (a decayed count of drafting steps: a little past OPENING_STEPS steps)
+            assert sure.opening
+    assert not sure.opening
+
+
 def test_a_started_draft_is_judged_on_the_steps_after_the_policys_opening(monkeypatch):
     """The policy's opening steps draft whatever they show (`AdaptiveDraftLen.opening`): a price paid either way and
     no forecast of the steps after it, so the judgment counts `RETREAT_STEPS` steps from the opening's end, and a call
