@@ -396,14 +396,12 @@ def test_a_started_draft_is_judged_on_the_steps_after_the_policys_opening(monkey
     kept = verispec.generate(target, prompt, draft=draft, max_new_tokens=120, min_tokens=120)
     assert kept.stats.drafter == "ModelDrafter" and kept.token_ids == plain.token_ids
 
-    opening = 5  # steps (choices of a draft length), then the judged ones
-    monkeypatch.setattr(AdaptiveDraftLen, "opening", property(lambda self: self.steps <= opening))
+    opening = 5  # steps (the policy's count of draft lengths chosen), then the judged ones
+    asked: list[int] = []  # the policy's step count each time its opening is asked about; the judgment asks last
+    monkeypatch.setattr(AdaptiveDraftLen, "opening", property(lambda self: asked.append(self.steps) or self.steps <= opening))
     judged_at = []
     real = engine.retreat_pays
-    monkeypatch.setattr(engine, "retreat_pays", lambda *args: judged_at.append(steps[0]) or real(*args))
-    steps = [0]
-    choose = AdaptiveDraftLen.choose
-    monkeypatch.setattr(AdaptiveDraftLen, "choose", lambda self, batch_size: steps.__setitem__(0, steps[0] + 1) or choose(self, batch_size))
+    monkeypatch.setattr(engine, "retreat_pays", lambda *args: judged_at.append(asked[-1]) or real(*args))
     lost = verispec.generate(target, prompt, draft=draft, max_new_tokens=120, min_tokens=120)
     assert judged_at == [opening + RETREAT_STEPS]
     assert lost.stats.drafter == "ModelDrafter, then NgramDrafter" and lost.token_ids == plain.token_ids
