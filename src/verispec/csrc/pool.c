@@ -86,6 +86,8 @@ void parallel_for(range_fn fn, const void *job, int64_t total, int64_t grain, in
  * tiles: one wake of the pool, one rounding of x. */
 typedef struct { range_fn fn; const void *jobs[MAX_GROUP]; int64_t first[MAX_GROUP + 1]; int count; } group_job;
 
+#define MIN_CHUNK_WORK (1 << 18)  /* least multiply-adds a chunk of a grouped product carries (see run_group) */
+
 static void group_range(const void *arg, int64_t begin, int64_t end)
 {
     const group_job *group = arg;
@@ -104,7 +106,12 @@ void run_group(range_fn fn, const void *const *jobs, const int64_t *tiles, int c
         group.first[i + 1] = group.first[i] + tiles[i];
     }
     const int64_t total = group.first[count];
-    /* ~64 chunks per call balance threads; below ~64k multiply-adds one thread is quicker than waking another */
-    const int64_t grain = work < 65536 ? total : (total + 63) / 64;
+    /* ~64 chunks per call balance threads; below ~64k multiply-adds one thread is quicker than waking another.
+     * A chunk is claimed and counted done through atomics the threads pass between their cores, so it
+     * carries at least MIN_CHUNK_WORK multiply-adds: at one 16-column group a chunk, a one-row pass of a
+     * 0.5B draft's 896-wide matrices (8 KB of Q4_0 a chunk, under a microsecond of streaming) spent about
+     * a tenth of its time passing those atomics (bench/README, "chunks of the thread pool"). */
+    const int64_t chunks = (total + 63) / 64, least = work > 0 ? (MIN_CHUNK_WORK * total + work - 1) / work : total;
+    const int64_t grain = work < 65536 ? total : chunks > least ? chunks : least;
     if (total) parallel_for(group_range, &group, total, grain > 0 ? grain : 1, threads);
 }
