@@ -10,7 +10,7 @@ import pytest
 
 import verispec
 
-from verispec.bench import BUNDLED_PROMPTS, _paired_runs, add_bench_arguments, read_prompts, run_bench
+from verispec.bench import BUNDLED_PROMPTS, _paired_runs, add_bench_arguments, cpu_label, read_prompts, run_bench
 from verispec.cli import main
 from verispec.errors import VerispecError
 
@@ -156,3 +156,14 @@ def test_paired_runs_alternate_the_order_and_take_medians():
     assert base.name == "plain" and spec.name == "spec"
     assert 0.02 <= plain_s < 0.03 and 0.01 <= spec_s < 0.02  # the middle of three sleeps each
     assert prefill == 4  # the median of the plain runs' prefill times (calls 1, 4 and 5)
+
+
+def test_a_report_names_a_cpu_whose_model_name_hides_its_generation_by_family_and_model():
+    """A cloud VM reports "AMD EPYC" for Zen 3, 4 and 5 alike: the CPUID family and model tell them apart. A name
+    that carries its own model number is left as it is; only the first processor's block is read."""
+    epyc = "processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: 17\nmodel name\t: AMD EPYC\n\n" \
+           "processor\t: 1\ncpu family\t: 26\nmodel\t\t: 2\nmodel name\t: AMD EPYC\n"
+    assert cpu_label(epyc, "x86_64") == "AMD EPYC (family 25, model 17)"
+    xeon = "processor\t: 0\ncpu family\t: 6\nmodel\t\t: 207\nmodel name\t: INTEL(R) XEON(R) PLATINUM 8581C CPU @ 2.10GHz\n"
+    assert cpu_label(xeon, "x86_64") == "INTEL(R) XEON(R) PLATINUM 8581C CPU @ 2.10GHz"
+    assert cpu_label("", "aarch64") == "aarch64"
