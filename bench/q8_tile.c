@@ -1,8 +1,8 @@
 /* The q8 kernels' k-quant tiles timed alone, on weights that stay in cache or stream from memory: how close a
  * tile of R rows comes to the VNNI unit's rate (one 512-bit vpdpbusd a cycle per core on the AMD and Intel CPUs
- * of these runs), with nothing else of a pass around it. One thread, the AVX-512 build; random codes, sane scales.
+ * of these runs), with nothing else of a pass around it. The AVX-512 build; random codes, sane scales.
  *
- *   gcc -O3 -ffp-contract=off -DVS_Q8_512 -mavx512f -mavx512bw -mavx512vnni -mf16c \
+ *   gcc -O3 -pthread -ffp-contract=off -DVS_Q8_512 -mavx512f -mavx512bw -mavx512vnni -mf16c \
  *       -I src/verispec/csrc -o /tmp/q8_tile bench/q8_tile.c -lm
  *   /tmp/q8_tile N K M REPS KIND THREADS   (KIND 12 = Q4_K, 14 = Q6_K; e.g. 512 1536 8 300 12 1: 444 KB of Q4_K,
  *                                           in L2; 71680 1536 8 3 12 2: 62 MB, from memory, on two threads)
