@@ -16,6 +16,8 @@ from typing import Callable
 
 import torch
 
+from verispec.models.kernels.threads import torch_on_one_thread
+
 
 class CostBook:
     """What this process has measured of its models, kept across calls (a call's own policy starts afresh):
@@ -126,7 +128,16 @@ def measure_width_costs(model, widths: list[int], repeats: int = 5, context: int
 @torch.inference_mode()
 def measure_width_costs_interleaved(models: list, widths: list[int], repeats: int = 5, context: int = 200,
                                     clock: Callable[[], float] = time.perf_counter) -> list[dict[int, float]]:
-    """`measure_width_costs` for several models at once, interleaved pass by pass (fair ratios)."""
+    """`measure_width_costs` for several models at once, interleaved pass by pass (fair ratios).
+
+    Passes are timed as the engine runs them, inside `torch_on_one_thread`: outside it, the PyTorch ops between
+    passes (the cache's rollback) left OpenMP workers spinning on the kernels' cores, and a pass timed after them
+    took up to ~1.2x its time in a decode step (the q8 1.5B's width-1 step 45 ms against 37, AMD EPYC, 2 threads)."""
+    with torch_on_one_thread():
+        return _interleaved(models, widths, repeats, context, clock)
+
+
+def _interleaved(models: list, widths: list[int], repeats: int, context: int, clock: Callable[[], float]) -> list[dict[int, float]]:
     caches, tails = [], []
     for model in models:
         ids = context_tokens(model, context + max(widths))

@@ -167,3 +167,28 @@ def test_a_report_names_a_cpu_whose_model_name_hides_its_generation_by_family_an
     xeon = "processor\t: 0\ncpu family\t: 6\nmodel\t\t: 207\nmodel name\t: INTEL(R) XEON(R) PLATINUM 8581C CPU @ 2.10GHz\n"
     assert cpu_label(xeon, "x86_64") == "INTEL(R) XEON(R) PLATINUM 8581C CPU @ 2.10GHz"
     assert cpu_label("", "aarch64") == "aarch64"
+
+
+def test_step_profile_accounts_for_every_step_and_pass(tmp_path):
+    """bench/step_profile.py on smollm2-135m with a Q4_0 copy of itself: one target pass per step, the steps'
+    tokens cover the output, and the seconds split into drafting, verifying and the rest."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("step_profile", Path(__file__).parents[2] / "bench" / "step_profile.py")
+    step_profile = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(step_profile)
+    out = tmp_path / "profile"
+    assert step_profile.main(["humaneval", "--target", "smollm2-135m", "--numerics", "float32", "--method", "auto:smollm2-135m",
+                              "--per-category", "2", "--rows", "odd", "--max-new-tokens", "12", "--out", str(out)]) == 0
+    report = json.loads(out.with_suffix(".json").read_text())
+    totals, widths = report["totals"], report["by_verify_width"]
+    assert [r["id"] for r in report["rows"]] == ["HumanEval/2", "HumanEval/6"]
+    assert totals["tokens"] == sum(r["tokens"] for r in report["rows"]) <= 24
+    assert totals["steps"] == sum(w["steps"] for w in widths.values()) == sum(r["steps"] for r in report["rows"])
+    assert sum(w["tokens"] for w in widths.values()) >= totals["tokens"]  # a last step's tokens past the limit are cut
+    # every step verifies in one target pass of its width (the prompts' prefills are wider than any step)
+    assert {int(w): v["steps"] for w, v in widths.items()} == {int(w): v["passes"] for w, v in report["passes"]["target"].items()}
+    for r in report["rows"]:
+        assert r["seconds"] == pytest.approx(r["draft_seconds"] + r["verify_seconds"] + r["other_seconds"])
+        assert r["other_seconds"] >= r["prefill_seconds"] * 0.5
