@@ -64,19 +64,29 @@ static void attend(
         const int64_t *list = idx + (i / G) * S, n = seen[i / G];
         float *row = scores + i * S;
         float top = -INFINITY;
-        for (int64_t j = 0; j < n; j++) {
+        int64_t j = 0;
+        if (n && list[n - 1] == n - 1) {  /* no holes: the list is 0 .. n-1, nothing to compact; the max by vectors */
+            VEC peak = VSET1(-INFINITY);
+            for (; j + LANES <= n; j += LANES) peak = VMAX(VLOAD(row + j), peak);  /* NaN lanes keep peak, as below */
+            float lanes[LANES];
+            VSTORE(lanes, peak);
+            for (int l = 0; l < LANES; l++) if (lanes[l] > top) top = lanes[l];
+            for (; j < n; j++) if (row[j] > top) top = row[j];
+        }
+        for (; j < n; j++) {
             row[j] = row[list[j]];
             if (row[j] > top) top = row[j];
         }
         VEC sum = VZERO();
-        for (int64_t j = 0; j < n; j += LANES) {
+        for (j = 0; j < n; j += LANES) {
             const int64_t left = n - j < LANES ? n - j : LANES;
             const VEC e = VKEEPN(vexp(VSUB(VLOADN(row + j, left), VSET1(top))), left);
             VSTOREN(row + j, e, left);
             sum = VADD(sum, e);
         }
         const float inv = n ? 1.0f / VHSUM(sum) : 0.0f;
-        for (int64_t j = 0; j < n; j++) row[j] = row[j] * inv;
+        for (j = 0; j + LANES <= n; j += LANES) VSTORE(row + j, VMUL(VLOAD(row + j), VSET1(inv)));
+        for (; j < n; j++) row[j] = row[j] * inv;
     }
     /* 3. out_i = sum_j p_j v_idx[j] in j order; tiles of up to 4 query heads of one token (they
      *    share the slot list) x DV vectors of d, so each value vector loaded serves 4 queries */
