@@ -22,6 +22,7 @@ import statistics
 import sys
 import time
 from collections import defaultdict
+from contextlib import ExitStack
 from pathlib import Path
 
 import torch
@@ -29,7 +30,7 @@ import torch
 import verispec
 from verispec import race
 from verispec.api import Session, suffix_index
-from verispec.bench import _cpu_name, read_prompts
+from verispec.bench import _cpu_name
 from verispec.stats import SpecStats
 from verispec.text import encode_prompt
 
@@ -149,25 +150,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    prompts = read_prompts(args.prompts, sys.maxsize)
-    if args.rows != "all":
-        prompts = prompts[1::2] if args.rows == "odd" else prompts[0::2]
-    by_category: dict[str, list] = defaultdict(list)
-    for p in prompts:
-        by_category[p.category].append(p)
-    prompts = [p for group in by_category.values() for p in group[: args.per_category]]
+    prompts = race.race_prompts(args.prompts, args.rows, args.per_category)
     target = verispec.load(args.target, numerics=args.numerics)
     method = race.methods_of(target, [args.method])[-1]
     options = {"draft_len": args.draft_len, **method.options}
     draft = options.get("draft")
-    warm = encode_prompt(target.tokenizer, "def f(x):\n    return x + 1\n\n" * 8, chat=False)
-    profile_call(target, warm, options, 32)
+    profile_call(target, race.warm_prompt(target), options, 32)
 
     rows, steps = [], []
     timers = [PassTimer(target)] + ([PassTimer(draft)] if draft is not None and hasattr(draft, "forward") else [])
-    for timer in timers:
-        timer.__enter__()
-    try:
+    with ExitStack() as installed:
+        for timer in timers:
+            installed.enter_context(timer)
         for n, p in enumerate(prompts):
             ids = encode_prompt(target.tokenizer, p.text, chat=p.chat)
             row, call_steps = profile_call(target, ids, options, args.max_new_tokens)
@@ -176,9 +170,6 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[{n + 1}/{len(prompts)}] {p.category}: {row['tokens']} tokens in {row['seconds']:.2f} s, "
                   f"{row['steps']} steps (drafting {row['draft_seconds']:.2f} s, verifying {row['verify_seconds']:.2f} s, "
                   f"other {row['other_seconds']:.2f} s)", file=sys.stderr, flush=True)
-    finally:
-        for timer in timers:
-            timer.__exit__()
 
     tokens = sum(r["tokens"] for r in rows)
     decode = sum(r["draft_seconds"] + r["verify_seconds"] for r in rows)

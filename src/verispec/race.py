@@ -98,17 +98,28 @@ def run_method(target, ids: list[int], method: Method, max_new_tokens: int, draf
     return result, time.perf_counter() - started
 
 
+def race_prompts(source: str, rows: str, per_category: int) -> list:
+    """The prompts a race runs: those of `source` in file order, its odd or even rows (or all), the first
+    `per_category` of each category."""
+    prompts = read_prompts(source, sys.maxsize)
+    if rows != "all":
+        prompts = prompts[1::2] if rows == "odd" else prompts[0::2]
+    by_category: dict[str, list] = {}
+    for p in prompts:
+        by_category.setdefault(p.category, []).append(p)
+    return [p for group in by_category.values() for p in group[:per_category]]
+
+
+def warm_prompt(target) -> list[int]:
+    """A code prompt long enough for the prefill (big-pass) path, to run each method once before timing."""
+    return encode_prompt(target.tokenizer, "def f(x):\n    return x + 1\n\n" * 8, chat=False)
+
+
 def run_race(args) -> dict:
     """The race `verispec bench` runs when given --method (its arguments: `bench.add_bench_arguments`)."""
     threads = torch.get_num_threads()
     draft_len = args.draft_len
-    prompts = read_prompts(args.prompts, sys.maxsize)  # in file order
-    if args.rows != "all":
-        prompts = prompts[1::2] if args.rows == "odd" else prompts[0::2]
-    by_category: dict[str, list] = {}
-    for p in prompts:
-        by_category.setdefault(p.category, []).append(p)
-    prompts = [p for group in by_category.values() for p in group[: args.per_category]]
+    prompts = race_prompts(args.prompts, args.rows, args.per_category)
     target = verispec.load(args.target, numerics=args.numerics)
     methods = methods_of(target, args.method)
     peer = gguf = peer_draft = None
@@ -120,7 +131,7 @@ def run_race(args) -> dict:
         peer, gguf = LlamaCpp(args.peer_bin), zoo.gguf_path(args.target) if args.target in zoo.ZOO else Path(args.target)
         if args.peer_draft:
             peer_draft = Path(args.peer_draft) if args.peer_draft.endswith(".gguf") else zoo.gguf_path(args.peer_draft)
-    warm = encode_prompt(target.tokenizer, "def f(x):\n    return x + 1\n\n" * 8, chat=False)
+    warm = warm_prompt(target)
     for method in methods:
         run_method(target, warm, method, 32)
     print(f"[race] {len(prompts)} prompts, target {args.target} ({args.numerics}), methods "
