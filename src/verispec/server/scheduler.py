@@ -25,6 +25,8 @@ The scheduler knows nothing about HTTP or text, nor about how tokens are drafted
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import logging
 import queue
 import threading
@@ -51,6 +53,24 @@ PREFILL_TOKENS_PER_STEP = 512  # prompt tokens admitted between two steps while 
 # ... and at most about this many seconds of reading (at the rate each model has read prompts at): 512 tokens are
 # ~3.6 s of the q8 1.5B target on 2 CPU cores, ~4 ms on a GPU, and the stall is what a decoding stream feels.
 PREFILL_SECONDS_PER_STEP = 0.25
+
+
+
+def _malloc_trim() -> Callable[[], None] | None:
+    """glibc's malloc_trim(0), or None where the C library has none (musl, macOS, Windows)."""
+    name = ctypes.util.find_library("c")
+    trim = getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None
+    if trim is None:
+        return None
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return lambda: trim(0)
+
+
+# Hands the pages that freed allocations left inside the C heap back to the system. Requests free their keys,
+# values and logits as they finish, but glibc keeps the pages in per-thread arenas, so a server's RSS after a
+# burst stays at the burst's peak and wanders by ~100 MB from one idle moment to the next (which arena a
+# thread's allocations landed in). The worker calls it when it goes idle after work: it costs a few ms then.
+release_free_memory = _malloc_trim()
 
 # How a lane decodes: None = plain decoding, else its draft length (a DraftLen, or anything DraftLen.parse takes).
 DraftSetting = DraftLen | int | str | None
@@ -263,9 +283,14 @@ class Scheduler:
     # -- worker thread --
 
     def _run(self) -> None:
+        worked = False  # since the worker last went idle
         while True:
             try:
-                if not self._take_messages(block=not self.waiting and not self.lanes and not self.reading):
+                idle = not self.waiting and not self.lanes and not self.reading
+                if idle and worked and release_free_memory is not None:
+                    release_free_memory()
+                worked = not idle
+                if not self._take_messages(block=idle):
                     break
                 self._admit()
                 for lane in list(self.lanes):
