@@ -159,7 +159,7 @@ class PromptReader:
             _, tapped = self.model.forward(tokens, self.cache, last_only=True, taps=self.taps)
             self.hidden.append(tapped[0, max(0, self.tap_from - begin) :])
         else:
-            self.model.forward(tokens, self.cache, last_only=True)
+            self.model.extend(tokens, self.cache)
         self.read = end
 
 

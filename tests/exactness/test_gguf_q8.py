@@ -311,6 +311,29 @@ def test_prefill_of_any_length_is_the_chunks_of_small_passes(tmp_path):
     assert torch.equal(model.forward(prompt, model.new_cache(1), last_only=True), whole[:, -1:])
 
 
+def test_a_prompts_read_stores_the_keys_and_values_a_forward_pass_stores(tmp_path):
+    """`extend` (a prompt's read: the last layer stops at its keys and values, no LM head) leaves bitwise the cache
+    a forward pass leaves, over several chunks, for a batch, and for a head that scores its text's words (which
+    learns the prompt's as it reads them): the steps after it give the same logits."""
+    from verispec.api import load_draft
+
+    _, path = tiny_gguf(tmp_path, head_kind=None)
+    target = verispec.load(str(path), numerics="q8")
+    reading = load_draft(str(path), target, vocab=40)
+    length = kernels.Q8_MAX_ROWS + 37  # two chunks
+    prompts = torch.tensor([[(7 * i + 3) % VOCAB for i in range(length)], [(5 * i + 90) % VOCAB for i in range(length)]])
+    for model in (target, reading):
+        read, passed = model.new_cache(2), model.new_cache(2)
+        model.extend(prompts, read)
+        model.forward(prompts, passed, last_only=True)
+        assert read.slots.length == passed.slots.length == length
+        assert torch.equal(read.store.keys, passed.store.keys) and torch.equal(read.store.values, passed.store.values)
+        step = torch.tensor([[64, 70], [91, 2]])
+        assert torch.equal(model.forward(step, read), model.forward(step, passed))
+    with pytest.raises(ValueError, match="taps"):
+        target.forward(prompts, target.new_cache(2), last_only=True, taps=(1,), outputs=False)
+
+
 def test_a_prompts_taps_are_computed_for_the_kept_tail_only_with_the_same_numbers(tmp_path, monkeypatch):
     """Any split of a q8 prefill gives the same numbers, so a reader that keeps the last taps only runs the tokens
     before them untapped (a tapped pass is dearer): the same keys, values and taps as tapping every token."""

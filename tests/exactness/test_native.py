@@ -520,6 +520,24 @@ def test_fused_layers_equal_the_layer_loop(pair, fmt, monkeypatch):
         assert torch.equal(fused, loop)
 
 
+@pytest.mark.parametrize("fmt", ["f32-fused", "f32-loop", "int4", "torch"])
+def test_a_prompts_read_stores_the_keys_and_values_a_forward_pass_stores(pair, fmt, monkeypatch):
+    """`extend` stops the last layer once its keys and values are stored and runs no LM head: the cache it leaves
+    is bitwise a forward pass's, and so are the logits of the steps after it, on the fused C layers, the layer
+    loop, an int4 model and the PyTorch path."""
+    hf, _ = pair
+    model = NativeCausalLM.from_hf(hf, weight_dtype=torch.quint4x2 if fmt == "int4" else None)
+    model = on_path(model, "torch" if fmt == "torch" else "kernels", monkeypatch)
+    model.fused_layers = fmt != "f32-loop"
+    prompts = torch.tensor([SEQUENCE[:15], SEQUENCE[5:]])
+    read, passed = model.new_cache(2), model.new_cache(2)
+    model.extend(prompts, read)
+    model.forward(prompts, passed, last_only=True)
+    assert torch.equal(read.store.keys, passed.store.keys) and torch.equal(read.store.values, passed.store.values)
+    for step in (torch.tensor([[11, 12, 13], [21, 22, 23]]), torch.tensor([[30], [31]])):
+        assert torch.equal(model.forward(step, read), model.forward(step, passed))
+
+
 @needs_kernels
 def test_batch_mates_do_not_change_a_row(pair):
     _, model = pair

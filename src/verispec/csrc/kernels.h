@@ -57,6 +57,7 @@ typedef struct {
     const uint8_t *vis, *tree;
     int64_t vis_stride, start;
     float scale, eps;
+    int32_t keys_only_last;            /* 1: the last layer stops once its keys and values are stored (a prompt's read) */
 } vs_decoder;
 
 /* Prefill's blocked GEMM (blocked.c): y[i] = x w[i]^T (+ b[i]) for count matrices sharing x [M, K];

@@ -56,7 +56,8 @@ int slot_attention(const vs_attention *a, int isa, int threads)
  * and with the thread pool kept busy from one product to the next (see vs_decoder).
  * x [M = B * T, hidden]: the residual stream, updated in place; buffers (each [M, width], contiguous):
  * normed, delta, q, k, v, attended, gate, up. On return delta holds the last layer's MLP output, not yet
- * added to x (the final norm adds it). Layer l's keys are at kc + l * kc_stride ([B, KVH, cap/16, D, 16]),
+ * added to x (the final norm adds it); with keys_only_last, the last layer stops after storing its keys and
+ * values, and x and delta hold nothing anyone should read. Layer l's keys are at kc + l * kc_stride ([B, KVH, cap/16, D, 16]),
  * its values at vc + l * vc_stride ([B, KVH, cap, D]). Returns 0, or -1 if scratch memory ran out. */
 int decoder_layers(const vs_decoder *d, int isa, int threads)
 {
@@ -75,6 +76,7 @@ int decoder_layers(const vs_decoder *d, int isa, int threads)
         rope(q, M, H * D, H, D, d->positions, d->cos_table, d->sin_table);
         rope(k, M, KVH * D, KVH, D, d->positions, d->cos_table, d->sin_table);
         cache_write(k, v, keys, values, B, T, KVH, D, d->cap, d->start);
+        if (d->keys_only_last && l == d->count - 1) break;  /* nothing reads this layer's output */
         attention.kc = keys;
         attention.vc = values;
         if (slot_attention(&attention, isa, threads)) return -1;

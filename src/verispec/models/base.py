@@ -137,3 +137,10 @@ class CausalLM(Protocol):
         row sees before it.
         """
         ...
+
+    def extend(self, tokens: torch.Tensor, cache: ModelCache) -> None:
+        """Appends tokens [batch, T] (no padding) to `cache`, computing only what the cache keeps: a prompt's
+        read, whose outputs nobody reads (the prompt's last token opens the first decode step). The keys and
+        values are bitwise those `forward` stores. This default is a forward pass whose logits are dropped; a
+        backend may skip the work past the last layer's keys and values."""
+        self.forward(tokens, cache, last_only=True)

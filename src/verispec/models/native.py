@@ -666,9 +666,16 @@ class NativeCausalLM(CausalLM):
 
     supports_trees = True
 
+    def extend(self, tokens: torch.Tensor, cache: ModelCache) -> None:
+        """A prompt's read (`CausalLM.extend`): the last layer stops once its keys and values are stored, and no
+        final norm or LM head runs (a 1.5B's last layer past its keys and values is ~3% of its prefill, and
+        its 152k-row LM head ran once a chunk); the keys and values are the very ones `forward` stores."""
+        self.forward(tokens, cache, last_only=True, outputs=False)
+
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, cache: ModelCache, visible: torch.Tensor | None = None,
-                last_only: bool = False, tree: torch.Tensor | None = None, taps: tuple[int, ...] | None = None):
+                last_only: bool = False, tree: torch.Tensor | None = None, taps: tuple[int, ...] | None = None,
+                outputs: bool = True):
         """tokens [B, T] long, visible [B, T] bool (False = padding), tree [B, T, T] bool (a token tree, see
         `CausalLM.forward`) -> logits [B, T or 1, vocab] float32.
 
@@ -676,7 +683,11 @@ class NativeCausalLM(CausalLM):
         (the residual stream after layer i - 1; the embedding for 0; for i = layers, the final hidden state
         after the final norm, as the LM head reads it) for every position of the pass, even with last_only:
         (logits, hidden [B, T, len(taps) * hidden_size] float32, in `taps` order). The logits are bitwise
-        those of the same pass without taps."""
+        those of the same pass without taps.
+
+        outputs=False (`extend`): store the tokens' keys and values, return None."""
+        if not outputs and taps is not None:
+            raise ValueError("taps are outputs: a pass that computes none (outputs=False) has no taps to return")
         tokens = tokens.to(self.device)
         batch, width = tokens.shape
         if visible is None:
@@ -687,8 +698,10 @@ class NativeCausalLM(CausalLM):
                 and self._prefills_in_chunks(batch, width)):
             rows = self._pass_rows // batch
             chunks = [self.forward(tokens[:, begin : begin + rows], cache, visible[:, begin : begin + rows], last_only=last_only,
-                                   taps=taps)
+                                   taps=taps, outputs=outputs)
                       for begin in range(0, width, rows)]
+            if not outputs:
+                return None
             if taps is None:
                 return chunks[-1] if last_only else torch.cat(chunks, dim=1)
             logits = chunks[-1][0] if last_only else torch.cat([c[0] for c in chunks], dim=1)
@@ -709,12 +722,18 @@ class NativeCausalLM(CausalLM):
         layer_taps = tuple(i for i in taps if i < len(self.layers)) if taps is not None else None
         final_tap = taps is not None and len(self.layers) in taps  # every row's final hidden state, even with last_only
         if self._kernels and batch * width <= self._pass_rows:
-            hidden = self._small_pass(tokens, position_ids, cache.slots.visible, store, start, tree, layer_taps, tapped)
+            hidden = self._small_pass(tokens, position_ids, cache.slots.visible, store, start, tree, layer_taps, tapped,
+                                      outputs=outputs)
         else:
             with kernels.torch_threads():  # PyTorch's GEMMs, on every thread even inside a decode step
                 hidden = self._big_pass(tokens, position_ids, cache.slots.visible, store, start, tree, last_only,
                                         layer_taps, tapped, every_row=final_tap)
         store.length = start + width
+        if not outputs:
+            if self._outside is not None:  # a head that scores its text's words learns the prompt's as it reads them
+                self._read_tokens(store, batch).learn([row[seen] for row, seen in zip(tokens, visible)], self._outside,
+                                                      self._full_head, self._full_head_bias)
+            return None
         if final_tap:
             tapped.append(hidden)  # the LM head's input, the last of the taps in layer order
         if last_only:
@@ -730,16 +749,20 @@ class NativeCausalLM(CausalLM):
             full = logits.new_full((logits.shape[0], self.vocab_size), float("-inf"))
             logits = full.index_copy_(1, self.output_ids, logits.to(full.dtype))
             if self._outside is not None:  # ... but those the text has held
-                if store.read is None:
-                    store.read = ReadTokens(self.hidden_size, self.lm_head_bias is not None, self.device, batch)
-                store.read.learn([row[seen] for row, seen in zip(tokens, visible)], self._outside,
-                                 self._full_head, self._full_head_bias)
-                store.read.score(rows, logits)
+                read = self._read_tokens(store, batch)
+                read.learn([row[seen] for row, seen in zip(tokens, visible)], self._outside, self._full_head, self._full_head_bias)
+                read.score(rows, logits)
         logits = logits.view(batch, -1, self.vocab_size).float()
         if taps is None:
             return logits
         by_layer = dict(zip(sorted(set(taps)), tapped))
         return logits, torch.cat([by_layer[i].float() for i in taps], -1)
+
+    def _read_tokens(self, store: NativeStore, batch: int) -> ReadTokens:
+        """The tokens the cache's text has held, for a head that scores them (`with_output_ids(..., reads=True)`)."""
+        if store.read is None:
+            store.read = ReadTokens(self.hidden_size, self.lm_head_bias is not None, self.device, batch)
+        return store.read
 
     @property
     def _pass_rows(self) -> int:
@@ -850,9 +873,11 @@ class NativeCausalLM(CausalLM):
         return self._stack
 
     def _small_pass(self, tokens, position_ids, visible, store: NativeStore, start: int, tree=None,
-                    taps: tuple[int, ...] | None = None, tapped: list | None = None) -> torch.Tensor:
+                    taps: tuple[int, ...] | None = None, tapped: list | None = None,
+                    outputs: bool = True) -> torch.Tensor | None:
         """Hidden states [B, T, hidden] after the final norm, every op a row-exact kernel. With `taps`, the
-        inputs of those layers are appended to `tapped` ([B, T, hidden] each, in increasing layer order)."""
+        inputs of those layers are appended to `tapped` ([B, T, hidden] each, in increasing layer order).
+        outputs=False: the last layer stops once its keys and values are stored; returns None."""
         batch, width = tokens.shape
         rows = batch * width
         buf = self._buffers_for(rows)
@@ -870,7 +895,10 @@ class NativeCausalLM(CausalLM):
                 if begin in tap_set:
                     tapped.append(x.clone().view(batch, width, self.hidden_size))
                 part(x, buf, batch, width, self.num_heads, self.num_kv_heads, self.head_dim, positions, self._cos,
-                     self._sin, store.keys[begin:end], store.values[begin:end], visible, start, self.scale, self.eps, tree)
+                     self._sin, store.keys[begin:end], store.values[begin:end], visible, start, self.scale, self.eps, tree,
+                     keys_only_last=not outputs and end == len(self.layers))
+            if not outputs:
+                return None
             out = torch.empty(rows, self.hidden_size)
             kernels.rms_norm(x, self.final_norm, self.eps, out, buf["delta"])
             return out.view(batch, width, self.hidden_size)
@@ -885,6 +913,8 @@ class NativeCausalLM(CausalLM):
             kernels.rope_(buf["k"], self.num_kv_heads, positions, self._cos, self._sin)
             shape = (batch, width, self.num_kv_heads, self.head_dim)
             kernels.cache_write(buf["k"].view(shape), buf["v"].view(shape), store.keys[index], store.values[index], start)
+            if not outputs and index == len(self.layers) - 1:
+                return None  # nothing reads the last layer's output
             kernels.slot_attention(buf["q"].view(batch, width, self.num_heads, self.head_dim), store.keys[index],
                                    store.values[index], visible, start, self.scale,
                                    out=buf["attended"].view(batch, width, self.num_heads, self.head_dim), tree=tree)

@@ -73,7 +73,8 @@ class Decoder(ctypes.Structure):
                 ("kc", ctypes.c_void_p), ("vc", ctypes.c_void_p),
                 ("kc_stride", ctypes.c_int64), ("vc_stride", ctypes.c_int64), ("cap", ctypes.c_int64),
                 ("vis", ctypes.c_void_p), ("tree", ctypes.c_void_p), ("vis_stride", ctypes.c_int64),
-                ("start", ctypes.c_int64), ("scale", ctypes.c_float), ("eps", ctypes.c_float)]
+                ("start", ctypes.c_int64), ("scale", ctypes.c_float), ("eps", ctypes.c_float),
+                ("keys_only_last", ctypes.c_int32)]
 
 
 class Blocked(ctypes.Structure):

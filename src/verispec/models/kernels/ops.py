@@ -194,12 +194,14 @@ class LayerStack:
     def __call__(self, x: torch.Tensor, buffers: dict[str, torch.Tensor], batch: int, width: int, heads: int,
                  kv_heads: int, head_dim: int, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor, start: int, scale: float, eps: float,
-                 tree: torch.Tensor | None = None) -> None:
+                 tree: torch.Tensor | None = None, keys_only_last: bool = False) -> None:
         """Run every layer on x [batch * width, hidden] (updated in place) with `buffers` (NativeCausalLM's
         names, abi.BUFFERS, each [batch * width, ...] contiguous float32); keys [layers, batch, kv_heads,
         capacity/16, head_dim, 16] and values [layers, batch, kv_heads, capacity, head_dim] of the store
         (each layer's block contiguous); positions long [batch * width]; visible, tree as `slot_attention`
-        takes them. Afterwards buffers["delta"] holds the last layer's MLP output, not yet added to x."""
+        takes them. Afterwards buffers["delta"] holds the last layer's MLP output, not yet added to x
+        (keys_only_last: the last layer stops once its keys and values are stored; x and delta then hold
+        nothing to read)."""
         found = check(x, keys[0], values[0])
         if found.int4_format != self._int4_format:
             for product in self._int4:
@@ -216,6 +218,7 @@ class LayerStack:
         d.kc, d.kc_stride, d.vc, d.vc_stride = keys.data_ptr(), keys.stride(0), values.data_ptr(), values.stride(0)
         d.cap, d.vis, d.vis_stride = values.shape[3], visible.data_ptr(), visible.stride(0)
         d.tree, d.start, d.scale, d.eps = None if tree is None else tree.data_ptr(), start, scale, eps
+        d.keys_only_last = keys_only_last
         if found.lib.decoder_layers(d, found.isa, threads()):
             raise MemoryError("decoder_layers: out of memory for a scratch buffer")
 
