@@ -57,8 +57,9 @@ int slot_attention(const vs_attention *a, int isa, int threads)
  * x [M = B * T, hidden]: the residual stream, updated in place; buffers (each [M, width], contiguous):
  * normed, delta, q, k, v, attended, gate, up. On return delta holds the last layer's MLP output, not yet
  * added to x (the final norm adds it); with keys_only_last, the last layer stops after storing its keys and
- * values, and x and delta hold nothing anyone should read. Layer l's keys are at kc + l * kc_stride ([B, KVH, cap/16, D, 16]),
- * its values at vc + l * vc_stride ([B, KVH, cap, D]). Returns 0, or -1 if scratch memory ran out. */
+ * values, and x and delta hold nothing anyone should read. Layer l's keys are at kc + l * kc_stride
+ * ([B, KVH, cap/16, D, 16]), its values at vc + l * vc_stride ([B, KVH, cap, D]). Returns 0, or -1 if scratch
+ * memory ran out. */
 int decoder_layers(const vs_decoder *d, int isa, int threads)
 {
     const int64_t B = d->B, T = d->T, M = B * T, H = d->H, KVH = d->KVH, D = d->D;

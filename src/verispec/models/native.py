@@ -731,8 +731,7 @@ class NativeCausalLM(CausalLM):
         store.length = start + width
         if not outputs:
             if self._outside is not None:  # a head that scores its text's words learns the prompt's as it reads them
-                self._read_tokens(store, batch).learn([row[seen] for row, seen in zip(tokens, visible)], self._outside,
-                                                      self._full_head, self._full_head_bias)
+                self._learn_read_tokens(store, tokens, visible)
             return None
         if final_tap:
             tapped.append(hidden)  # the LM head's input, the last of the taps in layer order
@@ -749,19 +748,19 @@ class NativeCausalLM(CausalLM):
             full = logits.new_full((logits.shape[0], self.vocab_size), float("-inf"))
             logits = full.index_copy_(1, self.output_ids, logits.to(full.dtype))
             if self._outside is not None:  # ... but those the text has held
-                read = self._read_tokens(store, batch)
-                read.learn([row[seen] for row, seen in zip(tokens, visible)], self._outside, self._full_head, self._full_head_bias)
-                read.score(rows, logits)
+                self._learn_read_tokens(store, tokens, visible).score(rows, logits)
         logits = logits.view(batch, -1, self.vocab_size).float()
         if taps is None:
             return logits
         by_layer = dict(zip(sorted(set(taps)), tapped))
         return logits, torch.cat([by_layer[i].float() for i in taps], -1)
 
-    def _read_tokens(self, store: NativeStore, batch: int) -> ReadTokens:
-        """The tokens the cache's text has held, for a head that scores them (`with_output_ids(..., reads=True)`)."""
+    def _learn_read_tokens(self, store: NativeStore, tokens: torch.Tensor, visible: torch.Tensor) -> ReadTokens:
+        """The tokens the cache's text has held, with this pass's visible tokens [B, T] added, for a head that
+        scores them (`with_output_ids(..., reads=True)`)."""
         if store.read is None:
-            store.read = ReadTokens(self.hidden_size, self.lm_head_bias is not None, self.device, batch)
+            store.read = ReadTokens(self.hidden_size, self.lm_head_bias is not None, self.device, tokens.shape[0])
+        store.read.learn([row[seen] for row, seen in zip(tokens, visible)], self._outside, self._full_head, self._full_head_bias)
         return store.read
 
     @property

@@ -55,7 +55,6 @@ PREFILL_TOKENS_PER_STEP = 512  # prompt tokens admitted between two steps while 
 PREFILL_SECONDS_PER_STEP = 0.25
 
 
-
 def _malloc_trim() -> Callable[[], None] | None:
     """glibc's malloc_trim(0), or None where the C library has none (musl, macOS, Windows)."""
     name = ctypes.util.find_library("c")
