@@ -40,7 +40,7 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", default=zoo.DEFAULT_DRAFT, help="draft model; 'none' for n-gram only")
     p.add_argument("--drafter", default="auto", choices=DRAFTER_NAMES, help="auto (model with a draft; with --draft none, self where the target allows (not a q8 target), else ngram) | model | self (the target's int4 copy on its cache; use with --draft none) | hybrid | staged (the draft, or with --draft none the int4 copy, sped up by suffix proposals) | ngram | suffix")
     p.add_argument("--draft-len", type=flag(DraftLen.parse), default=DraftLen("auto"), help="int, 'auto' (adaptive) or 'tree' (auto plus token-tree alternates)")
-    p.add_argument("--draft-dtype", default="int4", help="matrix dtype of a native-backend draft: fp32, bf16 (half the bytes), int8 (weight-only, a quarter), int4 (grouped, ~1/7) or q4_0 (ggml's blocks, ~1/7, llama.cpp's numerics: the fastest) (default: %(default)s)")
+    p.add_argument("--draft-dtype", default="int4", help="matrix dtype of a native-backend draft: fp32, bf16 (half the bytes), int8 (weight-only, a quarter), int4 (grouped, ~1/7), q4_0 (ggml's blocks, ~1/7, llama.cpp's numerics) or q3_0 (the same, the MLP's gate and up in 3 bits: the fastest) (default: %(default)s)")
     p.add_argument("--gguf-blocks", action="store_true",
                    help="the target keeps its GGUF's Q4_K/Q6_K blocks, rebuilt exactly, instead of float32 matrices (same output)")
     p.add_argument("--numerics", choices=("float32", "q8"), default="float32",

@@ -38,7 +38,7 @@ def _add_generation_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-len", type=flag(DraftLen.parse), default=DraftLen("auto"),
                    help="draft tokens per step, 'auto' (the default: adaptive), or 'tree' (auto plus token-tree alternates)")
     p.add_argument("--draft-dtype", default=None, choices=WEIGHT_DTYPES,
-                   help="the draft's matrices on the native backend (cheaper drafts; output unchanged; default: q4_0 with "
+                   help="the draft's matrices on the native backend (cheaper drafts; output unchanged; default: q3_0 with "
                         "--numerics q8, else fp32)")
     p.add_argument("--draft-vocab", type=flag(options.draft_vocab), default="auto",
                    help="token ids the draft model's LM head scores: auto (the first 32768, the special tokens and the "

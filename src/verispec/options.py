@@ -24,7 +24,7 @@ DRAFTER_NAMES = ("auto", "model", "cross_tokenizer", "self", "hybrid", "staged",
                  "mtp", "head+suffix", "none")
 
 # A draft model's matrices on the native backend (`verispec.load(weight_dtype=...)`).
-WEIGHT_DTYPES = ("fp32", "bf16", "int8", "int4", "q4_0")
+WEIGHT_DTYPES = ("fp32", "bf16", "int8", "int4", "q4_0", "q3_0")
 
 
 @dataclass(frozen=True)

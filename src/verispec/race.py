@@ -61,9 +61,10 @@ def methods_of(target, specs: list[str]) -> list[Method]:
             name, _, rest = rest.partition(":")
             dtype, _, vocab = rest.partition(":")
             vocab = options.draft_vocab(int(vocab) if vocab.isdigit() else vocab or "auto")
-            draft = verispec.api.load_draft(name, target, dtype or "q4_0", vocab=vocab)  # its head as `load_draft` sizes it
+            dtype = dtype or verispec.api.Q8_DRAFT_WEIGHTS  # whatever the target's numerics: a race times cheap drafts
+            draft = verispec.api.load_draft(name, target, dtype, vocab=vocab)  # its head as `load_draft` sizes it
             head = f" head {len(draft.output_ids)}+read" if draft.output_ids is not None else ""
-            out.append(Method(f"{kind} {Path(name).name} {dtype or 'q4_0'}{head}", dict(draft=draft, drafter=kind)))
+            out.append(Method(f"{kind} {Path(name).name} {dtype}{head}", dict(draft=draft, drafter=kind)))
         elif kind in ("eagle3", "eagle3-tree", "mtp", "mtp-tree"):
             directory, _, weights = rest.partition(":")
             head = verispec.load_head(directory, target)

@@ -408,16 +408,20 @@ def test_auto_with_a_q4_0_draft_model_drafts_staged_on_a_q8_target(tmp_path, mon
     assert auto.token_ids == verispec.generate(target, prompt, drafter="none", max_new_tokens=40).token_ids
 
 
-def test_a_draft_named_beside_a_q8_target_loads_in_q4_0_blocks(tmp_path, monkeypatch):
-    """A draft given by name or path takes the target's kind of numbers unless told otherwise: Q4_0 blocks beside a
-    q8 target (so "auto" drafts staged, as with a draft loaded that way), float32 beside a float32 one; an explicit
-    weight_dtype wins, and one given for an already loaded draft is refused rather than ignored."""
+def test_a_draft_named_beside_a_q8_target_loads_in_ggml_style_blocks(tmp_path, monkeypatch):
+    """A draft given by name or path takes the target's kind of numbers unless told otherwise: Q4_0 blocks (3-bit
+    ones for the MLP's gate and up) beside a q8 target (so "auto" drafts staged, as with a draft loaded that way),
+    float32 beside a float32 one; an explicit weight_dtype wins, and one given for an already loaded draft is
+    refused rather than ignored."""
     from verispec.api import load_draft, resolve_drafter
+    from verispec.models.kernels.matrices import Q3_0
 
     _, path = tiny_gguf(tmp_path, head_kind=None)
     target = verispec.load(str(path), numerics="q8")
     draft = load_draft(str(path), target)
-    assert draft.numerics == "q8" and draft is verispec.load(str(path), weight_dtype="q4_0")
+    assert draft.numerics == "q8" and draft is verispec.load(str(path), weight_dtype="q3_0")
+    assert draft.layers[0].gate.kind == Q3_0 and draft.layers[0].down.kind == 2
+    assert load_draft(str(path), target, "q4_0") is verispec.load(str(path), weight_dtype="q4_0")
     assert resolve_drafter(target, draft, "auto") == "staged"
     assert load_draft(str(path), target, "int4").numerics == "float32"
     assert load_draft(str(path), verispec.load(str(path))).numerics == "float32"

@@ -1,6 +1,6 @@
 """llama.cpp's numerics on a GGUF file's 32-weight blocks (`numerics="q8"` with Q4_0, Q4_1, Q5_0, Q5_1, Q8_0
-matrices): activations rounded per 32 as llama.cpp's x86 quantize_row_q8_0 / _q8_1, integer dot products
-against the blocks. The references are plain numpy transcriptions of ggml's formulas (block layouts,
+matrices, and verispec's own 3-bit Q3_0 draft blocks): activations rounded per 32 as llama.cpp's x86
+quantize_row_q8_0 / _q8_1, integer dot products against the blocks. The references are plain numpy transcriptions of ggml's formulas (block layouts,
 quantize_row_q8_1, vec_dot_*_q8_*), the float part in the kernel's documented order (csrc/quant32_q8.c), so
 the kernels must match them bit for bit on either ISA."""
 
@@ -17,14 +17,15 @@ from gguf.quants import dequantize
 import verispec
 from verispec.models import kernels
 from verispec.models.kernels import config as kernel_config
+from verispec.models.kernels.matrices import Q3_0
 
 from conftest import EOS, VOCAB
 from test_gguf_q8 import assert_rows_independent
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="kernels unavailable here")
 
-BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34}
-KIND = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8}
+BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34, "Q3_0": 14}
+KIND = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q3_0": Q3_0}
 TYPES = list(BYTES)
 ISAS = [512, 256] if kernels.isa() == 512 else [256]
 f32 = np.float32
@@ -75,6 +76,11 @@ def weights(kind: str, blocks: np.ndarray):
     at = 4 if with_min(kind) else 2
     if kind == "Q8_0":
         return d, m, blocks[:, 2:].copy().view(np.int8).astype(np.int64)
+    if kind == "Q3_0":  # weight j: bits 2 (j % 4) of byte 2 + j / 4, bit j % 8 of byte 10 + j / 8 as 4; less 4
+        j = np.arange(32)
+        low = (blocks[:, 2 + j // 4].astype(np.int64) >> (2 * (j % 4))) & 3
+        high = (blocks[:, 10 + j // 8].astype(np.int64) >> (j % 8)) & 1
+        return d, m, (low | high << 2) - 4
     five = kind in ("Q5_0", "Q5_1")
     qs = blocks[:, at + (4 if five else 0):].astype(np.int64)
     codes = np.concatenate((qs & 15, qs >> 4), axis=1)
@@ -82,6 +88,15 @@ def weights(kind: str, blocks: np.ndarray):
         qh = blocks[:, at:at + 4].copy().view(np.uint32)[:, 0].astype(np.int64)
         codes |= ((qh[:, None] >> np.arange(32)) & 1) << 4
     return d, m, codes - {"Q4_0": 8, "Q5_0": 16}.get(kind, 0)
+
+
+def dense(kind: str, raw: np.ndarray) -> np.ndarray:
+    """The float32 weights of blocks raw [N, bytes]: gguf-py's dequantize for ggml's types, (code - 4) * d for
+    verispec's Q3_0 (no ggml type)."""
+    if kind != "Q3_0":
+        return dequantize(raw, getattr(GGMLQuantizationType, kind)).astype(f32)
+    d, _, w = weights(kind, raw.reshape(-1, BYTES[kind]))
+    return (w.astype(f32) * d[:, None]).astype(f32).reshape(raw.shape[0], -1)
 
 
 def dot_reference(kind: str, raw: np.ndarray, x: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
@@ -133,8 +148,8 @@ def test_products_are_ggml_formulas_bit_for_bit(kind, n, k, isa):
     assert np.array_equal(got.numpy().view(np.int32), want.view(np.int32))
     # and, on the plain random rows, close to the float product of the dequantized weights: only the activations'
     # rounding differs
-    dense = x[5:].astype(np.float64) @ dequantize(raw, getattr(GGMLQuantizationType, kind)).astype(np.float64).T + bias
-    assert np.abs(got.numpy()[5:] - dense).max() < 0.02 * np.abs(dense).max()
+    product = x[5:].astype(np.float64) @ dense(kind, raw).astype(np.float64).T + bias
+    assert np.abs(got.numpy()[5:] - product).max() < 0.02 * np.abs(product).max()
 
 
 @pytest.mark.parametrize("kind", TYPES)
@@ -173,7 +188,7 @@ def test_embedding_rows_are_ggml_dequantize_bit_for_bit(kind):
     matrix = kernels.GGUFMatrix(torch.from_numpy(raw), KIND[kind])
     ids = torch.tensor([[3, 0, 8], [4, 4, 1]])
     got = matrix.rows(ids)
-    want = dequantize(raw[ids.reshape(-1).numpy()], getattr(GGMLQuantizationType, kind)).reshape(2, 3, 96)
+    want = dense(kind, raw[ids.reshape(-1).numpy()]).reshape(2, 3, 96)
     assert np.array_equal(got.numpy().view(np.int32), want.astype(f32).view(np.int32))
     with pytest.raises(IndexError):
         matrix.rows(torch.tensor([9]))
@@ -200,6 +215,34 @@ def test_quantize_writes_the_bytes_gguf_py_writes(kind):
     assert float((dense - w).abs().max()) <= float(w.abs().max()) * step * 1.01
     with pytest.raises(ValueError, match="32"):
         kernels.GGUFMatrix.quantize(torch.randn(2, 48), KIND[kind])
+
+
+def test_3_bit_draft_blocks_take_the_nearest_codes_under_the_scale_that_errs_least():
+    """`GGUFMatrix.quantize(w, Q3_0)`: each weight gets the nearest of the 8 codes under its block's scale, and the
+    scale (a half float) leaves no more squared error than ggml's peak / -4 would in any block, and less over
+    Gaussian weights (the search must find better scales); an all-zero block stays zero."""
+    torch.manual_seed(3)
+    w = torch.randn(6, 96) * 0.03
+    w[0, :32] = 0                       # all zero: d = 0
+    w[1, 40] = 0.5                      # a lone outlier
+    w[2, 64:96] = torch.linspace(-1, 1, 32)
+    ours = kernels.GGUFMatrix.quantize(w, Q3_0)
+    assert ours.blocks.shape == (6, 3 * 14) and tuple(ours.shape) == (6, 96)
+    d, _, codes = weights("Q3_0", ours.blocks.numpy().reshape(-1, 14))
+    x = w.reshape(-1, 32).numpy()
+    inverse = np.where(d != 0, f32(1) / np.where(d != 0, d, f32(1)), f32(0)).astype(f32)
+    assert np.array_equal(codes, np.clip(np.rint((x * inverse[:, None]).astype(f32)), -4, 3))
+    err = (((codes * d[:, None]).astype(f32) - x) ** 2).sum(1)
+    peak = np.take_along_axis(x, np.abs(x).argmax(1)[:, None], 1)[:, 0]
+    d0 = (peak / f32(-4)).astype(np.float16).astype(f32)
+    inverse0 = np.where(d0 != 0, f32(1) / np.where(d0 != 0, d0, f32(1)), f32(0)).astype(f32)
+    err0 = (((np.clip(np.rint(x * inverse0[:, None]), -4, 3) * d0[:, None]).astype(f32) - x) ** 2).sum(1)
+    assert np.all(err <= err0 * (1 + 1e-6))
+    assert err[6:].sum() < 0.95 * err0[6:].sum()  # rows 2.. are Gaussian but for one block
+    assert d[0] == 0 and not ours.dequantize()[0, :32].any()
+    assert np.array_equal(ours.dequantize().numpy(), dense("Q3_0", ours.blocks.numpy()))
+    with pytest.raises(ValueError, match="32"):
+        kernels.GGUFMatrix.quantize(torch.randn(2, 48), Q3_0)
 
 
 # ---- a whole model from a GGUF file of 32-weight blocks -----------------------------------------------

@@ -328,20 +328,24 @@ def test_int4_draft_prefills_in_small_passes(pair, batch, monkeypatch):
         assert torch.equal(draft.forward(torch.tensor([[5]]), alone)[0, -1], step[b])
 
 
-@pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.int8, torch.quint4x2, "q4_0"])
+@pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.int8, torch.quint4x2, "q4_0", "q3_0"])
 @pytest.mark.parametrize("vocab", [None, 48, "48+read"])
 def test_cheap_native_drafts_keep_the_targets_output(pair, native, weight_dtype, vocab):
-    """int8 / bf16 / int4 matrices, ggml's Q4_0 blocks and a restricted head make cheaper drafts: the target's
-    greedy tokens do not move, and a restricted draft scores (so proposes) only its own tokens."""
+    """int8 / bf16 / int4 matrices, ggml's Q4_0 blocks (with 3-bit gate and up blocks for "q3_0") and a
+    restricted head make cheaper drafts: the target's greedy tokens do not move, and a restricted draft scores
+    (so proposes) only its own tokens."""
     from verispec.models.draft_variants import restrict_vocabulary
+    from verispec.models.kernels.matrices import Q3_0
 
     hf, _ = pair
-    if weight_dtype == "q4_0" and not kernels.available():
-        pytest.skip("Q4_0 blocks run on verispec's q8 kernels, unavailable here")
+    if weight_dtype in ("q4_0", "q3_0") and not kernels.available():
+        pytest.skip("Q4_0 and Q3_0 blocks run on verispec's q8 kernels, unavailable here")
     draft = NativeCausalLM.from_hf(hf, weight_dtype=weight_dtype)
-    if weight_dtype == "q4_0":  # llama.cpp's numerics on blocks rounded from the float weights
-        assert draft.numerics == "q8" and draft._kernels and draft.name.endswith("-q4_0")
+    if weight_dtype in ("q4_0", "q3_0"):  # llama.cpp's numerics on blocks rounded from the float weights
+        assert draft.numerics == "q8" and draft._kernels and draft.name.endswith(f"-{weight_dtype}")
         assert all(getattr(layer, f).kind == 2 for layer in draft.layers for f in ("q", "down")) and draft.lm_head.kind == 2
+        three = Q3_0 if weight_dtype == "q3_0" else 2
+        assert all(getattr(layer, f).kind == three for layer in draft.layers for f in ("gate", "up"))
     if vocab:
         draft = restrict_vocabulary(draft, 48, reads=vocab == "48+read")
         cache = draft.new_cache(1)

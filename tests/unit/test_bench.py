@@ -109,11 +109,11 @@ def test_bench_races_drafters_side_by_side(tmp_path, capsys):
     data = json.loads((tmp_path / "race.json").read_text())
     assert [r["id"] for r in data["rows"]] == ["HumanEval/2", "HumanEval/6"]  # the odd rows of the bundled set
     table = data["summary"]["table"]["all"]
-    assert set(table) == {"plain", "suffix", "ngram", "auto smollm2-135m q4_0"}
+    assert set(table) == {"plain", "suffix", "ngram", "auto smollm2-135m q3_0"}
     assert table["suffix"]["identical"] == "2/2" and table["ngram"]["identical"] == "2/2"
-    assert table["auto smollm2-135m q4_0"]["identical"] == "2/2"
+    assert table["auto smollm2-135m q3_0"]["identical"] == "2/2"
     # each row names the drafter that ran: auto's is the draft model's (or prompt lookup's, where its start would not pay)
-    assert {r["methods"]["auto smollm2-135m q4_0"]["drafter"] for r in data["rows"]} <= {
+    assert {r["methods"]["auto smollm2-135m q3_0"]["drafter"] for r in data["rows"]} <= {
         "ModelDrafter", "NgramDrafter", "ModelDrafter, then NgramDrafter"}
     assert {r["methods"]["suffix"]["drafter"] for r in data["rows"]} == {"SuffixDrafter"}
     assert table["plain"]["vs_plain"] == 1.0 and table["suffix"]["tokens_per_pass"] >= 1.0
@@ -132,7 +132,7 @@ def test_race_methods_name_the_drafts_head():
     names = [m.name for m in methods_of(target, ["model:smollm2-135m:q4_0:4096", "staged:smollm2-135m:q4_0:all",
                                                  "auto:smollm2-135m"])]
     assert names[0] == "plain" and names[1].startswith("model smollm2-135m q4_0 head 40") and names[1].endswith("+read")
-    assert names[2:] == ["staged smollm2-135m q4_0", "auto smollm2-135m q4_0"]  # whole heads: all, and auto beside float32
+    assert names[2:] == ["staged smollm2-135m q4_0", "auto smollm2-135m q3_0"]  # whole heads: all, and auto beside float32
     with pytest.raises(VerispecError, match="draft_vocab"):
         methods_of(target, ["model:smollm2-135m:q4_0:lots"])
 

@@ -67,6 +67,7 @@ def _narrow_llama(hidden: int, intermediate: int):
 @pytest.mark.parametrize("weight_dtype, hidden, intermediate, message", [
     ("int4", 32, 64, "divisible by 64.*int8"),  # int4 groups of 64
     ("q4_0", 48, 80, "blocks of 32"),           # ggml's blocks of 32
+    ("q3_0", 64, 80, "blocks of 32"),           # the 3-bit gate and up blocks too (their rows are `hidden` wide)
 ])
 def test_rounded_draft_needs_widths_in_whole_groups(weight_dtype, hidden, intermediate, message):
     with pytest.raises(VerispecError, match=message):

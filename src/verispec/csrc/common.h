@@ -43,16 +43,19 @@
 #define GGML_Q5_0 6
 #define GGML_Q5_1 7
 #define GGML_Q8_0 8
+#define VS_Q3_0 99     /* verispec's own 32-weight type, no ggml one: a half-float scale and 3-bit codes (draft matrices) */
+#define Q3_0_BYTES 14  /* its block: d (f16), 8 bytes of low code bit pairs, 4 bytes of high bits (kquant_rows.c) */
 
 /* Whether a ggml type is one of the 32-weight block types, and the bytes of one of its blocks (a repacked
  * group of Q8G columns is Q8G times as many: quant32_q8_pack.c) */
 static inline int ggml_is_q32(int kind)
 {
-    return kind == GGML_Q4_0 || kind == GGML_Q4_1 || kind == GGML_Q5_0 || kind == GGML_Q5_1 || kind == GGML_Q8_0;
+    return kind == GGML_Q4_0 || kind == GGML_Q4_1 || kind == GGML_Q5_0 || kind == GGML_Q5_1 || kind == GGML_Q8_0 || kind == VS_Q3_0;
 }
 static inline int64_t q32_block_bytes(int kind)
 {
-    return kind == GGML_Q4_0 ? 18 : kind == GGML_Q4_1 ? 20 : kind == GGML_Q5_0 ? 22 : kind == GGML_Q5_1 ? 24 : 34;
+    return kind == GGML_Q4_0 ? 18 : kind == GGML_Q4_1 ? 20 : kind == GGML_Q5_0 ? 22 : kind == GGML_Q5_1 ? 24
+         : kind == VS_Q3_0 ? Q3_0_BYTES : 34;
 }
 
 /* Bytes of one repacked block group of a ggml k-quant type (GGML_Q4_K, GGML_Q5_K, GGML_Q6_K). */

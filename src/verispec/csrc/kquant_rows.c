@@ -82,6 +82,13 @@ static void block_q6k(const uint8_t *b, float *y)
 static void block_q32(const uint8_t *b, int kind, float *y)
 {
     const float d = half_to_float(b);
+    if (kind == VS_Q3_0) {  /* weight j: bits 2 (j % 4) of byte j / 4, and bit j % 8 of byte 8 + j / 8 as 4; less 4, times d */
+        for (int j = 0; j < QK32; j++) {
+            const int code = ((b[2 + j / 4] >> (2 * (j % 4))) & 3) | ((b[10 + j / 8] >> (j % 8)) & 1) << 2;
+            y[j] = (float)(code - 4) * d;
+        }
+        return;
+    }
     if (kind == GGML_Q8_0) {
         for (int j = 0; j < QK32; j++) y[j] = (float)(int8_t)b[2 + j] * d;
         return;

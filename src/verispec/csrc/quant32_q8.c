@@ -11,7 +11,7 @@
  * The integers are exact, so they are ggml's to the bit. The float part, per output y[m, n], with float32
  * rounding after every operation and no fused multiply-add, over the blocks b in order (ggml's generic
  * vec_dot, unfused):
- *   _0 types: acc += (d * dy) * float(sumi)
+ *   _0 types: acc += (d * dy) * float(sumi)   (and verispec's VS_Q3_0 blocks: w = code - 4, codes 0..7)
  *   _1 types: acc += (d * dy) * float(sumi) + m * sy
  *   y = acc + bias
  * (d, m the block's half-precision scale and min, dy, sy the row's). ggml's SIMD kernels sum their lanes
@@ -87,11 +87,11 @@ INLINE void q32_tile(const q8_job *job, const uint8_t *group, int64_t m0, const 
 {
     const int64_t K = job->K, blocks = K / QK32, size = Q8G * q32_block_bytes(kind), at = codes_at(kind);
     const int five = kind == GGML_Q5_0 || kind == GGML_Q5_1, ones = kind == GGML_Q4_1 || kind == GGML_Q5_1;
-    const int eight = kind == GGML_Q8_0;
+    const int eight = kind == GGML_Q8_0, three = kind == VS_Q3_0;
 #if VCOLS == 16
-    const int offset = kind == GGML_Q4_0 ? 8 : kind == GGML_Q5_0 ? 16 : eight ? 128 : 0;
+    const int offset = kind == GGML_Q4_0 ? 8 : kind == GGML_Q5_0 ? 16 : eight ? 128 : three ? 4 : 0;
 #else
-    const int offset = kind == GGML_Q4_0 ? 8 : kind == GGML_Q5_0 ? 16 : 0;
+    const int offset = kind == GGML_Q4_0 ? 8 : kind == GGML_Q5_0 ? 16 : three ? 4 : 0;
     const __m256i pairs = _mm256_set1_epi16(1);
 #endif
     const IVEC low4 = ISET8(15);
@@ -112,6 +112,30 @@ INLINE void q32_tile(const q8_job *job, const uint8_t *group, int64_t m0, const 
                 w[s] = _mm512_xor_si512(w[s], ISET8((char)0x80));  /* w + 128, unsigned */
 #endif
             }
+        } else if (three) {
+            /* step s: bit pair 2 (s % 4) of chunk s / 4, and high bit s moved to bit 2 (16-bit shifts by at most 5
+             * keep every byte's bit 2 within its byte) */
+            const IVEC pairs = ISET8(3), four = ISET8(4);
+            for (int h = 0; h < 2; h++) {
+                const IVEC raw = ILOAD(blk + at + 64 * h + VBYTES * part);
+                w[4 * h] = IAND(raw, pairs);
+                w[4 * h + 1] = IAND(ISRL16(raw, 2), pairs);
+                w[4 * h + 2] = IAND(ISRL16(raw, 4), pairs);
+                w[4 * h + 3] = IAND(ISRL16(raw, 6), pairs);
+            }
+            const IVEC high = ILOAD(blk + at + 128 + VBYTES * part);
+#if VCOLS == 16
+            for (int s = 0; s < 8; s++) w[s] = _mm512_mask_add_epi8(w[s], _mm512_test_epi8_mask(high, ISET8((char)(1 << s))), w[s], four);
+#else
+            w[0] = IOR(w[0], IAND(ISLL16(high, 2), four));
+            w[1] = IOR(w[1], IAND(ISLL16(high, 1), four));
+            w[2] = IOR(w[2], IAND(high, four));
+            w[3] = IOR(w[3], IAND(ISRL16(high, 1), four));
+            w[4] = IOR(w[4], IAND(ISRL16(high, 2), four));
+            w[5] = IOR(w[5], IAND(ISRL16(high, 3), four));
+            w[6] = IOR(w[6], IAND(ISRL16(high, 4), four));
+            w[7] = IOR(w[7], IAND(ISRL16(high, 5), four));
+#endif
         } else {
             for (int u = 0; u < 4; u++) {
                 const IVEC raw = ILOAD(blk + at + 64 * u + VBYTES * part);
@@ -131,7 +155,7 @@ INLINE void q32_tile(const q8_job *job, const uint8_t *group, int64_t m0, const 
             for (int r = 0; r < R; r++) sumi[r] = dpbusd_bcast(sumi[r], w[s], x + r * QK32 + 4 * s);
         }
 #else
-        /* int16 pair sums: eight 4-bit steps fit (8 * 2 * 15 * 127), 5-bit four (4 * 2 * 31 * 127), Q8_0's
+        /* int16 pair sums: eight 4-bit (or 3-bit) steps fit (8 * 2 * 15 * 127), 5-bit four (4 * 2 * 31 * 127), Q8_0's
          * |w| * q one (2 * 128 * 127); then vpmaddwd by ones to int32 */
         const int span = eight ? 1 : five ? 4 : 8;
 #pragma GCC unroll 16
@@ -168,12 +192,13 @@ INLINE void q32_tile(const q8_job *job, const uint8_t *group, int64_t m0, const 
     static void q4_1_tile_##R(const q8_job *j, const uint8_t *g, int64_t m0, int part, FVEC *out) { q32_tile(j, g, m0, R, part, out, GGML_Q4_1); } \
     static void q5_0_tile_##R(const q8_job *j, const uint8_t *g, int64_t m0, int part, FVEC *out) { q32_tile(j, g, m0, R, part, out, GGML_Q5_0); } \
     static void q5_1_tile_##R(const q8_job *j, const uint8_t *g, int64_t m0, int part, FVEC *out) { q32_tile(j, g, m0, R, part, out, GGML_Q5_1); } \
-    static void q8_0_tile_##R(const q8_job *j, const uint8_t *g, int64_t m0, int part, FVEC *out) { q32_tile(j, g, m0, R, part, out, GGML_Q8_0); }
+    static void q8_0_tile_##R(const q8_job *j, const uint8_t *g, int64_t m0, int part, FVEC *out) { q32_tile(j, g, m0, R, part, out, GGML_Q8_0); } \
+    static void q3_0_tile_##R(const q8_job *j, const uint8_t *g, int64_t m0, int part, FVEC *out) { q32_tile(j, g, m0, R, part, out, VS_Q3_0); }
 TILES(1) TILES(2) TILES(3) TILES(4) TILES(5) TILES(6) TILES(7) TILES(8)
 #define TABLE(t) {0, t##_tile_1, t##_tile_2, t##_tile_3, t##_tile_4, t##_tile_5, t##_tile_6, t##_tile_7, t##_tile_8}
 static const q8_tile_fn q4_0_tiles[Q8TILE + 1] = TABLE(q4_0), q4_1_tiles[Q8TILE + 1] = TABLE(q4_1),
                         q5_0_tiles[Q8TILE + 1] = TABLE(q5_0), q5_1_tiles[Q8TILE + 1] = TABLE(q5_1),
-                        q8_0_tiles[Q8TILE + 1] = TABLE(q8_0);
+                        q8_0_tiles[Q8TILE + 1] = TABLE(q8_0), q3_0_tiles[Q8TILE + 1] = TABLE(q3_0);
 
 /* Column groups [begin, end) of a q8_job of a 32-weight type: every row against each group's blocks,
  * Q8TILE rows at a time, as kquant_q8.c's q8_range. */
@@ -182,6 +207,6 @@ void KQ(q32_range)(const void *arg, int64_t begin, int64_t end)
     const q8_job *job = arg;
     const int kind = job->kind;
     const q8_tile_fn *tiles = kind == GGML_Q4_0 ? q4_0_tiles : kind == GGML_Q4_1 ? q4_1_tiles : kind == GGML_Q5_0 ? q5_0_tiles
-                            : kind == GGML_Q5_1 ? q5_1_tiles : q8_0_tiles;
+                            : kind == GGML_Q5_1 ? q5_1_tiles : kind == VS_Q3_0 ? q3_0_tiles : q8_0_tiles;
     q8_groups(job, begin, end, tiles, job->K / QK32, Q8G * q32_block_bytes(kind));
 }

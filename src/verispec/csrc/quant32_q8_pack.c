@@ -1,4 +1,4 @@
-/* ======== a GGUF file's 32-weight blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) repacked for quant32_q8.c ========
+/* ======== a GGUF file's 32-weight blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0; and VS_Q3_0) repacked for quant32_q8.c ========
  * (baseline C, run once at load; gguf_q8_repack in kquant_q8_pack.c hands these types here)
  *
  * The k-quant kernels' layout (kquant_q8_pack.c) for blocks of 32: columns n = 16 g .. 16 g + 15 make group
@@ -11,6 +11,8 @@
  *     u is column c's qs[4 u + t] as the file has it); Q5_0 / Q5_1 then 8 words of 64 bits, word s bit
  *     4 c + t the fifth bit of column c's weight 4 s + t (bit 4 s + t of the file's qh).
  *   Q8_0: 8 steps of 64 bytes, the file's int8 weights.
+ *   VS_Q3_0 (verispec's 3-bit draft blocks, no file has them): 2 chunks of 64 bytes of low bit pairs, chunk h
+ *     holding step 4 h + v in bits 2 v, 2 v + 1, then 64 bytes of high bits, bit s that of step s (codes 0..7).
  * Columns past N are zero blocks (their outputs are dropped). */
 #include "common.h"
 #include "kernels.h"
@@ -23,6 +25,15 @@ static void pack_q32(const uint8_t *src, uint8_t *dst, int c, int kind)
     memcpy(dst + 2 * c, src, 2);
     if (ones) memcpy(dst + 32 + 2 * c, src + 2, 2);
     const uint8_t *after = src + (ones ? 4 : 2);  /* qh (five), then qs */
+    if (kind == VS_Q3_0) {  /* step s's weight t: its low bit pair at bits 2 (s % 4) of chunk s / 4, its high bit at bit s */
+        for (int s = 0; s < 8; s++)
+            for (int t = 0; t < 4; t++) {
+                const int j = 4 * s + t;
+                dst[at + 64 * (s / 4) + 4 * c + t] |= (uint8_t)(((after[j / 4] >> (2 * (j % 4))) & 3) << (2 * (s % 4)));
+                dst[at + 128 + 4 * c + t] |= (uint8_t)(((after[8 + j / 8] >> (j % 8)) & 1) << s);
+            }
+        return;
+    }
     if (kind == GGML_Q8_0) {
         for (int s = 0; s < 8; s++) memcpy(dst + at + 64 * s + 4 * c, after + 4 * s, 4);
         return;

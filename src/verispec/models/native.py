@@ -58,8 +58,12 @@ STATIC_ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn"})
 # blocked GEMM (see NativeCausalLM._prefills_in_chunks).
 CHUNKED_PREFILL_ROWS = 256
 
-# weight_dtype's tag for ggml's Q4_0 blocks (a draft run with llama.cpp's numerics; see `_store_matrices_as_q4_0`)
+# weight_dtype's tag for ggml's Q4_0 blocks (a draft run with llama.cpp's numerics; see `_store_matrices_as_blocks`)
 Q4_0 = "q4_0"
+# weight_dtype's tag for a draft whose MLP gate and up matrices are verispec's 3-bit blocks and the rest Q4_0
+# (`_store_matrices_as_blocks`); as llama.cpp's mixed file types, the fewer bits go where most of the bytes are
+Q3_0 = "q3_0"
+Q3_0_FIELDS = ("gate", "up")
 
 # Most prompt tokens per prefill chunk of the float32 model (`CausalLM.prefill_chunk`). Its big passes run on
 # PyTorch's GEMM or the blocked one, whose rounding of a row may change with the pass width, so a prompt is
@@ -432,8 +436,8 @@ class NativeCausalLM(CausalLM):
         `models.gguf_q8`, which gathers them from a GGUF file instead of a transformers model)."""
         self.output_ids: torch.Tensor | None = None  # set when the LM head scores only these token ids
         self._outside: torch.Tensor | None = None  # [vocab] bool, the ids a reading restricted head leaves out
-        if weight_dtype == Q4_0:
-            self._store_matrices_as_q4_0()
+        if weight_dtype in (Q4_0, Q3_0):
+            self._store_matrices_as_blocks(Q3_0_FIELDS if weight_dtype == Q3_0 else ())
             panels = False
         elif weight_dtype is not None and weight_dtype != self.dtype:
             self._store_matrices_as(weight_dtype)
@@ -506,13 +510,23 @@ class NativeCausalLM(CausalLM):
         self._convert_matrices(formats[dtype])
         self.name = f"{self.name}-{'int4' if dtype == torch.quint4x2 else str(dtype).removeprefix('torch.')}"
 
-    def _store_matrices_as_q4_0(self) -> None:
-        """Replace the borrowed matrices by ggml's Q4_0 blocks (`kernels.GGUFMatrix.quantize`): the model then runs
-        with llama.cpp's numerics, as a Q4_0 file would (`numerics="q8"`: activations rounded per 32, integer dot
-        products), a draft whose step costs ~0.75x an int4 copy's at width 1 and ~0.5x at width 8 (0.5B, Zen 5)."""
-        self._convert_matrices(lambda w: kernels.GGUFMatrix.quantize(w, kernels.GGUFMatrix.MADE[Q4_0]))
+    def _store_matrices_as_blocks(self, three_bit: tuple[str, ...] = ()) -> None:
+        """Replace the borrowed matrices by ggml's Q4_0 blocks (`kernels.GGUFMatrix.quantize`), those of the layers'
+        `three_bit` fields by verispec's 3-bit Q3_0 blocks: the model then runs with llama.cpp's numerics, as a Q4_0
+        file would (`numerics="q8"`: activations rounded per 32, integer dot products), a draft whose step costs
+        ~0.75x an int4 copy's at width 1 and ~0.5x at width 8 (0.5B, Zen 5). A draft's step streams its matrices,
+        so fewer bits a weight is a cheaper step; the gate and up matrices, over half of a layer's weights, lose
+        the least agreement with the target at 3 bits (see `kernels.matrices.Q3_0`)."""
+        made = kernels.GGUFMatrix.MADE
+        for layer in self.layers:
+            for field in MATRIX_FIELDS:
+                kind = made[Q3_0] if field in three_bit else made[Q4_0]
+                setattr(layer, field, kernels.GGUFMatrix.quantize(getattr(layer, field), kind))
+        self.lm_head = kernels.GGUFMatrix.quantize(self.lm_head, made[Q4_0])
+        self._prepared = None
+        self._stack = False
         self.numerics = "q8"
-        self.name = f"{self.name}-{Q4_0}"
+        self.name = f"{self.name}-{Q3_0 if three_bit else Q4_0}"
 
     def matrices(self) -> list:
         """Every matrix the forward multiplies by (the layers', then the LM head), in whatever format it is kept."""

@@ -365,8 +365,8 @@ def build_app(target, draft=None, drafter: str = "auto", draft_len: DraftLen | i
     tenant: suffix drafting (`api.SUFFIX_INDEX_DRAFTERS`) drafts a request only from its own tenant's earlier outputs,
     at most `suffix_tokens_per_tenant` tokens of them (its oldest evicted first).
     max_batch: most sequences decoded at once; max_queue: most sequences waiting for a row (a request
-    beyond it gets a 503). draft_dtype: "fp32", "bf16", "int8", "int4" (weight-only) or "q4_0" (ggml's blocks), the draft model's
-    matrices on the native backend (default: q4_0 beside a q8 target, else fp32: `api.load_draft`). draft_vocab: the token
+    beyond it gets a 503). draft_dtype: "fp32", "bf16", "int8", "int4" (weight-only), "q4_0" (ggml's blocks) or "q3_0" (the same, gate and up in 3 bits), the draft model's
+    matrices on the native backend (default: q3_0 beside a q8 target, else fp32: `api.load_draft`). draft_vocab: the token
     ids the draft's LM head scores, "auto", "all" or N (`api.load_draft`'s vocab). max_body_bytes: largest request body read (larger ones get a 413).
     model_name: the name clients send and see (default: the target's). max_model_len: most tokens of prompt
     plus answer a request may ask for (default and upper bound: the model's context). chat_template: a Jinja
@@ -746,7 +746,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--draft", default=None, help="draft model (any tokenizer: with another vocabulary than the target's it drafts through text); omit to draft with the target's own int4 copy (or n-gram where it cannot have one)")
     parser.add_argument("--draft-dtype", default=None, choices=DRAFT_DTYPES,
                         help="the draft model's matrices on the native backend: bf16 halves their bytes, int8 quarters them, int4 and q4_0 "
-                             "leave ~1/7 (default: q4_0 with --numerics q8, else fp32)")
+                             "leave ~1/7, q3_0 ~1/9 of the MLP's gate and up (default: q3_0 with --numerics q8, else fp32)")
     parser.add_argument("--draft-vocab", type=flag(parse_draft_vocab), default="auto",
                         help="token ids the draft model's LM head scores: auto (the first 32768, the special tokens and the text's own, "
                              "beside a q8 target with a vocabulary of 64k or more), all, or N")

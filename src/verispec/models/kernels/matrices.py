@@ -196,6 +196,49 @@ class Q6KMatrix(ExactBlocks):
         return (self.scale.reshape(n, -1, 1) * q).reshape(n, -1).to(dtype)
 
 
+# verispec's own 32-weight block type (no ggml type and no file has it; the id only has to differ from ggml's):
+# a half-float scale d and 3-bit codes, weight = (code - 4) * d, 14 bytes per 32 weights (3.5 bits a weight
+# against Q4_0's 4.5). A draft model's matrices only shape proposals and its decode step streams them, so fewer
+# bits a weight make a cheaper step; on a draft's MLP gate and up matrices 3 bits cost little agreement with the
+# target (bench/README, "3-bit draft blocks"). The kernels take them as the 32-weight ggml types
+# (csrc/quant32_q8.c, activations rounded as Q8_0).
+Q3_0 = 99
+
+
+def _quantize_q3_0(x: torch.Tensor) -> torch.Tensor:
+    """Blocks of 32 weights x [..., 32] -> Q3_0 bytes [..., 14]: d (half float), then the codes' low bit pairs
+    (weight j at bits 2 (j % 4) of byte j / 4) and high bits (weight j at bit j % 8 of byte 8 + j / 8).
+
+    Codes are round-to-nearest(x / d) + 4 in 0..7 under whichever scale leaves the least squared error of:
+    ggml's Q4_0 rule (the block's largest-magnitude weight, sign kept, onto code 0: d = peak / -4), that d over
+    0.75 .. 1.1, and each of those refitted by least squares to its codes (3 bits leave few levels, and a
+    block's peak is often a lone outlier that one scale cannot serve with the rest)."""
+    peak = x.gather(-1, x.abs().argmax(-1, keepdim=True))
+    best_d = best_codes = best_err = None
+    for shrink in (1.0, 1.1, 1.05, 0.95, 0.9, 0.85, 0.8, 0.75):
+        d = peak / (-4.0 * shrink)
+        for refit in (False, True):
+            if refit:  # the least-squares scale for the codes just made
+                q = codes - 4
+                norm = q.square().sum(-1, keepdim=True)
+                d = torch.where(norm > 0, (q * x).sum(-1, keepdim=True) / norm.clamp(min=1), d)
+            d = d.half().float()
+            inverse = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+            codes = (torch.round(x * inverse) + 4).clamp(0, 7)
+            err = ((codes - 4) * d - x).square().sum(-1, keepdim=True)
+            if best_err is None:
+                best_d, best_codes, best_err = d, codes, err
+            else:
+                better = err < best_err
+                best_d, best_codes = torch.where(better, d, best_d), torch.where(better, codes, best_codes)
+                best_err = torch.minimum(err, best_err)
+    codes = best_codes.to(torch.uint8)
+    low = (codes & 3).reshape(*x.shape[:-1], 8, 4) << torch.tensor([0, 2, 4, 6], dtype=torch.uint8)
+    high = (codes >> 2).reshape(*x.shape[:-1], 4, 8) << torch.arange(8, dtype=torch.uint8)
+    scale = best_d[..., 0].half().view(torch.uint8).reshape(*x.shape[:-1], 2)
+    return torch.cat([scale, low.sum(-1, dtype=torch.uint8), high.sum(-1, dtype=torch.uint8)], -1)
+
+
 class GGUFMatrix(QuantizedMatrix):
     """A GGUF file's quantized matrix [N, K] (Q4_K, Q5_K, Q6_K, or the 32-weight Q4_0, Q4_1, Q5_0, Q5_1, Q8_0),
     multiplied with llama.cpp's numerics: each activation row rounded to 8 bits per block as ggml does for
@@ -219,7 +262,7 @@ class GGUFMatrix(QuantizedMatrix):
     # ggml type id: (name, bytes per block, weights per block, bytes of a repacked group's block)
     KINDS = {12: ("Q4_K", 144, 256, 2368), 13: ("Q5_K", 176, 256, 2880), 14: ("Q6_K", 210, 256, 3360),
              2: ("Q4_0", 18, 32, 288), 3: ("Q4_1", 20, 32, 320), 6: ("Q5_0", 22, 32, 352), 7: ("Q5_1", 24, 32, 384),
-             8: ("Q8_0", 34, 32, 544)}
+             8: ("Q8_0", 34, 32, 544), Q3_0: ("Q3_0", 14, 32, 224)}
     GROUP = 16  # columns per repacked group
 
     def __init__(self, blocks: torch.Tensor, kind: int):
@@ -269,24 +312,27 @@ class GGUFMatrix(QuantizedMatrix):
     def __getitem__(self, rows) -> "GGUFMatrix":
         return GGUFMatrix(self.blocks[rows].contiguous(), self.kind)
 
-    # the 32-weight types `quantize` makes, by name: ggml type id
-    MADE = {"q4_0": 2, "q8_0": 8}
+    # the 32-weight types `quantize` makes, by name: type id
+    MADE = {"q4_0": 2, "q8_0": 8, "q3_0": Q3_0}
 
     @classmethod
     def quantize(cls, weight: torch.Tensor, kind: int = 2) -> "GGUFMatrix":
         """A float matrix [N, K] (K a multiple of 32) rounded to Q4_0 (kind 2) or Q8_0 (kind 8) blocks by ggml's
-        reference recipe (quantize_row_q4_0_ref / q8_0_ref: the bytes gguf-py and llama-quantize write).
+        reference recipe (quantize_row_q4_0_ref / q8_0_ref: the bytes gguf-py and llama-quantize write), or to
+        verispec's own 3-bit blocks (`Q3_0`; see `_quantize_q3_0`).
 
         For drafts (a head's or a draft model's matrices), whose numbers only shape proposals: the q8 kernels
         multiply 4-bit blocks about twice as fast as `Int4Matrix`'s at one to eight rows (repacked columns, one
         vpdpbusd per four weights), and the file format is llama.cpp's own."""
-        if kind not in (2, 8):
-            raise ValueError(f"GGUFMatrix.quantize makes Q4_0 (2) or Q8_0 (8) blocks, not ggml type {kind}")
+        if kind not in (2, 8, Q3_0):
+            raise ValueError(f"GGUFMatrix.quantize makes Q4_0 (2), Q8_0 (8) or Q3_0 ({Q3_0}) blocks, not type {kind}")
         w = weight.detach().float()
         n, k = w.shape
         if k % 32:
-            raise ValueError(f"a Q4_0 / Q8_0 matrix's rows must be whole blocks of 32 weights, got {k}")
+            raise ValueError(f"a {cls.KINDS[kind][0]} matrix's rows must be whole blocks of 32 weights, got {k}")
         x = w.reshape(n, k // 32, 32)
+        if kind == Q3_0:
+            return cls(_quantize_q3_0(x).reshape(n, -1).contiguous(), kind)
         if kind == 2:
             # d = the block's largest-magnitude weight (first of ties, sign kept) / -8; codes floor(x / d + 8.5) <= 15
             peak = x.gather(2, x.abs().argmax(2, keepdim=True))[..., 0]
@@ -323,6 +369,8 @@ class GGUFMatrix(QuantizedMatrix):
             if failed:
                 raise IndexError(f"token ids out of range for a {n}-row table" if failed == 2 else "bad block table")
             return out.reshape(*ids.shape, k)
+        if self.kind == Q3_0:
+            raise RuntimeError("Q3_0 blocks are verispec's own: reading them needs the C kernels")
         raw = self.blocks[ids.reshape(-1)].numpy()
         dense = dequantize(raw, getattr(GGMLQuantizationType, self.KINDS[self.kind][0]))
         return torch.from_numpy(np.ascontiguousarray(dense, dtype=np.float32)).reshape(*ids.shape, -1)
