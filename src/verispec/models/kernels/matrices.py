@@ -256,7 +256,8 @@ class GGUFMatrix(QuantizedMatrix):
     `values`: the same codes and scales repacked for the kernels, 16 columns interleaved
     (csrc/kquant_q8_pack.c, csrc/quant32_q8_pack.c; 2-3% more bytes for Q4_K and Q5_K, as many for the
     rest), made on first use so a table only looked up (an untied embedding) is never repacked. `kind` the
-    ggml type id (12 Q4_K, 13 Q5_K, 14 Q6_K, 2 Q4_0, 3 Q4_1, 6 Q5_0, 7 Q5_1, 8 Q8_0)."""
+    ggml type id (12 Q4_K, 13 Q5_K, 14 Q6_K, 2 Q4_0, 3 Q4_1, 6 Q5_0, 7 Q5_1, 8 Q8_0), or `Q3_0` for verispec's
+    own 3-bit draft blocks (14 bytes per 32 weights; made by `quantize`, never read from a file)."""
 
     dtype = torch.float32  # activations in and outputs out are float32
     # ggml type id: (name, bytes per block, weights per block, bytes of a repacked group's block)
