@@ -113,29 +113,17 @@ INLINE void q32_tile(const q8_job *job, const uint8_t *group, int64_t m0, const 
 #endif
             }
         } else if (three) {
-            /* step s: bit pair 2 (s % 4) of chunk s / 4, and high bit s moved to bit 2 (16-bit shifts by at most 5
-             * keep every byte's bit 2 within its byte) */
-            const IVEC pairs = ISET8(3), four = ISET8(4);
-            for (int h = 0; h < 2; h++) {
-                const IVEC raw = ILOAD(blk + at + 64 * h + VBYTES * part);
-                w[4 * h] = IAND(raw, pairs);
-                w[4 * h + 1] = IAND(ISRL16(raw, 2), pairs);
-                w[4 * h + 2] = IAND(ISRL16(raw, 4), pairs);
-                w[4 * h + 3] = IAND(ISRL16(raw, 6), pairs);
+            /* steps 2 h, 2 h + 1 in bits 0-2 and 3-5 of chunk h; steps 6 and 7 from bits 6-7 of chunks 0 and 1 and
+             * bits 6 and 7 of chunk 2 (quant32_q8_pack.c; 16-bit shifts that keep each byte's bits in the byte) */
+            const IVEC seven = ISET8(7), three_bits = ISET8(3), four = ISET8(4);
+            IVEC chunk[3];
+            for (int h = 0; h < 3; h++) {
+                chunk[h] = ILOAD(blk + at + 64 * h + VBYTES * part);
+                w[2 * h] = IAND(chunk[h], seven);
+                w[2 * h + 1] = IAND(ISRL16(chunk[h], 3), seven);
             }
-            const IVEC high = ILOAD(blk + at + 128 + VBYTES * part);
-#if VCOLS == 16
-            for (int s = 0; s < 8; s++) w[s] = _mm512_mask_add_epi8(w[s], _mm512_test_epi8_mask(high, ISET8((char)(1 << s))), w[s], four);
-#else
-            w[0] = IOR(w[0], IAND(ISLL16(high, 2), four));
-            w[1] = IOR(w[1], IAND(ISLL16(high, 1), four));
-            w[2] = IOR(w[2], IAND(high, four));
-            w[3] = IOR(w[3], IAND(ISRL16(high, 1), four));
-            w[4] = IOR(w[4], IAND(ISRL16(high, 2), four));
-            w[5] = IOR(w[5], IAND(ISRL16(high, 3), four));
-            w[6] = IOR(w[6], IAND(ISRL16(high, 4), four));
-            w[7] = IOR(w[7], IAND(ISRL16(high, 5), four));
-#endif
+            w[6] = IOR(IAND(ISRL16(chunk[0], 6), three_bits), IAND(ISRL16(chunk[2], 4), four));
+            w[7] = IOR(IAND(ISRL16(chunk[1], 6), three_bits), IAND(ISRL16(chunk[2], 5), four));
         } else {
             for (int u = 0; u < 4; u++) {
                 const IVEC raw = ILOAD(blk + at + 64 * u + VBYTES * part);

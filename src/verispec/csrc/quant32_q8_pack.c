@@ -11,8 +11,9 @@
  *     u is column c's qs[4 u + t] as the file has it); Q5_0 / Q5_1 then 8 words of 64 bits, word s bit
  *     4 c + t the fifth bit of column c's weight 4 s + t (bit 4 s + t of the file's qh).
  *   Q8_0: 8 steps of 64 bytes, the file's int8 weights.
- *   VS_Q3_0 (verispec's 3-bit draft blocks, no file has them): 2 chunks of 64 bytes of low bit pairs, chunk h
- *     holding step 4 h + v in bits 2 v, 2 v + 1, then 64 bytes of high bits, bit s that of step s (codes 0..7).
+ *   VS_Q3_0 (verispec's 3-bit draft blocks, no file has them; codes 0..7): 3 chunks of 64 bytes, chunk h holding
+ *     steps 2 h and 2 h + 1 in bits 0-2 and 3-5; step 6's low two bits in bits 6-7 of chunk 0 and its high bit
+ *     in bit 6 of chunk 2, step 7's in chunk 1 and bit 7 of chunk 2 (a step is one or two shifts and a mask).
  * Columns past N are zero blocks (their outputs are dropped). */
 #include "common.h"
 #include "kernels.h"
@@ -25,12 +26,18 @@ static void pack_q32(const uint8_t *src, uint8_t *dst, int c, int kind)
     memcpy(dst + 2 * c, src, 2);
     if (ones) memcpy(dst + 32 + 2 * c, src + 2, 2);
     const uint8_t *after = src + (ones ? 4 : 2);  /* qh (five), then qs */
-    if (kind == VS_Q3_0) {  /* step s's weight t: its low bit pair at bits 2 (s % 4) of chunk s / 4, its high bit at bit s */
+    if (kind == VS_Q3_0) {  /* see the layout above */
         for (int s = 0; s < 8; s++)
             for (int t = 0; t < 4; t++) {
                 const int j = 4 * s + t;
-                dst[at + 64 * (s / 4) + 4 * c + t] |= (uint8_t)(((after[j / 4] >> (2 * (j % 4))) & 3) << (2 * (s % 4)));
-                dst[at + 128 + 4 * c + t] |= (uint8_t)(((after[8 + j / 8] >> (j % 8)) & 1) << s);
+                const int code = ((after[j / 4] >> (2 * (j % 4))) & 3) | ((after[8 + j / 8] >> (j % 8)) & 1) << 2;
+                uint8_t *chunk = dst + at + 4 * c + t;
+                if (s < 6) {
+                    chunk[64 * (s / 2)] |= (uint8_t)(code << (3 * (s % 2)));
+                } else {
+                    chunk[64 * (s - 6)] |= (uint8_t)((code & 3) << 6);
+                    chunk[128] |= (uint8_t)((code >> 2) << s);
+                }
             }
         return;
     }
