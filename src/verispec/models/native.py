@@ -518,13 +518,8 @@ class NativeCausalLM(CausalLM):
         so fewer bits a weight is a cheaper step; the gate and up matrices, over half of a layer's weights, lose
         the least agreement with the target at 3 bits (see `kernels.matrices.Q3_0`)."""
         made = kernels.GGUFMatrix.MADE
-        for layer in self.layers:
-            for field in MATRIX_FIELDS:
-                kind = made[Q3_0] if field in three_bit else made[Q4_0]
-                setattr(layer, field, kernels.GGUFMatrix.quantize(getattr(layer, field), kind))
-        self.lm_head = kernels.GGUFMatrix.quantize(self.lm_head, made[Q4_0])
-        self._prepared = None
-        self._stack = False
+        three = lambda w: kernels.GGUFMatrix.quantize(w, made[Q3_0])  # noqa: E731
+        self._convert_matrices(lambda w: kernels.GGUFMatrix.quantize(w, made[Q4_0]), {field: three for field in three_bit})
         self.numerics = "q8"
         self.name = f"{self.name}-{Q3_0 if three_bit else Q4_0}"
 
@@ -532,12 +527,14 @@ class NativeCausalLM(CausalLM):
         """Every matrix the forward multiplies by (the layers', then the LM head), in whatever format it is kept."""
         return [getattr(layer, field) for layer in self.layers for field in MATRIX_FIELDS] + [self.lm_head]
 
-    def _convert_matrices(self, convert) -> None:
+    def _convert_matrices(self, convert, by_field: dict | None = None) -> None:
         """Replace each matrix (the layers' and the LM head; not norms, biases or the embedding, which
-        stays for lookups when tied) by convert(matrix), one at a time."""
+        stays for lookups when tied) by convert(matrix), one at a time; a layer's fields named in `by_field`
+        by by_field[field](matrix) instead."""
+        by_field = by_field or {}
         for layer in self.layers:
             for field in MATRIX_FIELDS:
-                setattr(layer, field, convert(getattr(layer, field)))
+                setattr(layer, field, by_field.get(field, convert)(getattr(layer, field)))
         self.lm_head = convert(self.lm_head)
         self._prepared = None
         self._stack = False

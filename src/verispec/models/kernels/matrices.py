@@ -214,25 +214,26 @@ def _quantize_q3_0(x: torch.Tensor) -> torch.Tensor:
     0.75 .. 1.1, and each of those refitted by least squares to its codes (3 bits leave few levels, and a
     block's peak is often a lone outlier that one scale cannot serve with the rest)."""
     peak = x.gather(-1, x.abs().argmax(-1, keepdim=True))
-    best_d = best_codes = best_err = None
+
+    def codes_less_4(d: torch.Tensor) -> torch.Tensor:
+        return torch.round(x * torch.where(d != 0, 1.0 / d, torch.zeros_like(d))).clamp_(-4, 3)
+
+    best_d = best_err = None
     for shrink in (1.0, 1.1, 1.05, 0.95, 0.9, 0.85, 0.8, 0.75):
         d = peak / (-4.0 * shrink)
         for refit in (False, True):
             if refit:  # the least-squares scale for the codes just made
-                q = codes - 4
                 norm = q.square().sum(-1, keepdim=True)
                 d = torch.where(norm > 0, (q * x).sum(-1, keepdim=True) / norm.clamp(min=1), d)
             d = d.half().float()
-            inverse = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
-            codes = (torch.round(x * inverse) + 4).clamp(0, 7)
-            err = ((codes - 4) * d - x).square().sum(-1, keepdim=True)
+            q = codes_less_4(d)
+            err = (q * d - x).square_().sum(-1, keepdim=True)
             if best_err is None:
-                best_d, best_codes, best_err = d, codes, err
-            else:
-                better = err < best_err
-                best_d, best_codes = torch.where(better, d, best_d), torch.where(better, codes, best_codes)
+                best_d, best_err = d, err
+            else:  # the codes are d's: only the scale is kept, and the codes made once from the best
+                best_d = torch.where(err < best_err, d, best_d)
                 best_err = torch.minimum(err, best_err)
-    codes = best_codes.to(torch.uint8)
+    codes = (codes_less_4(best_d) + 4).to(torch.uint8)
     low = (codes & 3).reshape(*x.shape[:-1], 8, 4) << torch.tensor([0, 2, 4, 6], dtype=torch.uint8)
     high = (codes >> 2).reshape(*x.shape[:-1], 4, 8) << torch.arange(8, dtype=torch.uint8)
     scale = best_d[..., 0].half().view(torch.uint8).reshape(*x.shape[:-1], 2)
