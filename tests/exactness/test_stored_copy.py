@@ -1,5 +1,6 @@
-"""The int4 self-draft copy kept on disk (`models.stored`): a new process reads the very codes and scales it
-would have made, changed weights get a copy of their own, and a damaged or foreign file is made again."""
+"""Quantized matrices kept on disk (`models.stored`), the int4 self-draft copy and a draft's 32-weight blocks: a new
+process reads the very codes and scales it would have made, changed weights get a copy of their own, and a damaged
+or foreign file is made again."""
 
 from __future__ import annotations
 
@@ -170,3 +171,55 @@ def test_half_written_files_of_dead_writers_are_cleared(home):
     stored.int4_copy(target)
     assert not stale.exists() and fresh.exists()  # another process may still be writing that one
     assert stored_files(home) == [path]
+
+
+def same_blocks(a, b) -> bool:
+    return all(x.kind == y.kind and torch.equal(x.blocks, y.blocks) for x, y in zip(a.matrices(), b.matrices(), strict=True))
+
+
+@pytest.mark.parametrize("weight_dtype", ["q4_0", "q3_0"])
+def test_a_drafts_blocks_are_stored_and_read_back_instead_of_made(home, monkeypatch, weight_dtype):
+    """A draft loaded with 32-weight blocks (the default beside a q8 target) rounds its matrices once: a new
+    process reads the very blocks back, and drafts with them as the made ones do."""
+    if not kernels.available():
+        pytest.skip("Q4_0 and Q3_0 blocks run on verispec's q8 kernels, unavailable here")
+    target = NativeCausalLM.from_hf(tiny_qwen2(seed=13))
+    hf = tiny_qwen2(seed=13)
+    made = NativeCausalLM.from_hf(hf, weight_dtype=weight_dtype)
+    [path] = stored_files(home)
+    assert path.name.startswith(f"{hf.name}-{weight_dtype}-")
+
+    def no_rounding(*args, **kwargs):
+        raise AssertionError("the stored blocks should have been read, not made")
+
+    rounding = kernels.GGUFMatrix.quantize
+    monkeypatch.setattr(kernels.GGUFMatrix, "quantize", no_rounding)
+    read = NativeCausalLM.from_hf(hf, weight_dtype=weight_dtype)  # as in a new process
+    assert same_blocks(read, made) and read.name == made.name and read.numerics == "q8"
+    for prompt in PROMPTS[:2]:
+        expected = plain(target, prompt, 16)
+        assert verispec.generate(target, prompt, draft=read, draft_len=4, max_new_tokens=16).token_ids == expected
+    monkeypatch.setattr(kernels.GGUFMatrix, "quantize", rounding)
+    other = "q3_0" if weight_dtype == "q4_0" else "q4_0"
+    NativeCausalLM.from_hf(hf, weight_dtype=other)  # the other kind: a copy of its own beside this one
+    assert len(stored_files(home)) == 2
+
+
+def test_damaged_or_foreign_blocks_are_made_again(home, caplog):
+    if not kernels.available():
+        pytest.skip("Q4_0 and Q3_0 blocks run on verispec's q8 kernels, unavailable here")
+    hf = tiny_qwen2(seed=14)
+    made = NativeCausalLM.from_hf(hf, weight_dtype="q3_0")
+    [path] = stored_files(home)
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    with caplog.at_level(logging.WARNING, logger="verispec.models.stored"):
+        again = NativeCausalLM.from_hf(hf, weight_dtype="q3_0")
+    assert "making it again" in caplog.text and same_blocks(again, made)
+    caplog.clear()
+    NativeCausalLM.from_hf(tiny_qwen2(seed=14, layers=3), weight_dtype="q3_0")  # same name: its copy replaces this one's
+    [foreign] = stored_files(home)
+    float_model = NativeCausalLM.from_hf(hf)
+    foreign.rename(stored.path_for(float_model, stored.fingerprint(float_model, "q3_0", tuple(m.kind for m in made.matrices())), "q3_0"))
+    with caplog.at_level(logging.WARNING, logger="verispec.models.stored"):
+        again = NativeCausalLM.from_hf(hf, weight_dtype="q3_0")
+    assert "does not fit" in caplog.text and same_blocks(again, made)

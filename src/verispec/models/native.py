@@ -42,7 +42,7 @@ import torch.nn.functional as F
 
 from verispec.cache import SlotCache
 from verispec.errors import VerispecError
-from verispec.models import kernels
+from verispec.models import kernels, stored
 from verispec.models.base import CausalLM, ModelCache
 from verispec.models.kernels import config as kernel_config
 from verispec.models.hf import _eos_ids
@@ -516,10 +516,17 @@ class NativeCausalLM(CausalLM):
         file would (`numerics="q8"`: activations rounded per 32, integer dot products), a draft whose step costs
         ~0.75x an int4 copy's at width 1 and ~0.5x at width 8 (0.5B, Zen 5). A draft's step streams its matrices,
         so fewer bits a weight is a cheaper step; the gate and up matrices, over half of a layer's weights, lose
-        the least agreement with the target at 3 bits (see `kernels.matrices.Q3_0`)."""
+        the least agreement with the target at 3 bits (see `kernels.matrices.Q3_0`). The rounding (seconds for a
+        0.5B, most of it the 3-bit scale search) is done once and stored (`models.stored.converted`)."""
         made = kernels.GGUFMatrix.MADE
-        three = lambda w: kernels.GGUFMatrix.quantize(w, made[Q3_0])  # noqa: E731
-        self._convert_matrices(lambda w: kernels.GGUFMatrix.quantize(w, made[Q4_0]), {field: three for field in three_bit})
+        types = tuple(made[Q3_0] if field in three_bit else made[Q4_0] for _ in self.layers for field in MATRIX_FIELDS)
+        matrices = stored.converted(self, Q3_0 if three_bit else Q4_0, types + (made[Q4_0],))
+        for layer in self.layers:
+            for field in MATRIX_FIELDS:
+                setattr(layer, field, matrices.pop(0))
+        self.lm_head = matrices.pop(0)
+        self._prepared = None
+        self._stack = False
         self.numerics = "q8"
         self.name = f"{self.name}-{Q3_0 if three_bit else Q4_0}"
 
@@ -527,14 +534,12 @@ class NativeCausalLM(CausalLM):
         """Every matrix the forward multiplies by (the layers', then the LM head), in whatever format it is kept."""
         return [getattr(layer, field) for layer in self.layers for field in MATRIX_FIELDS] + [self.lm_head]
 
-    def _convert_matrices(self, convert, by_field: dict | None = None) -> None:
+    def _convert_matrices(self, convert) -> None:
         """Replace each matrix (the layers' and the LM head; not norms, biases or the embedding, which
-        stays for lookups when tied) by convert(matrix), one at a time; a layer's fields named in `by_field`
-        by by_field[field](matrix) instead."""
-        by_field = by_field or {}
+        stays for lookups when tied) by convert(matrix), one at a time."""
         for layer in self.layers:
             for field in MATRIX_FIELDS:
-                setattr(layer, field, by_field.get(field, convert)(getattr(layer, field)))
+                setattr(layer, field, convert(getattr(layer, field)))
         self.lm_head = convert(self.lm_head)
         self._prepared = None
         self._stack = False

@@ -17,7 +17,7 @@ a test sets another configuration with `configure(KernelConfig(...))` (or
 | `fused_layers`     | `VERISPEC_LAYER_LOOP=1` turns off             | on      | a small pass runs every decoder layer in one C call; off: a Python loop over the same kernels (bitwise equal) |
 | `chunked_prefill`  | `VERISPEC_CHUNKED_PREFILL=1`                  | off     | int4 drafts with int8 activations prefill in small passes also where PyTorch's GEMM would prefill |
 | `wide_prefill`     | `VERISPEC_WIDE_PREFILL=1`                     | off     | never prefill in small-pass chunks |
-| `store_copies`     | `VERISPEC_STORE_COPIES=0` (or `false`, `no`, empty) turns off | on | store made int4 self-draft copies in the cache and read them back |
+| `store_copies`     | `VERISPEC_STORE_COPIES=0` (or `false`, `no`, empty) turns off | on | store made int4 self-draft copies and drafts' Q4_0 / Q3_0 blocks in the cache and read them back |
 | `compiler`         | `CC`                                          | `cc`, else `gcc` on PATH | the C compiler that builds the kernels |
 
 A flag set to any non-empty value counts as set, except where the table names the values.
