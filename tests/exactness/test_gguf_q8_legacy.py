@@ -217,30 +217,33 @@ def test_quantize_writes_the_bytes_gguf_py_writes(kind):
         kernels.GGUFMatrix.quantize(torch.randn(2, 48), KIND[kind])
 
 
-def test_3_bit_draft_blocks_take_the_nearest_codes_under_the_scale_that_errs_least():
-    """`GGUFMatrix.quantize(w, Q3_0)`: each weight gets the nearest of the 8 codes under its block's scale, and the
-    scale (a half float) leaves no more squared error than ggml's peak / -4 would in any block, and less over
-    Gaussian weights (the search must find better scales); an all-zero block stays zero."""
+@pytest.mark.parametrize("kind", ["Q3_0", "Q4_0"])
+def test_draft_blocks_take_the_nearest_codes_under_the_scale_that_errs_least(kind):
+    """`GGUFMatrix.quantize(w, Q3_0)` and `quantize(w, 2, search=True)` (a draft's Q4_0 blocks): each weight gets
+    the nearest code under its block's scale, and the scale (a half float) leaves no more squared error than
+    ggml's rule (peak / lowest code) would in any block, and less over Gaussian weights (the search must find
+    better scales); an all-zero block stays zero."""
+    low, high, size = {"Q3_0": (-4, 3, 14), "Q4_0": (-8, 7, 18)}[kind]
     torch.manual_seed(3)
     w = torch.randn(6, 96) * 0.03
     w[0, :32] = 0                       # all zero: d = 0
     w[1, 40] = 0.5                      # a lone outlier
     w[2, 64:96] = torch.linspace(-1, 1, 32)
-    ours = kernels.GGUFMatrix.quantize(w, Q3_0)
-    assert ours.blocks.shape == (6, 3 * 14) and tuple(ours.shape) == (6, 96)
-    d, _, codes = weights("Q3_0", ours.blocks.numpy().reshape(-1, 14))
+    ours = kernels.GGUFMatrix.quantize(w, Q3_0) if kind == "Q3_0" else kernels.GGUFMatrix.quantize(w, 2, search=True)
+    assert ours.blocks.shape == (6, 3 * size) and tuple(ours.shape) == (6, 96)
+    d, _, codes = weights(kind, ours.blocks.numpy().reshape(-1, size))
     x = w.reshape(-1, 32).numpy()
     inverse = np.where(d != 0, f32(1) / np.where(d != 0, d, f32(1)), f32(0)).astype(f32)
-    assert np.array_equal(codes, np.clip(np.rint((x * inverse[:, None]).astype(f32)), -4, 3))
+    assert np.array_equal(codes, np.clip(np.rint((x * inverse[:, None]).astype(f32)), low, high))
     err = (((codes * d[:, None]).astype(f32) - x) ** 2).sum(1)
     peak = np.take_along_axis(x, np.abs(x).argmax(1)[:, None], 1)[:, 0]
-    d0 = (peak / f32(-4)).astype(np.float16).astype(f32)
+    d0 = (peak / f32(low)).astype(np.float16).astype(f32)
     inverse0 = np.where(d0 != 0, f32(1) / np.where(d0 != 0, d0, f32(1)), f32(0)).astype(f32)
-    err0 = (((np.clip(np.rint(x * inverse0[:, None]), -4, 3) * d0[:, None]).astype(f32) - x) ** 2).sum(1)
+    err0 = (((np.clip(np.rint(x * inverse0[:, None]), low, high) * d0[:, None]).astype(f32) - x) ** 2).sum(1)
     assert np.all(err <= err0 * (1 + 1e-6))
     assert err[6:].sum() < 0.95 * err0[6:].sum()  # rows 2.. are Gaussian but for one block
     assert d[0] == 0 and not ours.dequantize()[0, :32].any()
-    assert np.array_equal(ours.dequantize().numpy(), dense("Q3_0", ours.blocks.numpy()))
+    assert np.array_equal(ours.dequantize().numpy(), dense(kind, ours.blocks.numpy()))
     with pytest.raises(ValueError, match="32"):
         kernels.GGUFMatrix.quantize(torch.randn(2, 48), Q3_0)
 

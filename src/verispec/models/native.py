@@ -511,7 +511,9 @@ class NativeCausalLM(CausalLM):
         self.name = f"{self.name}-{'int4' if dtype == torch.quint4x2 else str(dtype).removeprefix('torch.')}"
 
     def _store_matrices_as_blocks(self, three_bit: tuple[str, ...] = ()) -> None:
-        """Replace the borrowed matrices by ggml's Q4_0 blocks (`kernels.GGUFMatrix.quantize`), those of the layers'
+        """Replace the borrowed matrices by ggml's Q4_0 blocks (`kernels.GGUFMatrix.quantize`, each block's scale the
+        one of least squared error found by a search, not ggml's rule: the draft's next token agreed with the q8
+        1.5B target's 0.820 of the time against 0.813, bench/README), those of the layers'
         `three_bit` fields by verispec's 3-bit Q3_0 blocks: the model then runs with llama.cpp's numerics, as a Q4_0
         file would (`numerics="q8"`: activations rounded per 32, integer dot products), a draft whose step costs
         ~0.75x an int4 copy's at width 1 and ~0.5x at width 8 (0.5B, Zen 5). A draft's step streams its matrices,

@@ -36,7 +36,7 @@ from verispec.models import kernels
 log = logging.getLogger(__name__)
 
 FORMAT = 1  # bump when the stored tensors change meaning
-BLOCKS_FORMAT = 1  # the same for the 32-weight blocks (bump when `GGUFMatrix.quantize` rounds differently)
+BLOCKS_FORMAT = 2  # the same for the 32-weight blocks (bump when `GGUFMatrix.quantize` rounds differently)
 INT4 = "int4"
 STORE_MIN_WEIGHTS = 200_000_000  # below this the copy is made in well under a second: not worth 0.56 bytes/weight on disk
 _SAMPLES = 4096  # values per matrix in the fingerprint's strided sample
@@ -241,11 +241,12 @@ def int4_copy(model):
 
 
 def converted(model, kind: str, types: tuple[int, ...]) -> list:
-    """`model.matrices()` rounded to 32-weight blocks, matrix i to `GGUFMatrix` type types[i] (`GGUFMatrix.quantize`),
-    read from disk when a stored copy of these very weights exists, else made (and stored, for models of
+    """`model.matrices()` rounded to 32-weight blocks, matrix i to `GGUFMatrix` type types[i] (`GGUFMatrix.quantize`,
+    each block's scale searched: a draft's blocks need not be the bytes llama-quantize would write), read from disk when a stored copy of these very weights exists, else made (and stored, for models of
     `STORE_MIN_WEIGHTS` weights or more). kind names the copy (q4_0, q3_0)."""
     def make() -> list:
-        return [kernels.GGUFMatrix.quantize(matrix, block_type) for matrix, block_type in zip(model.matrices(), types, strict=True)]
+        return [kernels.GGUFMatrix.quantize(matrix, block_type, search=True)
+                for matrix, block_type in zip(model.matrices(), types, strict=True)]
 
     if not _worth_storing(model):
         return make()

@@ -205,35 +205,41 @@ class Q6KMatrix(ExactBlocks):
 Q3_0 = 99
 
 
-def _quantize_q3_0(x: torch.Tensor) -> torch.Tensor:
-    """Blocks of 32 weights x [..., 32] -> Q3_0 bytes [..., 14]: d (half float), then the codes' low bit pairs
-    (weight j at bits 2 (j % 4) of byte j / 4) and high bits (weight j at bit j % 8 of byte 8 + j / 8).
-
-    Codes are round-to-nearest(x / d) + 4 in 0..7 under whichever scale leaves the least squared error of:
-    ggml's Q4_0 rule (the block's largest-magnitude weight, sign kept, onto code 0: d = peak / -4), that d over
-    0.75 .. 1.1, and each of those refitted by least squares to its codes (3 bits leave few levels, and a
-    block's peak is often a lone outlier that one scale cannot serve with the rest)."""
+def _searched_scale(x: torch.Tensor, low: int, high: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d [..., 1] as a half float's value, codes [..., 32] in low..high) for blocks x [..., 32]: the codes are
+    round-to-nearest(x / d) under whichever scale leaves the least squared error of ggml's rule (the block's
+    largest-magnitude weight, sign kept, onto the lowest code: d = peak / low), that d over 0.75 .. 1.1, and each
+    of those refitted by least squares to its codes (few levels, and a block's peak is often a lone outlier that
+    one scale cannot serve with the rest)."""
     peak = x.gather(-1, x.abs().argmax(-1, keepdim=True))
 
-    def codes_less_4(d: torch.Tensor) -> torch.Tensor:
-        return torch.round(x * torch.where(d != 0, 1.0 / d, torch.zeros_like(d))).clamp_(-4, 3)
+    def codes(d: torch.Tensor) -> torch.Tensor:
+        return torch.round(x * torch.where(d != 0, 1.0 / d, torch.zeros_like(d))).clamp_(low, high)
 
     best_d = best_err = None
     for shrink in (1.0, 1.1, 1.05, 0.95, 0.9, 0.85, 0.8, 0.75):
-        d = peak / (-4.0 * shrink)
+        d = peak / (low * shrink)
         for refit in (False, True):
             if refit:  # the least-squares scale for the codes just made
                 norm = q.square().sum(-1, keepdim=True)
                 d = torch.where(norm > 0, (q * x).sum(-1, keepdim=True) / norm.clamp(min=1), d)
             d = d.half().float()
-            q = codes_less_4(d)
+            q = codes(d)
             err = (q * d - x).square_().sum(-1, keepdim=True)
             if best_err is None:
                 best_d, best_err = d, err
             else:  # the codes are d's: only the scale is kept, and the codes made once from the best
                 best_d = torch.where(err < best_err, d, best_d)
                 best_err = torch.minimum(err, best_err)
-    codes = (codes_less_4(best_d) + 4).to(torch.uint8)
+    return best_d, codes(best_d)
+
+
+def _quantize_q3_0(x: torch.Tensor) -> torch.Tensor:
+    """Blocks of 32 weights x [..., 32] -> Q3_0 bytes [..., 14]: d (half float), then the codes' low bit pairs
+    (weight j at bits 2 (j % 4) of byte j / 4) and high bits (weight j at bit j % 8 of byte 8 + j / 8). Codes
+    are round-to-nearest(x / d) + 4 in 0..7 under the scale `_searched_scale` finds."""
+    best_d, codes = _searched_scale(x, -4, 3)
+    codes = (codes + 4).to(torch.uint8)
     low = (codes & 3).reshape(*x.shape[:-1], 8, 4) << torch.tensor([0, 2, 4, 6], dtype=torch.uint8)
     high = (codes >> 2).reshape(*x.shape[:-1], 4, 8) << torch.arange(8, dtype=torch.uint8)
     scale = best_d[..., 0].half().view(torch.uint8).reshape(*x.shape[:-1], 2)
@@ -318,10 +324,11 @@ class GGUFMatrix(QuantizedMatrix):
     MADE = {"q4_0": 2, "q8_0": 8, "q3_0": Q3_0}
 
     @classmethod
-    def quantize(cls, weight: torch.Tensor, kind: int = 2) -> "GGUFMatrix":
+    def quantize(cls, weight: torch.Tensor, kind: int = 2, search: bool = False) -> "GGUFMatrix":
         """A float matrix [N, K] (K a multiple of 32) rounded to Q4_0 (kind 2) or Q8_0 (kind 8) blocks by ggml's
         reference recipe (quantize_row_q4_0_ref / q8_0_ref: the bytes gguf-py and llama-quantize write), or to
-        verispec's own 3-bit blocks (`Q3_0`; see `_quantize_q3_0`).
+        verispec's own 3-bit blocks (`Q3_0`; see `_quantize_q3_0`). search (Q4_0): each block's scale the one
+        `_searched_scale` finds instead of ggml's rule (the same format, less squared error).
 
         For drafts (a head's or a draft model's matrices), whose numbers only shape proposals: the q8 kernels
         multiply 4-bit blocks about twice as fast as `Int4Matrix`'s at one to eight rows (repacked columns, one
@@ -335,7 +342,11 @@ class GGUFMatrix(QuantizedMatrix):
         x = w.reshape(n, k // 32, 32)
         if kind == Q3_0:
             return cls(_quantize_q3_0(x).reshape(n, -1).contiguous(), kind)
-        if kind == 2:
+        if kind == 2 and search:
+            d, codes = _searched_scale(x, -8, 7)
+            d, codes = d[..., 0], (codes + 8).to(torch.uint8)
+            body = codes[..., :16] | (codes[..., 16:] << 4)
+        elif kind == 2:
             # d = the block's largest-magnitude weight (first of ties, sign kept) / -8; codes floor(x / d + 8.5) <= 15
             peak = x.gather(2, x.abs().argmax(2, keepdim=True))[..., 0]
             d = peak / -8.0
