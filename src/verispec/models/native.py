@@ -511,24 +511,19 @@ class NativeCausalLM(CausalLM):
         self.name = f"{self.name}-{'int4' if dtype == torch.quint4x2 else str(dtype).removeprefix('torch.')}"
 
     def _store_matrices_as_blocks(self, three_bit: tuple[str, ...] = ()) -> None:
-        """Replace the borrowed matrices by ggml's Q4_0 blocks (`kernels.GGUFMatrix.quantize`, each block's scale the
-        one of least squared error found by a search, not ggml's rule: the draft's next token agreed with the q8
-        1.5B target's 0.820 of the time against 0.813, bench/README), those of the layers'
-        `three_bit` fields by verispec's 3-bit Q3_0 blocks: the model then runs with llama.cpp's numerics, as a Q4_0
-        file would (`numerics="q8"`: activations rounded per 32, integer dot products), a draft whose step costs
+        """Replace the borrowed matrices by ggml's Q4_0 blocks (`kernels.GGUFMatrix.quantize`, each block's scale
+        searched for the least squared error rather than ggml's rule: a draft agrees with its target more often,
+        bench/README), those of the layers' `three_bit` fields by verispec's 3-bit Q3_0 blocks: the model then runs
+        with llama.cpp's numerics, as a Q4_0 file would (`numerics="q8"`: activations rounded per 32, integer dot
+        products), a draft whose step costs
         ~0.75x an int4 copy's at width 1 and ~0.5x at width 8 (0.5B, Zen 5). A draft's step streams its matrices,
         so fewer bits a weight is a cheaper step; the gate and up matrices, over half of a layer's weights, lose
         the least agreement with the target at 3 bits (see `kernels.matrices.Q3_0`). The rounding (seconds for a
         0.5B, most of it the 3-bit scale search) is done once and stored (`models.stored.converted`)."""
         made = kernels.GGUFMatrix.MADE
         types = tuple(made[Q3_0] if field in three_bit else made[Q4_0] for _ in self.layers for field in MATRIX_FIELDS)
-        matrices = stored.converted(self, Q3_0 if three_bit else Q4_0, types + (made[Q4_0],))
-        for layer in self.layers:
-            for field in MATRIX_FIELDS:
-                setattr(layer, field, matrices.pop(0))
-        self.lm_head = matrices.pop(0)
-        self._prepared = None
-        self._stack = False
+        given = iter(stored.converted(self, Q3_0 if three_bit else Q4_0, types + (made[Q4_0],)))
+        self._convert_matrices(lambda _: next(given))
         self.numerics = "q8"
         self.name = f"{self.name}-{Q3_0 if three_bit else Q4_0}"
 
