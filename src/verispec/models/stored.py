@@ -25,6 +25,7 @@ import hashlib
 import logging
 import os
 import re
+import sys
 import time
 import weakref
 from pathlib import Path
@@ -245,8 +246,12 @@ def converted(model, kind: str, types: tuple[int, ...]) -> list:
     each block's scale searched: a draft's blocks need not be the bytes llama-quantize would write), read from disk when a stored copy of these very weights exists, else made (and stored, for models of
     `STORE_MIN_WEIGHTS` weights or more). kind names the copy (q4_0, q3_0)."""
     def make() -> list:
-        return [kernels.GGUFMatrix.quantize(matrix, block_type, search=True)
-                for matrix, block_type in zip(model.matrices(), types, strict=True)]
+        from tqdm import tqdm
+
+        # seconds of work on a first load (a 0.5B: ~10): a bar where a person watches (a terminal), nothing otherwise
+        pairs = tqdm(list(zip(model.matrices(), types, strict=True)), desc=f"rounding {model.name} to {kind} blocks",
+                     unit="matrix", file=sys.stderr, disable=None, leave=False)
+        return [kernels.GGUFMatrix.quantize(matrix, block_type, search=True) for matrix, block_type in pairs]
 
     if not _worth_storing(model):
         return make()
