@@ -143,45 +143,42 @@ def _load(path: Path, kind: str) -> dict | None:
         return None
 
 
-def _read(model, path: Path) -> list | None:
-    """The stored matrices, in `model.matrices()` order, or None if the file is missing or does not fit."""
-    tensors = _load(path, INT4)
-    if tensors is None:
-        return None
-    stored = []
-    for i, source in enumerate(model.matrices()):
-        n, k = source.shape
-        values, scale = tensors.get(f"{i}.values"), tensors.get(f"{i}.scale")
-        if (values is None or scale is None or values.dtype != torch.uint8 or scale.dtype != torch.float32
-                or tuple(values.shape) != (n, k // 2) or tuple(scale.shape) != (n, k // kernels.Int4Matrix.GROUP)):
-            log.warning("ignoring the stored int4 copy %s: matrix %d does not fit %s; making it again", path, i, model.name)
+def _stored_matrix(tensors: dict, i: int, source, block_type: int | None):
+    """Matrix i of a stored copy, shaped for `source` (an `Int4Matrix`, or with a block type a `GGUFMatrix` of it), or
+    None if the file's tensors for it are missing or do not fit."""
+    n, k = source.shape
+    if block_type is not None:
+        _, size, weights, _ = kernels.GGUFMatrix.KINDS[block_type]
+        blocks = tensors.get(f"{i}.blocks")
+        if blocks is None or blocks.dtype != torch.uint8 or tuple(blocks.shape) != (n, k // weights * size):
             return None
-        stored.append(kernels.Int4Matrix(values.to(source.device), scale.to(source.device)))
-    if len(tensors) != 2 * len(stored):
-        log.warning("ignoring the stored int4 copy %s: it holds %d tensors, %s needs %d; making it again",
-                    path, len(tensors), model.name, 2 * len(stored))
+        return kernels.GGUFMatrix(blocks, block_type)
+    values, scale = tensors.get(f"{i}.values"), tensors.get(f"{i}.scale")
+    if (values is None or scale is None or values.dtype != torch.uint8 or scale.dtype != torch.float32
+            or tuple(values.shape) != (n, k // 2) or tuple(scale.shape) != (n, k // kernels.Int4Matrix.GROUP)):
         return None
-    return stored
+    return kernels.Int4Matrix(values.to(source.device), scale.to(source.device))
 
 
-def _read_blocks(model, path: Path, kind: str, types: tuple[int, ...]) -> list | None:
-    """Stored blocks, as `GGUFMatrix`es of `types` in `model.matrices()` order, or None if the file is missing or
-    does not fit."""
+def _read(model, path: Path, kind: str = INT4, types: tuple[int, ...] = ()) -> list | None:
+    """The stored matrices, in `model.matrices()` order (int4, or blocks of `types`), or None if the file is missing
+    or does not fit."""
     tensors = _load(path, kind)
     if tensors is None:
         return None
     stored = []
-    for i, (source, block_type) in enumerate(zip(model.matrices(), types, strict=True)):
-        n, k = source.shape
-        _, size, weights, _ = kernels.GGUFMatrix.KINDS[block_type]
-        blocks = tensors.get(f"{i}.blocks")
-        if blocks is None or blocks.dtype != torch.uint8 or tuple(blocks.shape) != (n, k // weights * size):
-            log.warning("ignoring the stored %s copy %s: matrix %d does not fit %s; making it again", kind, path, i, model.name)
+    sources = model.matrices()
+    for i, (source, block_type) in enumerate(zip(sources, types or [None] * len(sources), strict=True)):
+        matrix = _stored_matrix(tensors, i, source, block_type)
+        if matrix is None:
+            log.warning("ignoring the stored %s copy %s: matrix %d does not fit %s; making it again",
+                        kind, path, i, model.name)
             return None
-        stored.append(kernels.GGUFMatrix(blocks, block_type))
-    if len(tensors) != len(stored):
+        stored.append(matrix)
+    needed = (1 if types else 2) * len(stored)
+    if len(tensors) != needed:
         log.warning("ignoring the stored %s copy %s: it holds %d tensors, %s needs %d; making it again",
-                    kind, path, len(tensors), model.name, len(stored))
+                    kind, path, len(tensors), model.name, needed)
         return None
     return stored
 
@@ -196,17 +193,18 @@ def _tensors(matrices) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def _write(copy, path: Path, copy_of, kind: str = INT4) -> None:
-    """Store `copy` (a model, or its matrices in `matrices()` order) at `path`, replacing any copy of `kind` of other
-    weights stored under `copy_of`'s name (one copy per model name and kind keeps the store from growing with
-    every re-pulled or edited model)."""
+def _write(matrices: list, path: Path, copy_of, kind: str = INT4) -> None:
+    """Store a copy's `matrices` (in `matrices()` order) at `path`, replacing any copy of `kind` of other weights
+    stored under `copy_of`'s name (one copy per model name and kind keeps the store from growing with every
+    re-pulled or edited model)."""
     from safetensors.torch import save_file
 
-    tensors = _tensors(copy if isinstance(copy, list) else copy.matrices())
+    tensors = _tensors(matrices)
     partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        save_file(tensors, partial, metadata={"format": str(FORMAT), "source": str(copy_of.name)})
+        form = FORMAT if kind == INT4 else BLOCKS_FORMAT
+        save_file(tensors, partial, metadata={"format": str(form), "source": str(copy_of.name)})
         os.replace(partial, path)
         for older in _stored_under(copy_of, kind):  # copies of earlier weights under this name
             if older != path:
@@ -215,7 +213,8 @@ def _write(copy, path: Path, copy_of, kind: str = INT4) -> None:
             if time.time() - left.stat().st_mtime > 3600:
                 left.unlink(missing_ok=True)
     except OSError as exc:  # a full or read-only disk: the copy still works, from memory
-        log.warning("could not store the %s copy of %s at %s (%s); it will be made again next time", kind, copy_of.name, path, exc)
+        log.warning("could not store the %s copy of %s at %s (%s); it will be made again next time",
+                    kind, copy_of.name, path, exc)
         with contextlib.suppress(OSError):
             partial.unlink()
 
@@ -236,15 +235,16 @@ def int4_copy(model):
     log.info("making an int4 copy of %s to draft with (once: it is stored for the next runs)", model.name)
     copy = model.lower_precision_copy(torch.quint4x2)
     made = time.perf_counter()
-    _write(copy, path, model)
+    _write(copy.matrices(), path, model)
     log.info("int4 copy of %s made in %.1f s, stored at %s in %.1f s", model.name, made - started, path, time.perf_counter() - made)
     return copy
 
 
 def converted(model, kind: str, types: tuple[int, ...]) -> list:
     """`model.matrices()` rounded to 32-weight blocks, matrix i to `GGUFMatrix` type types[i] (`GGUFMatrix.quantize`,
-    each block's scale searched: a draft's blocks need not be the bytes llama-quantize would write), read from disk when a stored copy of these very weights exists, else made (and stored, for models of
-    `STORE_MIN_WEIGHTS` weights or more). kind names the copy (q4_0, q3_0)."""
+    each block's scale searched: a draft's blocks need not be the bytes llama-quantize would write), read from disk
+    when a stored copy of these very weights exists, else made (and stored, for models of `STORE_MIN_WEIGHTS`
+    weights or more). kind names the copy (q4_0, q3_0)."""
     def make() -> list:
         from tqdm import tqdm
 
@@ -257,7 +257,7 @@ def converted(model, kind: str, types: tuple[int, ...]) -> list:
         return make()
     started = time.perf_counter()
     path = path_for(model, fingerprint(model, kind, types), kind)
-    stored = _read_blocks(model, path, kind, types)
+    stored = _read(model, path, kind, types)
     if stored is not None:
         log.info("%s blocks of %s read from %s in %.1f s", kind, model.name, path, time.perf_counter() - started)
         return stored
@@ -265,5 +265,6 @@ def converted(model, kind: str, types: tuple[int, ...]) -> list:
     matrices = make()
     made = time.perf_counter()
     _write(matrices, path, model, kind)
-    log.info("%s blocks of %s made in %.1f s, stored at %s in %.1f s", kind, model.name, made - started, path, time.perf_counter() - made)
+    log.info("%s blocks of %s made in %.1f s, stored at %s in %.1f s",
+             kind, model.name, made - started, path, time.perf_counter() - made)
     return matrices
