@@ -18,6 +18,7 @@ a test sets another configuration with `configure(KernelConfig(...))` (or
 | `chunked_prefill`  | `VERISPEC_CHUNKED_PREFILL=1`                  | off     | int4 drafts with int8 activations prefill in small passes also where PyTorch's GEMM would prefill |
 | `wide_prefill`     | `VERISPEC_WIDE_PREFILL=1`                     | off     | never prefill in small-pass chunks |
 | `store_copies`     | `VERISPEC_STORE_COPIES=0` (or `false`, `no`, empty) turns off | on | store made int4 self-draft copies and drafts' Q4_0 / Q3_0 blocks in the cache and read them back |
+| `huge_pages`       | `VERISPEC_HUGE_PAGES=0` (or `false`, `no`, empty) turns off | on | the quantized matrices' repacked blocks on 2 MB pages where Linux gives them (`kernels.pages`) |
 | `compiler`         | `CC`                                          | `cc`, else `gcc` on PATH | the C compiler that builds the kernels |
 
 A flag set to any non-empty value counts as set, except where the table names the values.
@@ -49,6 +50,7 @@ class KernelConfig:
     chunked_prefill: bool = False
     wide_prefill: bool = False
     store_copies: bool = True
+    huge_pages: bool = True
     compiler: str | None = None
 
     def __post_init__(self):
@@ -72,6 +74,7 @@ class KernelConfig:
             chunked_prefill=bool(environ.get("VERISPEC_CHUNKED_PREFILL")),
             wide_prefill=bool(environ.get("VERISPEC_WIDE_PREFILL")),
             store_copies=environ.get("VERISPEC_STORE_COPIES", "1") not in ("0", "false", "no", ""),
+            huge_pages=environ.get("VERISPEC_HUGE_PAGES", "1") not in ("0", "false", "no", ""),
             compiler=environ.get("CC") or None,
         )
 

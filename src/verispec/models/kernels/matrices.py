@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from verispec.models.kernels import abi
+from verispec.models.kernels import abi, pages
 from verispec.models.kernels.runtime import available, check, runtime
 from verispec.models.kernels.threads import threads
 
@@ -294,7 +294,7 @@ class GGUFMatrix(QuantizedMatrix):
             n, k = self.shape
             name, _, weights, group_bytes = self.KINDS[self.kind]
             groups = -(-n // self.GROUP)
-            packed = torch.empty(groups, k // weights * group_bytes, dtype=torch.uint8)
+            packed = pages.empty((groups, k // weights * group_bytes))  # streamed every step: on huge pages
             blocks = self.blocks.contiguous()
             if runtime().lib.gguf_q8_repack(blocks.data_ptr(), packed.data_ptr(), n, k, self.kind,
                                             threads()):
