@@ -176,7 +176,7 @@ INLINE void q4k_tile(const q8_job *job, const uint8_t *group, int64_t m0, const 
         IVEC sumi[Q8TILE];
         for (int r = 0; r < R; r++) sumi[r] = IZERO();
         for (int j = 0; j < 8; j++) {
-            if (part == 0) prefetch_block(blk, size, j, 8, Q8_AHEAD);
+            if (part == 0) PREFETCH_TILE(blk, size, j, 8, R);
             const uint8_t *qs = blk + 320 + 4 * 64 * j + VBYTES * part;
             IVEC w[8];
             for (int u = 0; u < 4; u++) {
@@ -263,7 +263,7 @@ INLINE void q6k_tile(const q8_job *job, const uint8_t *group, int64_t m0, const 
         IVEC sumi[Q8TILE];
         for (int r = 0; r < R; r++) sumi[r] = IZERO();
         for (int l = 0; l < 8; l++) {
-            if (part == 0) prefetch_block(blk, Q6G_BYTES, l, 8, Q8_AHEAD);
+            if (part == 0) PREFETCH_TILE(blk, Q6G_BYTES, l, 8, R);
             const IVEC pairs = I8X16(blk + 32 + 32 * l + 2 * VCOLS * part);
             /* -32 * (sc[2 l] bsums[2 l] + sc[2 l + 1] bsums[2 l + 1]): the codes' offset, exact in int32 */
             const IVEC minus32 = ISLL16(ISUB16(IZERO(), pairs), 5);
