@@ -84,6 +84,7 @@ typedef struct { const float *x; const void *w; const float *s; const float *b; 
  * loads a slab's 16 rows of a block with one stride (kquant_amx.c). A VNNI tile (Q8TILE rows, from a multiple of
  * Q8TILE) lies within one slab. */
 #define Q8TILE 8
+#define Q8WIDE 16  /* the most rows a k-quant tile takes in one pass over its decoded weights (a verify pass) */
 #define Q8SLAB 16
 static inline int64_t q8_at(int64_t m, int64_t b, int64_t blocks) { return (m / Q8SLAB * blocks + b) * Q8SLAB + m % Q8SLAB; }
 /* Rows the layout holds for M: whole slabs. */

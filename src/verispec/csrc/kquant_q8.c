@@ -23,7 +23,8 @@
  *
  * Row independence: every output y[m, n] is that sequence of operations on row m's own Q8_K blocks
  * and column n's blocks, whatever M and however threads split the columns (they split groups of 16
- * columns only). Rows run in tiles of up to Q8TILE sharing each decoded sub-block; rows never meet. */
+ * columns only). Rows run in tiles sharing each decoded sub-block (a pass of up to Q8WIDE rows, a verify pass's, in one
+ * tile; a wider one, a prefill's, in tiles of Q8TILE); rows never meet. */
 #include "common.h"
 #include "kernels.h"
 
@@ -167,13 +168,13 @@ INLINE void q4k_tile(const q8_job *job, const uint8_t *group, int64_t m0, const 
 {
     const int64_t K = job->K, blocks = K / QK_K, size = five ? Q5G_BYTES : Q4G_BYTES;
     const IVEC low4 = ISET8(15);
-    FVEC acc[Q8TILE], accm[Q8TILE];
+    FVEC acc[Q8WIDE], accm[Q8WIDE];
     for (int r = 0; r < R; r++) acc[r] = accm[r] = FZERO();
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *blk = group + b * size;
         const int64_t at0 = q8_at(m0, b, blocks);  /* row m0 + r's block b: at0 + r (m0 starts a tile) */
         const int8_t *x = job->qx + at0 * QK_K;
-        IVEC sumi[Q8TILE];
+        IVEC sumi[Q8WIDE];
         for (int r = 0; r < R; r++) sumi[r] = IZERO();
         for (int j = 0; j < 8; j++) {
             if (part == 0) PREFETCH_TILE(blk, size, j, 8, R);
@@ -192,7 +193,7 @@ INLINE void q4k_tile(const q8_job *job, const uint8_t *group, int64_t m0, const 
             const IVEC scale = q4k_scales(blk + 64 + 16 * j + VCOLS * part);
 #if VCOLS == 16
             /* step-major over the tile's rows: R independent chains in flight, not one at a time */
-            IVEC t[Q8TILE];
+            IVEC t[Q8WIDE];
             for (int r = 0; r < R; r++) t[r] = IZERO();
             for (int u = 0; u < 8; u++) {  /* step 8 j + u: weights 32 j + 4 u (u < 4), 32 j + 16 + 4 (u - 4) */
                 const int64_t at = 32 * j + (u < 4 ? 4 * u : 16 + 4 * (u - 4));
@@ -254,13 +255,13 @@ INLINE void q6k_tile(const q8_job *job, const uint8_t *group, int64_t m0, const 
 {
     const int64_t K = job->K, blocks = K / QK_K;
     const IVEC low4 = ISET8(15), top2 = ISET8(0x30);
-    FVEC acc[Q8TILE];
+    FVEC acc[Q8WIDE];
     for (int r = 0; r < R; r++) acc[r] = FZERO();
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *blk = group + b * Q6G_BYTES;
         const int64_t at0 = q8_at(m0, b, blocks);  /* as in q4k_tile */
         const int8_t *x = job->qx + at0 * QK_K;
-        IVEC sumi[Q8TILE];
+        IVEC sumi[Q8WIDE];
         for (int r = 0; r < R; r++) sumi[r] = IZERO();
         for (int l = 0; l < 8; l++) {
             if (part == 0) PREFETCH_TILE(blk, Q6G_BYTES, l, 8, R);
@@ -281,7 +282,7 @@ INLINE void q6k_tile(const q8_job *job, const uint8_t *group, int64_t m0, const 
                                    IOR(IAND(ISRL16(lo1, 4), low4), IAND(ISRL16(hi, 2), top2))};
                 const IVEC scale = q6k_scales(pairs, odd);
 #if VCOLS == 16
-                IVEC t[Q8TILE];
+                IVEC t[Q8WIDE];
                 for (int r = 0; r < R; r++) t[r] = IZERO();
                 for (int v = 0; v < 4; v++) {  /* step 4 g + v: weights 16 g + 4 v */
 #pragma GCC unroll 16
@@ -315,15 +316,14 @@ INLINE void q6k_tile(const q8_job *job, const uint8_t *group, int64_t m0, const 
     static void q5k_tile_##R(const q8_job *j, const uint8_t *g, int64_t m0, int part, FVEC *out) { q4k_tile(j, g, m0, R, part, out, 1); } \
     static void q6k_tile_##R(const q8_job *j, const uint8_t *g, int64_t m0, int part, FVEC *out) { q6k_tile(j, g, m0, R, part, out); }
 TILES(1) TILES(2) TILES(3) TILES(4) TILES(5) TILES(6) TILES(7) TILES(8)
-static const q8_tile_fn q4k_tiles[Q8TILE + 1] = {0, q4k_tile_1, q4k_tile_2, q4k_tile_3, q4k_tile_4,
-                                                 q4k_tile_5, q4k_tile_6, q4k_tile_7, q4k_tile_8};
-static const q8_tile_fn q5k_tiles[Q8TILE + 1] = {0, q5k_tile_1, q5k_tile_2, q5k_tile_3, q5k_tile_4,
-                                                 q5k_tile_5, q5k_tile_6, q5k_tile_7, q5k_tile_8};
-static const q8_tile_fn q6k_tiles[Q8TILE + 1] = {0, q6k_tile_1, q6k_tile_2, q6k_tile_3, q6k_tile_4,
-                                                 q6k_tile_5, q6k_tile_6, q6k_tile_7, q6k_tile_8};
+TILES(9) TILES(10) TILES(11) TILES(12) TILES(13) TILES(14) TILES(15) TILES(16)
+#define KTABLE(k) {0, k##_tile_1, k##_tile_2, k##_tile_3, k##_tile_4, k##_tile_5, k##_tile_6, k##_tile_7, k##_tile_8, \
+                   k##_tile_9, k##_tile_10, k##_tile_11, k##_tile_12, k##_tile_13, k##_tile_14, k##_tile_15, k##_tile_16}
+static const q8_tile_fn q4k_tiles[Q8WIDE + 1] = KTABLE(q4k), q5k_tiles[Q8WIDE + 1] = KTABLE(q5k),
+                        q6k_tiles[Q8WIDE + 1] = KTABLE(q6k);
 
 /* Column groups [begin, end) of a q8_job (columns 16 g .. 16 g + 15 of the repacked matrix): every row
- * against each group's blocks, Q8TILE rows at a time (later tiles re-read the group from cache). */
+ * against each group's blocks: up to Q8WIDE rows in one tile, more Q8TILE at a time (see q8_groups). */
 void KQ(q8_range)(const void *arg, int64_t begin, int64_t end)
 {
     const q8_job *job = arg;
@@ -336,5 +336,5 @@ void KQ(q8_range)(const void *arg, int64_t begin, int64_t end)
     if (q8_amx && job->M >= q8_amx && q8_amx_range(job, begin, end) == 0) return;
 #endif
     const q8_tile_fn *tiles = kind == GGML_Q6_K ? q6k_tiles : kind == GGML_Q5_K ? q5k_tiles : q4k_tiles;
-    q8_groups(job, begin, end, tiles, job->K / QK_K, q8_group_bytes(kind));
+    q8_groups(job, begin, end, tiles, job->K / QK_K, q8_group_bytes(kind), Q8WIDE);
 }

@@ -83,9 +83,8 @@ INLINE void prefetch_block(const uint8_t *p, int64_t bytes, int step, int steps,
 
 /* The same into L2, `Q8_AHEAD_L2` groups ahead, for tiles of few rows (decode steps, short verify passes), which
  * spend little time on a group: there the stream is bound by how many lines are in flight, and L1's few fill
- * buffers cap what prefetches into L1 can have outstanding. On weights on huge pages (kernels/pages.py), the q8
- * 1.5B target's width-1 step 46.6 -> 43.7 ms, width 4 56.1 -> 53.5 (Intel Xeon, builds alternating); at 8 rows and
- * more the L1 prefetch above stays ahead (width 11 measured 5% slower with this). */
+ * buffers cap what prefetches into L1 can have outstanding. At 8 rows and more the L1 prefetch above keeps ahead
+ * better (bench/README, "Weights on huge pages"). */
 #define Q8_AHEAD_L2 8
 #define Q8_FEW_ROWS 4
 INLINE void prefetch_block_l2(const uint8_t *p, int64_t bytes, int step, int steps)
@@ -176,11 +175,14 @@ INLINE void q8_store(float *y, FVEC out, FVEC b, int64_t cols, int part)
 typedef void (*q8_tile_fn)(const q8_job *, const uint8_t *, int64_t, int, FVEC *);
 
 /* Column groups [begin, end) of a q8_job, each `size` bytes per block column and `blocks` blocks deep: every
- * row against each group's blocks, Q8TILE rows at a time (later tiles re-read the group from cache), plus the
- * bias; a last group narrower than Q8G stores only its columns. The loop of every block kind (kquant_q8.c,
- * quant32_q8.c), which differ only in their tiles. */
+ * row against each group's blocks, plus the bias; a last group narrower than Q8G stores only its columns. A pass
+ * of up to `widest` rows is one tile (`tiles` has an entry for each count up to it), so each sub-block is decoded
+ * once for all its rows: a verify pass of 9-16 rows as two tiles decoded the weights twice and cost 1.3-1.5x one
+ * of 8 (the k-quants take 16: bench/README, "Weights on huge pages"). Wider passes go Q8TILE rows at a time (later
+ * tiles re-read the group from cache). The loop of every block kind (kquant_q8.c, quant32_q8.c), which differ
+ * only in their tiles. */
 static inline void q8_groups(const q8_job *job, int64_t begin, int64_t end, const q8_tile_fn *tiles, int64_t blocks,
-                             int64_t size)
+                             int64_t size, int widest)
 {
     const int64_t N = job->N, span = blocks * size;
     /* Passes of more than one tile of rows (prefill) take the groups in runs of up to Q8_RUN_BYTES of weights, and
@@ -200,13 +202,14 @@ static inline void q8_groups(const q8_job *job, int64_t begin, int64_t end, cons
             const int64_t n0 = g * Q8G;
             q8_bias(job, n0, N - n0 < Q8G ? N - n0 : Q8G, bias + Q8G * (g - g0));
         }
-        for (int64_t m0 = 0; m0 < job->M; m0 += Q8TILE) {
-            const int R = job->M - m0 < Q8TILE ? (int)(job->M - m0) : Q8TILE;
+        const int64_t tile = job->M <= widest ? job->M : Q8TILE;
+        for (int64_t m0 = 0; m0 < job->M; m0 += tile) {
+            const int R = job->M - m0 < tile ? (int)(job->M - m0) : (int)tile;
             for (int64_t g = g0; g < g1; g++) {
                 const uint8_t *group = job->w + g * span;
                 const int64_t n0 = g * Q8G, cols = N - n0 < Q8G ? N - n0 : Q8G;
                 for (int part = 0; part < PARTS; part++) {
-                    FVEC out[Q8TILE];
+                    FVEC out[Q8WIDE];
                     tiles[R](job, group, m0, part, out);
                     const FVEC b = FLOAD(bias + Q8G * (g - g0) + VCOLS * part);
                     for (int r = 0; r < R; r++) q8_store(job->y + (m0 + r) * N + n0, out[r], b, cols, part);

@@ -196,5 +196,5 @@ void KQ(q32_range)(const void *arg, int64_t begin, int64_t end)
     const int kind = job->kind;
     const q8_tile_fn *tiles = kind == GGML_Q4_0 ? q4_0_tiles : kind == GGML_Q4_1 ? q4_1_tiles : kind == GGML_Q5_0 ? q5_0_tiles
                             : kind == GGML_Q5_1 ? q5_1_tiles : kind == VS_Q3_0 ? q3_0_tiles : q8_0_tiles;
-    q8_groups(job, begin, end, tiles, job->K / QK32, Q8G * q32_block_bytes(kind));
+    q8_groups(job, begin, end, tiles, job->K / QK32, Q8G * q32_block_bytes(kind), Q8TILE);
 }

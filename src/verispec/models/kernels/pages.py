@@ -3,9 +3,8 @@
 A decode step streams every weight once, and the step is as fast as that stream. On 4 KB pages the
 stream crosses a page every 4 KB: the hardware prefetchers stop at each page boundary and every page
 costs a TLB miss, so a core's loads have fewer bytes in flight than memory could serve. On 2 MB pages
-the same bytes stream further ahead. Measured on 2 Intel Xeon cores (bench/README, "Weights on huge
-pages"): a plain read of 1 GB 22.9 -> 28.2 GB/s, the q8 1.5B target's width-1 step 60.6 -> 51.5 ms and
-the 0.5B draft's 12.4 -> 11.3 ms, the same bytes and the same numbers.
+the same bytes stream further ahead: the same numbers, a faster step (bench/README, "Weights on huge
+pages").
 
 Linux gives huge pages to anonymous memory that asks for them (`transparent_hugepage/enabled` set to
 `madvise`, the common default) or to all of it (`always`); with `never`, or elsewhere, this is plain
