@@ -467,6 +467,7 @@ class NativeCausalLM(CausalLM):
         # Token rows a pass may carry and still be bitwise row-exact (the engine keeps verify passes within).
         self.max_exact_rows = kernels.MAX_ROWS if self._kernels else None
         self._widen_for_prefill()
+        self._repack_now()
 
     @property
     def hf_model(self):
@@ -526,6 +527,14 @@ class NativeCausalLM(CausalLM):
         self._convert_matrices(lambda _: next(given))
         self.numerics = "q8"
         self.name = f"{self.name}-{Q3_0 if three_bit else Q4_0}"
+
+    def _repack_now(self) -> None:
+        """A q8 model's matrices repacked for the kernels now, as a GGUF target's are at load, not in its first pass:
+        that pass is a draft's first prompt prefill, whose cost against the target's the start decision learns from
+        (`costs.BOOK.relative_prefill`); with the repacking in it a race's one warm-up call measured 2.7x the target's
+        prefill where later calls measured 0.5x, and the draft was not started on the prompts that followed."""
+        if self.numerics == "q8" and self._kernels:
+            self._linears()
 
     def matrices(self) -> list:
         """Every matrix the forward multiplies by (the layers', then the LM head), in whatever format it is kept."""
@@ -614,6 +623,7 @@ class NativeCausalLM(CausalLM):
         clone._buffers = None  # activation buffers are per model object
         clone._prepared = None
         clone._stack = False
+        clone._repack_now()  # its own head
         return clone
 
     def lower_precision_copy(self, weight_dtype: torch.dtype, matrices: list | None = None) -> "NativeCausalLM":
