@@ -291,6 +291,5 @@ def load(path: str | Path, tokenizer=None, name: str | None = None) -> NativeCau
     if not model._kernels:
         raise VerispecError(f"{model.name}: the q8 kernels cannot run this model (head size {dim} is not a multiple "
                             f"of {kernels.lanes()}?)")
-    model._linears()  # the products, their matrices repacked now rather than in the first pass
     _let_go_of_file_pages(embedding.raw)
     return model

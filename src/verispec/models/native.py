@@ -529,10 +529,10 @@ class NativeCausalLM(CausalLM):
         self.name = f"{self.name}-{Q3_0 if three_bit else Q4_0}"
 
     def _repack_now(self) -> None:
-        """A q8 model's matrices repacked for the kernels now, as a GGUF target's are at load, not in its first pass:
-        that pass is a draft's first prompt prefill, whose cost against the target's the start decision learns from
-        (`costs.BOOK.relative_prefill`); with the repacking in it a race's one warm-up call measured 2.7x the target's
-        prefill where later calls measured 0.5x, and the draft was not started on the prompts that followed."""
+        """A q8 model's matrices repacked for the kernels now, when it is made (a GGUF target, a draft in blocks, a
+        copy with its own head), not in its first pass: for a draft that pass is its first prompt prefill, whose cost
+        against the target's the start decision learns from (`costs.BOOK.relative_prefill`), and the repacking would
+        make the draft look several times dearer than it is (bench/README, "Weights on huge pages")."""
         if self.numerics == "q8" and self._kernels:
             self._linears()
 
