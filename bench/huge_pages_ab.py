@@ -30,8 +30,7 @@ def load_arm(args, huge: bool):
     api._LOADED.clear()  # the other arm's objects stay alive in this script; new ones are made
     target = verispec.load(args.target, numerics="q8")
     auto = race.methods_of(target, [f"auto:{args.draft}"])[-1]
-    # the first pass repacks the draft's blocks (lazily): with this arm's setting
-    race.run_method(target, race.warm_prompt(target), auto, 16)
+    race.run_method(target, race.warm_prompt(target), auto, 16)  # as a race warms up: the costs measured once
     return target, auto
 
 

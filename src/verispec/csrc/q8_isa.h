@@ -69,6 +69,18 @@ typedef __m256 FVEC;
 #define Q32_AHEAD 12              /* the same for 32-weight blocks, whose groups are 8x smaller (see quant32_q8.c) */
 #define Q8_RUN_BYTES 131072       /* weights of the column groups a wide pass takes together (see q8_groups) */
 
+/* prefetch_block's lines, into L1 or (into_l2, a constant where it is called) L2 */
+INLINE void prefetch_lines(const uint8_t *p, int64_t bytes, int step, int steps, int ahead, int into_l2)
+{
+    const int64_t lines = (bytes + 63) / 64, per = (lines + steps - 1) / steps;
+    for (int64_t l = step * per; l < (step + 1) * per && l < lines; l++) {
+        if (into_l2)
+            _mm_prefetch((const char *)(p + ahead * bytes + 64 * l), _MM_HINT_T1);
+        else
+            _mm_prefetch((const char *)(p + ahead * bytes + 64 * l), _MM_HINT_T0);
+    }
+}
+
 /* Prefetch part `step` of `steps` of the block group `bytes` at `ahead` groups after p. The blocks are one
  * sequential stream, but at 8 rows a tile spends long enough on each that the hardware prefetcher does not
  * run far enough ahead: without this a third of a wide tile's time stalled on its weight loads (perf,
@@ -76,27 +88,18 @@ typedef __m256 FVEC;
  * prefetch never faults). */
 INLINE void prefetch_block(const uint8_t *p, int64_t bytes, int step, int steps, int ahead)
 {
-    const int64_t lines = (bytes + 63) / 64, per = (lines + steps - 1) / steps;
-    for (int64_t l = step * per; l < (step + 1) * per && l < lines; l++)
-        _mm_prefetch((const char *)(p + ahead * bytes + 64 * l), _MM_HINT_T0);
+    prefetch_lines(p, bytes, step, steps, ahead, 0);
 }
 
-/* The same into L2, `Q8_AHEAD_L2` groups ahead, for tiles of few rows (decode steps, short verify passes), which
+/* Into L2 instead, `Q8_AHEAD_L2` groups ahead, for tiles of few rows (decode steps, short verify passes), which
  * spend little time on a group: there the stream is bound by how many lines are in flight, and L1's few fill
  * buffers cap what prefetches into L1 can have outstanding. At 8 rows and more the L1 prefetch above keeps ahead
  * better (bench/README, "Weights on huge pages"). */
 #define Q8_AHEAD_L2 8
 #define Q8_FEW_ROWS 4
-INLINE void prefetch_block_l2(const uint8_t *p, int64_t bytes, int step, int steps)
-{
-    const int64_t lines = (bytes + 63) / 64, per = (lines + steps - 1) / steps;
-    for (int64_t l = step * per; l < (step + 1) * per && l < lines; l++)
-        _mm_prefetch((const char *)(p + Q8_AHEAD_L2 * bytes + 64 * l), _MM_HINT_T1);
-}
-
 /* A k-quant tile's prefetch for its rows R (a constant where the tile is instantiated) */
 #define PREFETCH_TILE(blk, bytes, step, steps, R) \
-    ((R) <= Q8_FEW_ROWS ? prefetch_block_l2(blk, bytes, step, steps) : prefetch_block(blk, bytes, step, steps, Q8_AHEAD))
+    prefetch_lines(blk, bytes, step, steps, (R) <= Q8_FEW_ROWS ? Q8_AHEAD_L2 : Q8_AHEAD, (R) <= Q8_FEW_ROWS)
 
 /* Four bytes at p as an int32 broadcast to every lane (a row's activations of one step, or a pair of int16). */
 INLINE IVEC bcast4(const void *p)
@@ -194,7 +197,8 @@ static inline void q8_groups(const q8_job *job, int64_t begin, int64_t end, cons
      * arms rotated; bench/README): the q8 1.5B 0.94-0.96x the time, the 0.5B Q4_0 draft 0.80-0.99x; AVX2 the same
      * or better. Groups of a long K (down: 117 KB each) fit fewer than four to a run and go one at a time as before.
      * Which thread computes which output is unchanged, and so are the numbers. */
-    const int64_t fit = Q8_RUN_BYTES / span, run = job->M <= Q8TILE || fit < 4 ? 1 : fit < 64 ? fit : 64;
+    const int64_t tile = job->M <= widest ? job->M : Q8TILE;
+    const int64_t fit = Q8_RUN_BYTES / span, run = job->M <= tile || fit < 4 ? 1 : fit < 64 ? fit : 64;
     for (int64_t g0 = begin; g0 < end; g0 += run) {
         const int64_t g1 = g0 + run < end ? g0 + run : end;
         float bias[Q8G * 64];
@@ -202,7 +206,6 @@ static inline void q8_groups(const q8_job *job, int64_t begin, int64_t end, cons
             const int64_t n0 = g * Q8G;
             q8_bias(job, n0, N - n0 < Q8G ? N - n0 : Q8G, bias + Q8G * (g - g0));
         }
-        const int64_t tile = job->M <= widest ? job->M : Q8TILE;
         for (int64_t m0 = 0; m0 < job->M; m0 += tile) {
             const int R = job->M - m0 < tile ? (int)(job->M - m0) : (int)tile;
             for (int64_t g = g0; g < g1; g++) {

@@ -34,16 +34,16 @@ class _Slab:
     them handed out."""
 
     def __init__(self, size: int):
-        # private: a shared anonymous mapping is shmem, whose huge pages follow another switch (shmem_enabled)
-        self.mapping = mmap.mmap(-1, size + HUGE_PAGE, flags=mmap.MAP_PRIVATE | getattr(mmap, "MAP_ANONYMOUS", 0x20))
+        # private (fd -1 makes it anonymous): a shared anonymous mapping is shmem, whose huge pages follow another
+        # switch (shmem_enabled)
+        self.mapping = mmap.mmap(-1, size + HUGE_PAGE, flags=mmap.MAP_PRIVATE)
         self.bytes = torch.frombuffer(self.mapping, dtype=torch.uint8)  # keeps the mapping alive
         self.start = -self.bytes.data_ptr() % HUGE_PAGE
         self.size, self.taken = size, 0
-        if hasattr(mmap, "MADV_HUGEPAGE"):  # Linux; before the first touch, so the first fault takes a huge page
-            try:
-                self.mapping.madvise(mmap.MADV_HUGEPAGE, self.start, size)
-            except OSError:  # a kernel without transparent huge pages: plain pages
-                pass
+        try:  # before the first touch, so the first fault takes a huge page
+            self.mapping.madvise(mmap.MADV_HUGEPAGE, self.start, size)
+        except OSError:  # a kernel without transparent huge pages: plain pages
+            pass
 
     def cut(self, nbytes: int) -> torch.Tensor | None:
         """`nbytes` from what is left, or None if they do not fit."""
@@ -61,7 +61,8 @@ _slab: _Slab | None = None  # the slab small matrices are cut from now
 def empty(shape: tuple[int, ...], dtype: torch.dtype = torch.uint8) -> torch.Tensor:
     """An uninitialised CPU tensor for weights the kernels stream, on huge pages where the system gives them."""
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    if not kernel_config.current().huge_pages or nbytes == 0:
+    # MADV_HUGEPAGE: Linux; elsewhere a slab would be plain memory cut small, so plain tensors
+    if not kernel_config.current().huge_pages or nbytes == 0 or not hasattr(mmap, "MADV_HUGEPAGE"):
         return torch.empty(shape, dtype=dtype)
     global _slab
     with _lock:
