@@ -258,10 +258,10 @@ def _load_uncached(name: str, dtype: torch.dtype, device: torch.device) -> HFCau
 
 # The last prompt tokens a draft model reads (`ModelDrafter`'s context; None: the whole prompt). Its prefill is what
 # a long prompt with a short answer cannot win back: with the 1.5B q8 target and the 0.5B draft, 13 Spec-Bench and 3
-# HumanEval dev prompts, 2 alternating rounds (AMD EPYC, bench/draft_context_ab.py), reading the last 64 tokens took
-# extraction (201 prompt tokens, 14 answer tokens) from 0.83x plain to 0.98x, and the median over the prompts from
-# 1.29x to 1.32x (128: 0.93x and 1.31x); the system preamble a chat prompt opens with is what it drops first.
-DRAFT_CONTEXT: int | None = 64
+# HumanEval dev prompts, 2 alternating rounds (AMD EPYC, bench/draft_context_ab.py), the last 128 tokens gave 1.34x
+# plain (geomean) against the whole prompt's 1.25x, and extraction (201 prompt tokens, a 14-token answer) 0.93x
+# against 0.83x. The last 64 did better on extraction (0.98x) but cut HumanEval's function signatures off.
+DRAFT_CONTEXT: int | None = 128
 
 
 def model_drafter(target: CausalLM, draft: CausalLM, confidence: float) -> ModelDrafter:
@@ -617,7 +617,8 @@ def generate(target, prompt, *, draft=None, drafter: str = "auto", draft_len: Dr
     target / draft: zoo name, path, hub id or loaded model. prompt: text, token ids, or a list of
     either (a batch: returns a list). drafter: "auto" ("model" if a draft model is given; with an adaptive
     draft_len, a draft model whose prompt prefill could not pay for itself over a quarter of max_new_tokens, by the
-    costs this process measured, gives way to n-gram for that call; one that can starts, in a one-prompt call,
+    costs this process measured, or that would read less than half of the prompt (it reads the last DRAFT_CONTEXT
+    tokens), gives way to n-gram for that call; one that can starts, in a one-prompt call,
     after a few answer tokens drafted by n-gram: `policy.start_after`. Without one, "self" for a native
     float32 target on a CPU with verispec's kernels when the call asks for at least SELF_COPY_MIN_TOKENS
     new tokens or the copy exists (in memory or stored on disk), else n-gram (a q8 target: always): see

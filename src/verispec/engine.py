@@ -26,7 +26,8 @@ from verispec.grammar import Constraint, Grammar, mask_logits
 from verispec.models.base import CausalLM
 from verispec.models.kernels.threads import torch_on_one_thread
 from verispec.options import DraftLen
-from verispec.policy import RETREAT_STEPS, START_AFTER, DraftPolicy, make_policy, retreat_pays, start_after, start_pays
+from verispec.policy import (RETREAT_STEPS, START_AFTER, DraftPolicy, make_policy, retreat_pays, sees_enough, start_after,
+                             start_pays)
 from verispec.prefill import PromptReader, check_read, joined, read_once, tail
 from verispec.prefix_cache import PrefixCache
 from verispec.sampling import SamplingParams, TokenLogprob, make_generator, process_logits, token_logprobs
@@ -248,15 +249,15 @@ class DecodeBatch:
 
     def _start_or_fall_back(self, requests: list[Request], tokens: int, read: int,
                             target_seconds: float) -> tuple[Drafter, float | None]:
-        """The drafter if its prompt prefill is expected to pay for itself over the requests' tokens
-        (`policy.start_pays`), priced by `_draft_prefill_price`; else the fallback. And that price in seconds
-        (None: not measured yet, or no draft model)."""
+        """The drafter if it reads enough of the prompts (`policy.sees_enough`) and its prompt prefill is expected to
+        pay for itself over the requests' tokens (`policy.start_pays`), priced by `_draft_prefill_price`; else the
+        fallback. And that price in seconds (None: not measured yet, or no draft model)."""
         draft_model = self.drafter.prefill_model
         if draft_model is None:
             return self.drafter, None
         startup = self._draft_prefill_price(draft_model, tokens, read, target_seconds)
         new_tokens = max(r.max_new_tokens for r in requests)
-        pays = start_pays(startup, BOOK.step_seconds(self.target), new_tokens)
+        pays = sees_enough(read, tokens) and start_pays(startup, BOOK.step_seconds(self.target), new_tokens)
         return self.drafter if pays else self.fallback, startup
 
     def _draft_prefill_price(self, draft_model: CausalLM, tokens: int, read: int, target_seconds: float) -> float | None:

@@ -340,12 +340,16 @@ def test_a_draft_reading_the_prompt_tail_is_priced_by_what_it_reads(monkeypatch)
     book = CostBook()
     monkeypatch.setattr(verispec.engine, "BOOK", book)
     monkeypatch.setattr(verispec.engine, "START_AFTER", 0)
-    monkeypatch.setattr(verispec.api, "DRAFT_CONTEXT", 8)
+    monkeypatch.setattr(verispec.api, "DRAFT_CONTEXT", 40)
     prompt = [1, 5, 9, 5, 9, 5, 9, 7, 2, 5, 9] * 6
     plain = verispec.generate(target, prompt, drafter="none", max_new_tokens=12)
     got = verispec.generate(target, prompt, draft=draft, max_new_tokens=12)
     assert got.token_ids == plain.token_ids and got.stats.drafter.startswith("ModelDrafter")
-    assert [read for read, _ in book._relative[target][draft]] == [8]  # booked by the draft's 8 tokens, not 65
+    assert [read for read, _ in book._relative[target][draft]] == [40]  # booked by the draft's 40 tokens, not 65
+    # A draft that would see less than half of the prompt gives way to prompt lookup, whatever its price.
+    monkeypatch.setattr(verispec.api, "DRAFT_CONTEXT", 30)
+    blind = verispec.generate(target, prompt, draft=draft, max_new_tokens=12)
+    assert blind.stats.drafter == "NgramDrafter" and blind.token_ids == plain.token_ids
     batch = DecodeBatch(target, ModelDrafter(draft, target.vocab_size, context=8), FixedDraftLen(2))
     batch._record_draft_prefill(draft, 64, 8, 0.1, 0.4, reused=False)  # 12.5 ms a draft token, 6.25 a target token
     assert book._relative[target][draft][-1] == (8, pytest.approx(2.0))
