@@ -1,4 +1,4 @@
-"""What the A/B scripts beside this file share (`draft_vocab_ab.py`, `late_start_ab.py`).
+"""What the A/B scripts beside this file share (`draft_vocab_ab.py`, `late_start_ab.py`, `draft_context_ab.py`, ...).
 
 Each prompt runs every variant `rounds` times in alternating order, so a noisy minute weighs on all of them alike;
 a variant's figures are the medians of its runs and its tokens/s is divided by a baseline variant's; greedy
@@ -35,6 +35,58 @@ def run_interleaved(variants: list[str], rounds: int, run: Callable[[str], dict]
         for name in (variants if round_ % 2 == 0 else variants[::-1]):
             runs[name].append(run(name))
     return runs
+
+
+def rows_against_plain(target, prompts, names: list[str], rounds: int, max_new_tokens: int,
+                       options: Callable[[str], dict]) -> list[dict]:
+    """Per prompt, every variant `rounds` times (`run_interleaved`) through `verispec.generate`, with the keyword
+    arguments options(name) returns once it has set the variant up; a row per prompt: each variant's tokens/s over
+    "plain"'s, its tokens a pass and prefill seconds (`compare`) and its last run's drafter. Prints a line a prompt."""
+    import verispec
+    from verispec.text import encode_prompt
+
+    rows = []
+    for prompt in prompts:
+        ids = encode_prompt(target.tokenizer, prompt.text, chat=prompt.chat)
+
+        def run(name: str) -> dict:
+            result = verispec.generate(target, ids, max_new_tokens=max_new_tokens, **options(name))
+            stats = result.stats
+            return {"tokens_per_second": len(result.token_ids) / stats.total_seconds,
+                    "tokens_per_pass": stats.mean_accepted_tokens, "prefill_seconds": stats.prefill_seconds,
+                    "drafter": stats.drafter, "tokens": result.token_ids}
+
+        runs = run_interleaved(names, rounds, run)
+        row = {"category": prompt.category, "id": prompt.id, "prompt_tokens": len(ids),
+               "new_tokens": len(runs["plain"][0]["tokens"]),
+               "plain_tokens_per_second": statistics.median(r["tokens_per_second"] for r in runs["plain"]),
+               **compare(runs, "plain", "vs_plain", ("tokens_per_pass", "prefill_seconds"))}
+        for name, got in runs.items():
+            row[name]["drafter"] = got[-1]["drafter"]
+        rows.append(row)
+        print(f"{prompt.category:14s} {row['prompt_tokens']:4d}+{row['new_tokens']:3d} " + " | ".join(
+            f"{name} {row[name]['vs_plain']:.2f}x {row[name]['tokens_per_pass']:.2f}/pass" for name in names if name != "plain")
+            + f"  ({row[names[-1]]['drafter']})", flush=True)
+    return rows
+
+
+def report_against_plain(args, rows: list[dict], names: list[str], title: str) -> None:
+    """`rows_against_plain`'s rows summarized, written to args.out (JSON, with the machine, date and settings) and
+    plotted beside it (.png, the 0.97x floor dotted); `title` names what varies."""
+    import json
+    import time
+
+    from verispec.bench import _cpu_name
+
+    summary = summarize(rows, names, "vs_plain")
+    print(json.dumps(summary, indent=1))
+    report = {"cpu": _cpu_name(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+              "settings": vars(args), "summary": summary, "rows": rows}
+    Path(args.out).write_text(json.dumps(report, indent=1))
+    plot_ratios(rows, summary, [name for name in names if name != "plain"], "vs_plain",
+                [f"{r['category']}\n{r['prompt_tokens']}+{r['new_tokens']}" for r in rows], "tokens/s vs plain (end to end)",
+                f"{args.target} (q8) with {args.draft}: {title}; {report['cpu']}, {report['date']}",
+                Path(args.out).with_suffix(".png"), floor=0.97)
 
 
 def compare(runs: dict[str, list[dict]], baseline: str, ratio: str, figures: tuple[str, ...] = ()) -> dict[str, dict]:
