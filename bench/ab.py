@@ -37,6 +37,15 @@ def run_interleaved(variants: list[str], rounds: int, run: Callable[[str], dict]
     return runs
 
 
+def forget_outputs(target) -> None:
+    """Empty the target's index of earlier outputs before a timed call (as `verispec bench` does): staged drafting and
+    suffix lookup draft from it, and a prompt's later runs would draft their answer from its first (until 2026-12-08
+    these scripts did not, so every run of `auto` but a prompt's first drafted its answer from memory)."""
+    from verispec.api import suffix_index
+
+    suffix_index(target).clear()
+
+
 def rows_against_plain(target, prompts, names: list[str], rounds: int, max_new_tokens: int,
                        options: Callable[[str], dict]) -> list[dict]:
     """Per prompt, every variant `rounds` times (`run_interleaved`) through `verispec.generate`, with the keyword
@@ -50,6 +59,7 @@ def rows_against_plain(target, prompts, names: list[str], rounds: int, max_new_t
         ids = encode_prompt(target.tokenizer, prompt.text, chat=prompt.chat)
 
         def run(name: str) -> dict:
+            forget_outputs(target)
             result = verispec.generate(target, ids, max_new_tokens=max_new_tokens, **options(name))
             stats = result.stats
             return {"tokens_per_second": len(result.token_ids) / stats.total_seconds,

@@ -19,7 +19,7 @@ from verispec.api import load_draft
 from verispec.bench import _cpu_name, read_prompts
 from verispec.text import encode_prompt
 
-from ab import arguments, compare, plot_ratios, run_interleaved, summarize
+from ab import arguments, forget_outputs, compare, plot_ratios, run_interleaved, summarize
 
 
 def main() -> None:
@@ -41,6 +41,7 @@ def main() -> None:
         ids = encode_prompt(target.tokenizer, prompt.text, chat=prompt.chat)
 
         def run(name: str) -> dict:
+            forget_outputs(target)
             result = verispec.generate(target, ids, draft=variants[name], drafter=args.drafter, draft_len=draft_len,
                                        max_new_tokens=args.max_new_tokens)
             stats = result.stats

@@ -26,7 +26,7 @@ from verispec.models import kernels
 from verispec.models.kernels import config as kernel_config
 from verispec.text import encode_prompt
 
-from ab import arguments, compare, plot_ratios, run_interleaved, summarize
+from ab import arguments, forget_outputs, compare, plot_ratios, run_interleaved, summarize
 
 VARIANTS = {"VNNI, 32 rows": (False, 32), "AMX, 32 rows": (True, 32), "AMX, 128 rows": (True, 128)}
 BASELINE = "VNNI, 32 rows"
@@ -55,6 +55,7 @@ def main() -> None:
                 kernel_config.configure(dataclasses.replace(settings, amx=amx))
                 kernels.Q8_MAX_ROWS = width
                 assert kernels.amx() == amx
+                forget_outputs(target)
                 result = verispec.generate(target, ids, max_new_tokens=args.max_new_tokens, draft=draft)
                 stats = result.stats
                 return {"tokens_per_second": len(result.token_ids) / stats.total_seconds,

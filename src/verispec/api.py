@@ -256,28 +256,15 @@ def _load_uncached(name: str, dtype: torch.dtype, device: torch.device) -> HFCau
     return loaded
 
 
-# The last prompt tokens a draft model reads (`ModelDrafter`'s context; None: the whole prompt). Its prefill is what
-# a long prompt with a short answer cannot win back: with the 1.5B q8 target and the 0.5B draft, 13 Spec-Bench and 3
-# HumanEval dev prompts, 2 alternating rounds (AMD EPYC, bench/draft_context_ab.py), the last 128 tokens gave 1.34x
-# plain (geomean) against the whole prompt's 1.25x, and extraction (201 prompt tokens, a 14-token answer) 0.93x
-# against 0.83x. The last 64 did better on extraction (0.98x) but cut HumanEval's function signatures off.
-DRAFT_CONTEXT: int | None = 128
-
-
-def model_drafter(target: CausalLM, draft: CausalLM, confidence: float) -> ModelDrafter:
-    """A draft model with its own cache, reading the last DRAFT_CONTEXT tokens of each prompt."""
-    return ModelDrafter(draft, target.vocab_size, min_confidence=confidence, context=DRAFT_CONTEXT)
-
-
 # How each drafter is built, chosen once per call: (target, draft model or None, draft_confidence) -> Drafter.
 DRAFTERS: dict[str, Callable[[CausalLM, CausalLM | None, float], Drafter]] = {
-    "model": model_drafter,
+    "model": lambda target, draft, confidence: ModelDrafter(draft, target.vocab_size, min_confidence=confidence),
     "cross_tokenizer": lambda target, draft, confidence: CrossTokenizerDrafter(draft, target),
-    "hybrid": lambda target, draft, confidence: HybridDrafter(model_drafter(target, draft, confidence)),
+    "hybrid": lambda target, draft, confidence: HybridDrafter(ModelDrafter(draft, target.vocab_size, min_confidence=confidence)),
     "self": lambda target, draft, confidence: SharedCacheDrafter(draft if draft is not None else self_draft(target), target,
                                                                  min_confidence=confidence),
     "staged": lambda target, draft, confidence: StagedDrafter(
-        model_drafter(target, draft, confidence) if draft is not None
+        ModelDrafter(draft, target.vocab_size, min_confidence=confidence) if draft is not None
         else SharedCacheDrafter(self_draft(target), target, min_confidence=confidence),
         SuffixDrafter(suffix_index(target), target.vocab_size)),
     "eagle3": lambda target, draft, confidence: Eagle3Drafter(draft, target, min_confidence=confidence),
@@ -617,8 +604,7 @@ def generate(target, prompt, *, draft=None, drafter: str = "auto", draft_len: Dr
     target / draft: zoo name, path, hub id or loaded model. prompt: text, token ids, or a list of
     either (a batch: returns a list). drafter: "auto" ("model" if a draft model is given; with an adaptive
     draft_len, a draft model whose prompt prefill could not pay for itself over a quarter of max_new_tokens, by the
-    costs this process measured, or that would read less than half of the prompt (it reads the last DRAFT_CONTEXT
-    tokens), gives way to n-gram for that call; one that can starts, in a one-prompt call,
+    costs this process measured, gives way to n-gram for that call; one that can starts, in a one-prompt call,
     after a few answer tokens drafted by n-gram: `policy.start_after`. Without one, "self" for a native
     float32 target on a CPU with verispec's kernels when the call asks for at least SELF_COPY_MIN_TOKENS
     new tokens or the copy exists (in memory or stored on disk), else n-gram (a q8 target: always): see

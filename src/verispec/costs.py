@@ -23,10 +23,9 @@ class CostBook:
     """What this process has measured of its models, kept across calls (a call's own policy starts afresh):
 
     - the seconds of a plain decode step of one sequence, per target;
-    - what a draft model's prompt prefill costs per token relative to its target's prefill of the same prompt,
-      by the draft's tokens read (the draft repeats the target's prefill on a smaller model, perhaps of the
-      prompt's tail only, so the target's time for this very prompt, measured just before, prices the draft's
-      better than a rate of its own would);
+    - what a draft model's prompt prefill costs relative to its target's prefill of the same prompt, by
+      prompt length (the draft repeats the target's prefill on a smaller model, so the target's time for
+      this very prompt, measured just before, prices the draft's better than a per-token rate would);
     - how many tokens the latest answers had, per target (what the workload asks for: short answers make
       a draft's prefill dear).
     Keyed weakly: a model that is dropped takes its entries along. Estimates are None until measured.
@@ -35,7 +34,7 @@ class CostBook:
     def __init__(self, window: int = 16, answers: int = 64):
         self.window = window
         self._step = weakref.WeakKeyDictionary()  # target -> deque of seconds
-        self._relative = weakref.WeakKeyDictionary()  # target -> WeakKeyDictionary(draft -> deque of (read, ratio))
+        self._relative = weakref.WeakKeyDictionary()  # target -> WeakKeyDictionary(draft -> deque of (tokens, ratio))
         self._answers = weakref.WeakKeyDictionary()  # target -> deque of answer lengths
         self.answer_window = answers
 
@@ -60,8 +59,8 @@ class CostBook:
         pairs.setdefault(draft, deque(maxlen=self.window)).append((tokens, ratio))
 
     def relative_prefill(self, target, draft, tokens: int) -> float | None:
-        """A draft prefill token's seconds per target prefill token's, for a draft reading `tokens`: the median
-        ratio of the samples within a factor of two of that length, else the nearest length's."""
+        """Draft prefill seconds per target prefill second for a prompt of `tokens`: the median ratio of the
+        samples within a factor of two of that length, else the nearest length's."""
         samples = self._relative.get(target, {}).get(draft)
         if not samples:
             return None

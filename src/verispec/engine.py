@@ -26,9 +26,8 @@ from verispec.grammar import Constraint, Grammar, mask_logits
 from verispec.models.base import CausalLM
 from verispec.models.kernels.threads import torch_on_one_thread
 from verispec.options import DraftLen
-from verispec.policy import (RETREAT_STEPS, START_AFTER, DraftPolicy, make_policy, retreat_pays, sees_enough, start_after,
-                             start_pays)
-from verispec.prefill import PromptReader, check_read, joined, read_once, tail
+from verispec.policy import RETREAT_STEPS, START_AFTER, DraftPolicy, make_policy, retreat_pays, start_after, start_pays
+from verispec.prefill import PromptReader, check_read, joined, read_once
 from verispec.prefix_cache import PrefixCache
 from verispec.sampling import SamplingParams, TokenLogprob, make_generator, process_logits, token_logprobs
 from verispec.stats import AlternateOutcome, SpecStats, StepRecord
@@ -107,13 +106,11 @@ def check_request(target: CausalLM, request: Request) -> None:
 @dataclass
 class _LateStart:
     """A draft model held back until a call's answer runs long (`DecodeBatch._start_late`), with what prices its
-    prefill: the prompt tokens, those the draft reads of them, and the target's seconds to read them (reused: read
-    from a prefix cache)."""
+    prefill: the prompt tokens and the target's seconds to read them (reused: read from a prefix cache)."""
 
     drafter: Drafter
     after: int  # answer tokens to wait for
     tokens: int
-    read: int
     target_seconds: float
     reused: bool
 
@@ -204,16 +201,15 @@ class DecodeBatch:
         # the target's prefill: the readers' passes (perhaps spread over earlier steps) and joining the batch
         reading = sum(reader.seconds for reader in {id(reader): reader for reader in readers}.values())  # each read once
         target_seconds = reading + time.perf_counter() - started
-        tokens = sum(len(r.prompt) - 1 for r in requests)  # what the target's prefill processes
-        draft_tokens = sum(len(tail(r.prompt[:-1], self.drafter.prompt_context)) for r in requests)  # and the draft's
+        tokens = sum(len(r.prompt) - 1 for r in requests)  # what both prefills process
         if self.fallback is not None:
-            chosen, startup = self._start_or_fall_back(requests, tokens, draft_tokens, target_seconds)
+            chosen, startup = self._start_or_fall_back(requests, tokens, target_seconds)
             starts = chosen is self.drafter and chosen.prefill_model is not None  # a draft model that would start
             one_row = len(requests) == 1 and not self.rows
             if starts and one_row:
                 wait = start_after(startup, BOOK.step_seconds(self.target), BOOK.answers(self.target), START_AFTER)
                 if wait > 0:
-                    self._late = _LateStart(chosen, wait, tokens, draft_tokens, target_seconds, any(reader.reused for reader in readers))
+                    self._late = _LateStart(chosen, wait, tokens, target_seconds, any(reader.reused for reader in readers))
                     chosen = self.fallback
             self.reserve = self.fallback if starts and one_row else None
             if self.reserve is not None and self.reserve is not chosen:  # it holds the row, should the call retreat
@@ -230,7 +226,7 @@ class DecodeBatch:
         if read:  # the draft's prefill, read between steps: its time is the readers'
             self.stats.prefill_seconds += sum(reader.seconds for reader in draft_readers)
         elif draft_model is not None:
-            self._record_draft_prefill(draft_model, tokens, draft_tokens, time.perf_counter() - drafting, target_seconds,
+            self._record_draft_prefill(draft_model, tokens, time.perf_counter() - drafting, target_seconds,
                                        any(reader.reused for reader in readers))
         for r in requests:
             limit = min(r.max_new_tokens, self.target.max_context - len(r.prompt))
@@ -247,32 +243,33 @@ class DecodeBatch:
     def _tenants(drafter: Drafter, requests: list[Request]) -> dict:
         return {"tenants": [r.tenant for r in requests]} if drafter.reads_tenants else {}
 
-    def _start_or_fall_back(self, requests: list[Request], tokens: int, read: int,
+    def _start_or_fall_back(self, requests: list[Request], tokens: int,
                             target_seconds: float) -> tuple[Drafter, float | None]:
-        """The drafter if it reads enough of the prompts (`policy.sees_enough`) and its prompt prefill is expected to
-        pay for itself over the requests' tokens (`policy.start_pays`), priced by `_draft_prefill_price`; else the
-        fallback. And that price in seconds (None: not measured yet, or no draft model)."""
+        """The drafter if its prompt prefill is expected to pay for itself over the requests' tokens
+        (`policy.start_pays`), priced as the target's prefill of these prompts (`tokens` in all), just
+        measured, times what the draft's prefill has cost relative to the target's on earlier calls; else
+        the fallback. And that price in seconds (None: not measured yet, or no draft model)."""
         draft_model = self.drafter.prefill_model
         if draft_model is None:
             return self.drafter, None
-        startup = self._draft_prefill_price(draft_model, tokens, read, target_seconds)
+        startup = self._draft_prefill_price(draft_model, tokens, target_seconds)
         new_tokens = max(r.max_new_tokens for r in requests)
-        pays = sees_enough(read, tokens) and start_pays(startup, BOOK.step_seconds(self.target), new_tokens)
+        pays = start_pays(startup, BOOK.step_seconds(self.target), new_tokens)
         return self.drafter if pays else self.fallback, startup
 
-    def _draft_prefill_price(self, draft_model: CausalLM, tokens: int, read: int, target_seconds: float) -> float | None:
-        """The seconds a draft model's prefill of `read` tokens (of the `tokens` the target read in `target_seconds`,
-        `Drafter.prompt_context`) is expected to take: the target's seconds per token, times what a draft token cost
-        relative to a target token on earlier calls, times `read` (None: not measured yet)."""
-        ratio = BOOK.relative_prefill(self.target, draft_model, read)
-        return None if ratio is None else ratio * target_seconds * read / max(tokens, 1)
+    def _draft_prefill_price(self, draft_model: CausalLM, tokens: int, target_seconds: float) -> float | None:
+        """The seconds a draft model's prefill of `tokens` prompt tokens is expected to take: the target's
+        `target_seconds` for them times what the draft's prefill has cost relative to the target's on earlier
+        calls (None: not measured yet)."""
+        ratio = BOOK.relative_prefill(self.target, draft_model, tokens)
+        return None if ratio is None else ratio * target_seconds
 
-    def _record_draft_prefill(self, draft_model: CausalLM, tokens: int, read: int, seconds: float, target_seconds: float,
+    def _record_draft_prefill(self, draft_model: CausalLM, tokens: int, seconds: float, target_seconds: float,
                               reused: bool) -> None:
-        """The draft/target prefill ratio per token into the cost book, where the target read the prompt itself (a
-        prefix cache's reuse would make the ratio say nothing of a fresh read)."""
-        if target_seconds > 0 and read > 0 and not reused:
-            BOOK.record_relative_prefill(self.target, draft_model, read, seconds * tokens / (read * target_seconds))
+        """The draft/target prefill ratio into the cost book, where the target read the prompt itself (a prefix
+        cache's reuse would make the ratio say nothing of a fresh read)."""
+        if target_seconds > 0 and not reused:
+            BOOK.record_relative_prefill(self.target, draft_model, tokens, seconds / target_seconds)
 
     @torch.inference_mode()
     def remove(self, request_id: Hashable) -> None:
@@ -432,14 +429,14 @@ class DecodeBatch:
         if row is not None and len(row.generated) < self._late.after:
             return
         late, self._late = self._late, None
-        startup = self._draft_prefill_price(late.drafter.prefill_model, late.tokens, late.read, late.target_seconds)
+        startup = self._draft_prefill_price(late.drafter.prefill_model, late.tokens, late.target_seconds)
         if row is None or not start_pays(startup, BOOK.step_seconds(self.target), row.remaining):
             self.reserve = None
             return
         started = time.perf_counter()
         late.drafter.add([list(row.request.prompt)], **self._tenants(late.drafter, [row.request]))
         seconds = time.perf_counter() - started
-        self._record_draft_prefill(late.drafter.prefill_model, late.tokens, late.read, seconds, late.target_seconds, late.reused)
+        self._record_draft_prefill(late.drafter.prefill_model, late.tokens, seconds, late.target_seconds, late.reused)
         self.stats.prefill_seconds += seconds
         self.stats.drafter = f"{self.stats.drafter}, then {type(late.drafter).__name__}"
         self.drafter, self.policy, self._behind = late.drafter, self.policy.fresh(), True

@@ -586,18 +586,6 @@ def start_pays(startup_seconds: float | None, step_seconds: float | None, new_to
     return startup_seconds <= share * new_tokens * step_seconds * max(0.0, 1.0 - 1.0 / speedup)
 
 
-# The least share of a prompt a draft model must read to start (`sees_enough`).
-MIN_DRAFT_SIGHT = 0.5
-
-
-def sees_enough(read: int, tokens: int, least: float = MIN_DRAFT_SIGHT) -> bool:
-    """Whether a draft model that reads `read` of a prompt's `tokens` (`Drafter.prompt_context`) sees enough of it to
-    start. A long prompt is mostly a document, which prompt lookup copies from and a draft reading its tail cannot
-    see: Spec-Bench's summarization (612 tokens) ran 1.02x plain with the 0.5B draft reading its last 128 tokens,
-    where prompt lookup ran 1.24x, and RAG (805) 0.94x against 1.02x (AMD EPYC, 2026-12-08)."""
-    return read >= least * tokens
-
-
 def start_after(startup_seconds: float | None, step_seconds: float | None, answers: list[int], most: int = START_AFTER,
                 speedup: float = START_SPEEDUP) -> int:
     """How many answer tokens a call of one row drafts by prompt lookup before its draft model reads the prompt: the

@@ -31,11 +31,6 @@ def left_pad(rows: list[list[int]], pad_id: int = 0) -> tuple[torch.Tensor, torc
     return tokens, visible
 
 
-def tail(tokens: list[int], most: int | None) -> list[int]:
-    """The last `most` tokens (all of them where most is None): what a drafter with `Drafter.prompt_context` reads."""
-    return list(tokens) if most is None or len(tokens) <= most else list(tokens[len(tokens) - most :])
-
-
 # A chunk a turn start ends is "short" below this many tokens, and no two short chunks follow each other (the
 # cap always cuts): a prompt of many tiny turns is still read in passes of MIN_TURN_CHUNK + 1 tokens per two
 # passes at worst, while the short last question of a conversation, after a long chunk, still ends a chunk.

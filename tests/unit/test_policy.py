@@ -16,7 +16,6 @@ import pytest
 import torch
 
 import verispec
-import verispec.api
 from conftest import perturbed_copy, tiny_llama
 from verispec.costs import BOOK, CostBook
 from verispec.drafters import ModelDrafter
@@ -330,31 +329,6 @@ def test_auto_gives_way_to_prompt_lookup_where_the_draft_prefill_would_not_pay(m
     monkeypatch.setattr(BOOK, "relative_prefill", lambda target, draft, tokens: 0.0)
     fast = verispec.generate(target, prompt, draft=draft, max_new_tokens=24)
     assert fast.stats.drafter.startswith("ModelDrafter") and fast.token_ids == plain.token_ids
-
-
-def test_a_draft_reading_the_prompt_tail_is_priced_by_what_it_reads(monkeypatch):
-    """A draft that reads only a prompt's last tokens (`Drafter.prompt_context`) is booked per token it read and priced
-    by the tokens it will read: a long prompt's start is not priced as a read of the whole prompt."""
-    target = tiny_llama(seed=0)
-    draft = perturbed_copy(target, scale=0.05)
-    book = CostBook()
-    monkeypatch.setattr(verispec.engine, "BOOK", book)
-    monkeypatch.setattr(verispec.engine, "START_AFTER", 0)
-    monkeypatch.setattr(verispec.api, "DRAFT_CONTEXT", 40)
-    prompt = [1, 5, 9, 5, 9, 5, 9, 7, 2, 5, 9] * 6
-    plain = verispec.generate(target, prompt, drafter="none", max_new_tokens=12)
-    got = verispec.generate(target, prompt, draft=draft, max_new_tokens=12)
-    assert got.token_ids == plain.token_ids and got.stats.drafter.startswith("ModelDrafter")
-    assert [read for read, _ in book._relative[target][draft]] == [40]  # booked by the draft's 40 tokens, not 65
-    # A draft that would see less than half of the prompt gives way to prompt lookup, whatever its price.
-    monkeypatch.setattr(verispec.api, "DRAFT_CONTEXT", 30)
-    blind = verispec.generate(target, prompt, draft=draft, max_new_tokens=12)
-    assert blind.stats.drafter == "NgramDrafter" and blind.token_ids == plain.token_ids
-    batch = DecodeBatch(target, ModelDrafter(draft, target.vocab_size, context=8), FixedDraftLen(2))
-    batch._record_draft_prefill(draft, 64, 8, 0.1, 0.4, reused=False)  # 12.5 ms a draft token, 6.25 a target token
-    assert book._relative[target][draft][-1] == (8, pytest.approx(2.0))
-    monkeypatch.setattr(book, "relative_prefill", lambda target, draft, tokens: 2.0)
-    assert batch._draft_prefill_price(draft, 640, 8, 4.0) == pytest.approx(2.0 * 4.0 * 8 / 640)
 
 
 def test_a_started_draft_that_loses_to_plain_steps_gives_way_mid_call(monkeypatch):

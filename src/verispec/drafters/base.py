@@ -266,9 +266,6 @@ class Drafter(Protocol):
     # `Eagle3Drafter.window`): the prefill taps only those, and `observe_taps` gets only those for the prompt.
     # None: every prompt token's.
     prompt_taps: "int | None" = None
-    # Of a prompt (all but its last token), `prefill_model` reads at most this many last tokens (`prefill.tail`):
-    # readers handed to `add` must have read just those. None: all of it.
-    prompt_context: "int | None" = None
 
     # Reads, when drafting resumes, what it skipped while steps did not draft (a trained head: the target's
     # hidden states of the tokens decoded meanwhile, or of new rows' prompts): in the first drafting step after

@@ -25,7 +25,7 @@ class HybridDrafter(Drafter):
 
     def __init__(self, model: ModelDrafter, lookup: NgramDrafter | None = None, max_lag: int = 16):
         self.model = model
-        self.reads_prompt_readers, self.prompt_context = model.reads_prompt_readers, model.prompt_context
+        self.reads_prompt_readers = model.reads_prompt_readers
         # Matches of two or more tokens only: a single repeated token says little about what follows.
         self.lookup = lookup if lookup is not None else NgramDrafter(min_ngram=2, max_ngram=4)
         self.max_lag = max_lag  # tokens the model may fall behind before it must draft (and catch up)
@@ -41,7 +41,8 @@ class HybridDrafter(Drafter):
         return self.model.prefill_model
 
     def _lag(self, sequences: list[list[int]]) -> int:
-        return max(len(seq) - n for seq, n in zip(sequences, self.model.seen()))
+        seen = self.model.cache.slots.num_tokens().tolist()
+        return max(len(seq) - n for seq, n in zip(sequences, seen))
 
     def propose(self, sequences: list[list[int]], draft_len: int, sampling: list[SamplingParams],
                 generators: list[torch.Generator], stop: StopRule | None = None,

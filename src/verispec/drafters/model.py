@@ -12,12 +12,6 @@ distribution, q', to judge it exactly); the draft never feeds an alternate to it
 penalties, logit_bias and min_tokens are applied to the draft's logits too, with the draft's own tokens
 in the history, so the draft guesses the processed target (acceptance only: any q is exact). On commit
 it forgets the draft tokens that were rejected.
-
-With `context`, it reads only a prompt's last `context` tokens. Its prefill is the price a call pays before the
-first draft (`policy.start_pays`), and on a long prompt with a short answer (extraction, RAG) it is the whole
-difference between drafting and not; the few hundred tokens before the answer carry most of what a small draft
-predicts from. RoPE makes attention depend on distances only, so the tail read from position 0 is the tail read
-in place with what came before it left out. Which tokens the draft reads never touches exactness.
 """
 
 from __future__ import annotations
@@ -26,7 +20,7 @@ import torch
 
 from verispec.drafters.base import BranchRule, Draft, Drafter, StopRule, Verdict, draw_alternates, empty_draft
 from verispec.models.base import CausalLM
-from verispec.prefill import PromptReader, check_read, joined, left_pad, prefill, tail
+from verispec.prefill import PromptReader, check_read, joined, left_pad, prefill
 from verispec.grammar import Constraint, mask_logits
 from verispec.sampling import SamplingParams, argmax, coupled_choice, greedy_choice, process_logits, sample, warp_rows
 
@@ -35,38 +29,29 @@ class ModelDrafter(Drafter):
     reads_grammars = True
     reads_prompt_readers = True
 
-    def __init__(self, model: CausalLM, target_vocab_size: int, min_confidence: float = 0.0, context: int | None = None):
+    def __init__(self, model: CausalLM, target_vocab_size: int, min_confidence: float = 0.0):
         self.model = model
-        self.prompt_context = context  # `Drafter.prompt_context`: reads at most this many last prompt tokens
         self.min_confidence = min_confidence  # stop drafting a row when q(token) falls below this
         self.vocab_size = target_vocab_size  # q lives on the target's vocabulary
         self.cache = None
         self._round = None  # (slot length before the round, tail width, draft_len)
         self.prompt_lens: list[int] = []  # per row: where its generated tokens begin (penalties count those)
-        self.skipped: list[int] = []  # per row: the prompt's first tokens, never read (`context`)
 
     @torch.inference_mode()
     def add(self, prompts: list[list[int]], readers: list[PromptReader] | None = None) -> None:
         # Prefill the new rows now (all but the last token, like the target), so a draft step costs
         # what drafting costs: the adaptive draft length learns from that time. readers: those reads, done
-        # already (`Drafter.reads_prompt_readers`), of each prompt's tail (`tail`).
-        read = [tail(p[:-1], self.prompt_context) for p in prompts]
+        # already (`Drafter.reads_prompt_readers`).
         if readers is not None:
-            check_read(self.model, readers, read)
+            check_read(self.model, readers, [p[:-1] for p in prompts])
             new_rows = joined(self.model, readers)
         else:
-            new_rows = prefill(self.model, read)
+            new_rows = prefill(self.model, [list(p[:-1]) for p in prompts])  # grouped by length, like the target's
         if self.cache is None or self.cache.batch_size == 0:
             self.cache = new_rows
         else:
             self.cache.concat(new_rows)
         self.prompt_lens += [len(p) for p in prompts]
-        self.skipped += [len(p) - 1 - len(r) for p, r in zip(prompts, read)]
-
-    def seen(self) -> list[int]:
-        """Per row, how many of its sequence's tokens lie behind the draft: those in its cache and the prompt's
-        first ones it skipped. It reads the rest before it drafts."""
-        return [n + skipped for n, skipped in zip(self.cache.slots.num_tokens().tolist(), self.skipped)]
 
     @property
     def prefill_model(self) -> CausalLM:
@@ -89,7 +74,8 @@ class ModelDrafter(Drafter):
             return empty_draft(batch)
         greedy = torch.tensor([s.greedy for s in sampling])
         all_greedy = bool(greedy.all())
-        tail_tokens, tail_visible = left_pad([seq[n:] for seq, n in zip(sequences, self.seen())])
+        seen = self.cache.slots.num_tokens().tolist()
+        tail_tokens, tail_visible = left_pad([seq[n:] for seq, n in zip(sequences, seen)])
         start = self.cache.slots.length
 
         tokens = torch.zeros(batch, draft_len, dtype=torch.long)
@@ -155,7 +141,6 @@ class ModelDrafter(Drafter):
     def select(self, rows: list[int]) -> None:
         self.cache.select(rows)
         self.prompt_lens = [self.prompt_lens[b] for b in rows]
-        self.skipped = [self.skipped[b] for b in rows]
 
     def _process(self, logits: torch.Tensor, sequences: list[list[int]], tokens: torch.Tensor, i: int,
                  sampling: list[SamplingParams], constraints: "list[Constraint | None] | None" = None) -> torch.Tensor:

@@ -44,7 +44,6 @@ class SharedCacheDrafter(ModelDrafter):
     def add(self, prompts: list[list[int]]) -> None:
         """Nothing to prefill: the target's prefill of the prompts is in the shared cache."""
         self.prompt_lens += [len(p) for p in prompts]
-        self.skipped += [0] * len(prompts)
 
     @torch.inference_mode()
     def propose(self, sequences: list[list[int]], draft_len: int, sampling: list[SamplingParams], generators: list[torch.Generator],
@@ -66,4 +65,3 @@ class SharedCacheDrafter(ModelDrafter):
     def select(self, rows: list[int]) -> None:
         """The engine selects the rows of the shared cache; the rows' prompt lengths follow."""
         self.prompt_lens = [self.prompt_lens[b] for b in rows]
-        self.skipped = [self.skipped[b] for b in rows]

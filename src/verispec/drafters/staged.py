@@ -83,7 +83,7 @@ class StagedDrafter(Drafter):
         self.proposer = proposer
         self.shares_cache = model.shares_cache
         self.reads_tenants = proposer.reads_tenants
-        self.reads_prompt_readers, self.prompt_context = model.reads_prompt_readers, model.prompt_context
+        self.reads_prompt_readers = model.reads_prompt_readers
         self.policy = policy if policy is not None else AdaptiveDraftLen(max_draft_len=MAX_STAGE2_DEPTH)
         # Draft-model passes may not exceed the rows its exact small-pass kernels take (a wider pass would
         # run the big-pass path, built for prompts, for a few draft tokens).
@@ -133,7 +133,8 @@ class StagedDrafter(Drafter):
         probs = None if all_greedy else torch.zeros(batch, draft_len, vocab)
         confidence = torch.zeros(batch, draft_len)
         drafted = [[] for _ in range(batch)]  # per row: draft tokens so far
-        pending = [list(seq[n:]) for seq, n in zip(sequences, self.model.seen())]  # per row: tokens to feed before the proposal
+        seen = cache.slots.num_tokens().tolist()
+        pending = [list(seq[n:]) for seq, n in zip(sequences, seen)]  # per row: tokens to feed before the proposal
         ends = [[] for _ in range(batch)]
         going = torch.ones(batch, dtype=torch.bool)  # the stop rule's verdict so far
         num_drafted = torch.zeros(batch, dtype=torch.long)

@@ -42,7 +42,7 @@ from verispec.errors import VerispecError
 from verispec.models.base import CausalLM
 from verispec.options import DraftLen
 from verispec.policy import DraftPolicy, FixedDraftLen, make_policy
-from verispec.prefill import PromptReader, tail
+from verispec.prefill import PromptReader
 from verispec.prefix_cache import PrefixCache
 from verispec.stats import SpecStats
 
@@ -232,9 +232,8 @@ class Scheduler:
         self.reading: list[tuple[Job, PromptReads]] = []  # jobs with a row, their prompts being read or joining a lane
         self.prefix_cache = prefix_cache  # shared by every lane: one target, one set of numbers
         self._lane_taps: dict[DraftSetting, tuple[tuple[int, ...] | None, int | None]] = {}
-        # per setting, the model its lane's drafter reads prompts on through readers (`Drafter.reads_prompt_readers`),
-        # and how many last prompt tokens it reads (`Drafter.prompt_context`)
-        self._lane_readers: dict[DraftSetting, tuple[CausalLM | None, int | None]] = {}
+        # per setting, the model its lane's drafter reads prompts on through readers (`Drafter.reads_prompt_readers`)
+        self._lane_readers: dict[DraftSetting, CausalLM | None] = {}
         self.lanes: list[Lane] = []
         self.step_failures = 0
         self.failed: dict[int, int] = defaultdict(int)  # JobFailed status -> sequences failed with it
@@ -375,8 +374,8 @@ class Scheduler:
                 taps, tap_last = self._taps(job.draft)
                 prompt = job.request.prompt[:-1]
                 reader = PromptReader(self.target, prompt, self.prefix_cache, taps, salt=job.request.cache_salt, tap_last=tap_last)
-                draft_model, context = self._lane_readers[job.draft]
-                reader = PromptReads(reader, PromptReader(draft_model, tail(prompt, context)) if draft_model is not None else None)
+                draft_model = self._lane_readers[job.draft]
+                reader = PromptReads(reader, PromptReader(draft_model, prompt) if draft_model is not None else None)
             except Exception:
                 log.exception("looking up a prompt in the prefix cache failed")
                 self.step_failures += 1
@@ -464,7 +463,7 @@ class Scheduler:
             policy = self.policies.setdefault(setting, make_policy(setting))
         lane = Lane(setting, DecodeBatch(self.target, drafter, policy, stats=self.stats, prefix_cache=self.prefix_cache))
         self._lane_taps[setting] = drafter.target_taps, drafter.prompt_taps
-        self._lane_readers[setting] = (drafter.prefill_model if drafter.reads_prompt_readers else None), drafter.prompt_context
+        self._lane_readers[setting] = drafter.prefill_model if drafter.reads_prompt_readers else None
         self.lanes.append(lane)
         return lane
 
