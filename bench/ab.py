@@ -1,4 +1,4 @@
-"""What the A/B scripts beside this file share (`draft_vocab_ab.py`, `late_start_ab.py`, `draft_context_ab.py`, ...).
+"""What the A/B scripts beside this file share (`draft_vocab_ab.py`, `late_start_ab.py`, `prefill_amx_ab.py`, ...).
 
 Each prompt runs every variant `rounds` times in alternating order, so a noisy minute weighs on all of them alike;
 a variant's figures are the medians of its runs and its tokens/s is divided by a baseline variant's; greedy
@@ -8,9 +8,16 @@ outputs must equal the baseline's. The report plots those ratios per prompt, one
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
+import time
 from pathlib import Path
 from typing import Callable
+
+import verispec
+from verispec.api import suffix_index
+from verispec.bench import _cpu_name
+from verispec.text import encode_prompt
 
 
 def arguments(description: str, rounds: bool = True) -> argparse.ArgumentParser:
@@ -41,8 +48,6 @@ def forget_outputs(target) -> None:
     """Empty the target's index of earlier outputs before a timed call (as `verispec bench` does): staged drafting and
     suffix lookup draft from it, and a prompt's later runs would draft their answer from its first (until 2026-12-08
     these scripts did not, so every run of `auto` but a prompt's first drafted its answer from memory)."""
-    from verispec.api import suffix_index
-
     suffix_index(target).clear()
 
 
@@ -51,9 +56,6 @@ def rows_against_plain(target, prompts, names: list[str], rounds: int, max_new_t
     """Per prompt, every variant `rounds` times (`run_interleaved`) through `verispec.generate`, with the keyword
     arguments options(name) returns once it has set the variant up; a row per prompt: each variant's tokens/s over
     "plain"'s, its tokens a pass and prefill seconds (`compare`) and its last run's drafter. Prints a line a prompt."""
-    import verispec
-    from verispec.text import encode_prompt
-
     rows = []
     for prompt in prompts:
         ids = encode_prompt(target.tokenizer, prompt.text, chat=prompt.chat)
@@ -83,11 +85,6 @@ def rows_against_plain(target, prompts, names: list[str], rounds: int, max_new_t
 def report_against_plain(args, rows: list[dict], names: list[str], title: str) -> None:
     """`rows_against_plain`'s rows summarized, written to args.out (JSON, with the machine, date and settings) and
     plotted beside it (.png, the 0.97x floor dotted); `title` names what varies."""
-    import json
-    import time
-
-    from verispec.bench import _cpu_name
-
     summary = summarize(rows, names, "vs_plain")
     print(json.dumps(summary, indent=1))
     report = {"cpu": _cpu_name(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),

@@ -19,7 +19,7 @@ from verispec.api import load_draft
 from verispec.bench import _cpu_name, read_prompts
 from verispec.text import encode_prompt
 
-from ab import arguments, forget_outputs, compare, plot_ratios, run_interleaved, summarize
+from ab import arguments, compare, forget_outputs, plot_ratios, run_interleaved, summarize
 
 
 def main() -> None:

@@ -26,7 +26,7 @@ from verispec.models import kernels
 from verispec.models.kernels import config as kernel_config
 from verispec.text import encode_prompt
 
-from ab import arguments, forget_outputs, compare, plot_ratios, run_interleaved, summarize
+from ab import arguments, compare, forget_outputs, plot_ratios, run_interleaved, summarize
 
 VARIANTS = {"VNNI, 32 rows": (False, 32), "AMX, 32 rows": (True, 32), "AMX, 128 rows": (True, 128)}
 BASELINE = "VNNI, 32 rows"
